@@ -52,6 +52,8 @@ struct StepMeta {
   std::vector<int32_t> pair_state_row; // req * pair_ring + pos % pair_ring; -1 for padded rows
   std::vector<int32_t> pair_prev_row;  // ratio-2 partner in this batch (row t-1 of the same
                                        // request at pos-1), else -1 (read the pair state)
+  std::vector<int32_t> pair_partner_state_row;  // req * pair_ring + (pos-1) % pair_ring for odd
+                                                // pos, else -1
 };
 
 // Validates (unknown request, position past max_context or the RoPE table size `max_pos`) and
