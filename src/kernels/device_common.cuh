@@ -1,0 +1,49 @@
+// Device-side helpers shared by every kernel: PDL wrappers, the out-of-range error counter,
+// warp reductions in the LaneSum order of numerics.h.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "v4attn/numerics.h"
+
+namespace v4attn::dev {
+
+// Programmatic dependent launch (sm_90). pdl_wait: block until the stream predecessor's memory
+// is visible (no-op when the kernel was launched without PDL). pdl_launch_dependents: allow the
+// successor to start its prologue. Both compile to nothing below sm_90.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Kernels never write outside the cache they are given: a slot outside [0, n_slots) is skipped
+// and counted here (one counter per error class; the host reads and resets it).
+struct ErrorCounters {
+  unsigned long long* slot_out_of_range = nullptr;  // device pointer, may be null (no counting)
+};
+__device__ __forceinline__ void count_error(unsigned long long* counter) {
+  if (counter) atomicAdd(counter, 1ull);
+}
+
+// Butterfly sum over the 32 lanes of a warp (offsets 16, 8, 4, 2, 1): the combine step of the
+// LaneSum order. Every lane returns the same total (IEEE addition is commutative).
+__device__ __forceinline__ float warp_lane_sum(float partial) {
+#pragma unroll
+  for (int off = 16; off >= 1; off >>= 1) partial = num::add_rn(partial, __shfl_xor_sync(0xffffffffu, partial, off));
+  return partial;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int off = 16; off >= 1; off >>= 1) v = num::max_f(v, __shfl_xor_sync(0xffffffffu, v, off));
+  return v;
+}
+
+}  // namespace v4attn::dev

@@ -1,0 +1,49 @@
+// The one place that sets launch attributes (PDL, dynamic shared memory). Every kernel of v4attn
+// is launched through launch_kernel(); the global switch and the debug print live here.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstdlib>
+
+#include "runtime/cuda_utils.h"
+
+namespace v4attn {
+
+struct LaunchConfig {
+  dim3 grid{1, 1, 1};
+  dim3 block{1, 1, 1};
+  size_t smem_bytes = 0;
+  cudaStream_t stream = nullptr;
+  // Programmatic dependent launch: the kernel may start before its stream predecessor finishes;
+  // it must call pdl_wait() (griddepcontrol.wait) before reading anything the predecessor writes.
+  bool pdl = false;
+};
+
+// V4ATTN_LAUNCH_DEBUG=1 prints every launch (name, grid, block, smem, pdl) to stderr.
+bool launch_debug_enabled();
+
+template <class... KArgs, class... Args>
+void launch_kernel(const char* name, void (*kernel)(KArgs...), const LaunchConfig& cfg, Args&&... args) {
+  if (cfg.smem_bytes > 48 * 1024)
+    V4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(cfg.smem_bytes)));
+  cudaLaunchConfig_t lc{};
+  lc.gridDim = cfg.grid;
+  lc.blockDim = cfg.block;
+  lc.dynamicSmemBytes = cfg.smem_bytes;
+  lc.stream = cfg.stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = cfg.pdl ? 1 : 0;
+  lc.attrs = attr;
+  lc.numAttrs = 1;
+  if (launch_debug_enabled())
+    std::fprintf(stderr, "[v4attn launch] %s grid(%u,%u,%u) block(%u,%u,%u) smem %zu pdl %d\n", name,
+                 cfg.grid.x, cfg.grid.y, cfg.grid.z, cfg.block.x, cfg.block.y, cfg.block.z,
+                 cfg.smem_bytes, cfg.pdl ? 1 : 0);
+  V4_CUDA_CHECK(cudaLaunchKernelEx(&lc, kernel, static_cast<KArgs>(args)...));
+}
+
+}  // namespace v4attn
