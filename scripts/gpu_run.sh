@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Runs on the lent GPU machine from the repo root with the staged binaries in .gpu/: every GPU
+# test, compute-sanitizer memcheck + racecheck, then the benchmarks. Logs go to $OUT; a short
+# table is printed last. Usage: .gpu/gpu_run.sh [tests|sanitize|bench|main]...
+set -uo pipefail
+OUT=${OUT:-/tmp/v4attn_out}
+mkdir -p "$OUT"
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/cuda/extras/CUPTI/lib64:${LD_LIBRARY_PATH:-}
+steps=("$@"); [[ ${#steps[@]} -eq 0 ]] && steps=(tests sanitize bench)
+summary=()
+run() {  # name, log, command...
+  local name=$1 log=$2; shift 2
+  local t0=$(date +%s.%N)
+  "$@" >"$OUT/$log" 2>&1; local rc=$?
+  local dt=$(echo "$(date +%s.%N) - $t0" | bc)
+  summary+=("$(printf '%-34s rc=%-3s %7.1fs  %s' "$name" "$rc" "$dt" "$(grep -E 'PASSED|FAILED|ERROR SUMMARY|passed|failed' "$OUT/$log" | tail -2 | tr '\n' ' ' | cut -c1-90)")")
+}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader > "$OUT/gpu.txt" 2>&1
+for s in "${steps[@]}"; do
+  case $s in
+    tests) run "gpu tests" gpu_tests.log .gpu/v4attn_gpu_tests --gtest_brief=1
+           run "cpu tests" cpu_tests.log .gpu/v4attn_tests --gtest_brief=1 ;;
+    sanitize)
+      run "memcheck gpu tests" memcheck.log compute-sanitizer --tool memcheck --error-exitcode 9 .gpu/v4attn_gpu_tests --gtest_brief=1 ${SAN_FILTER:+--gtest_filter=$SAN_FILTER}
+      run "racecheck gpu tests" racecheck.log compute-sanitizer --tool racecheck --error-exitcode 9 .gpu/v4attn_gpu_tests --gtest_brief=1 ${SAN_FILTER:+--gtest_filter=$SAN_FILTER} ;;
+    bench)
+      for b in .gpu/bench_*; do n=$(basename "$b"); run "$n" "$n.log" "$b" --json "$OUT/$n.json"; done ;;
+    main) run "v4attn main" main.log .gpu/v4attn main ;;
+  esac
+done
+echo "== $(cat "$OUT/gpu.txt")"
+for b in "$OUT"/bench_*.log; do [[ -f $b ]] && { echo "== $(basename "$b")"; grep -vE '^\s*$' "$b" | tail -40; }; done
+echo "== failures"; grep -hE '^\[  FAILED|FAILED TEST' "$OUT"/gpu_tests.log "$OUT"/cpu_tests.log 2>/dev/null | head -30
+echo "== summary"; printf '%s\n' "${summary[@]}"
