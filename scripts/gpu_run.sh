@@ -12,7 +12,7 @@ run() {  # name, log, command...
   local name=$1 log=$2; shift 2
   local t0=$(date +%s.%N)
   "$@" >"$OUT/$log" 2>&1; local rc=$?
-  local dt=$(echo "$(date +%s.%N) - $t0" | bc)
+  local dt=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{print b-a}')
   summary+=("$(printf '%-34s rc=%-3s %7.1fs  %s' "$name" "$rc" "$dt" "$(grep -E 'PASSED|FAILED|ERROR SUMMARY|passed|failed' "$OUT/$log" | tail -2 | tr '\n' ' ' | cut -c1-90)")")
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader > "$OUT/gpu.txt" 2>&1
