@@ -47,7 +47,14 @@ void gemm_f32(const bf16_t* x, int64_t m, int64_t x_stride, const F32Matrix& w, 
 std::vector<float> dequant_fp8(const Fp8Matrix& w);
 
 // Quantise an fp32 matrix into the fp8 32x32-block format (used by the synthetic initialiser):
-// per 32x32 block amax -> ue8m0 scale pow2ceil(amax/448), codes e4m3(w/s).
+// per 32x32 block (the last row block may be shorter) the act-quant rule of numerics.h:
+// amax floored at 1e-4, ue8m0 scale s = pow2ceil(amax * fp32(1/448)), codes e4m3(clamp(w/s)).
+// k must be a multiple of 32.
 Fp8Matrix quantize_fp8_blocks(const std::vector<float>& w, int64_t n, int64_t k);
+
+// Worker threads of the reference GEMMs (default 2; values < 1 mean 1). Results never depend
+// on it: each output element has one fixed fp32 evaluation order.
+int gemm_threads();
+void set_gemm_threads(int threads);
 
 }  // namespace v4attn::ref
