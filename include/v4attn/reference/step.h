@@ -47,8 +47,10 @@ struct StepMeta {
   std::vector<int32_t> pos;            // 0 for padded rows
   std::vector<int32_t> out_cache_loc;  // full-pool slot; 0 = padded row (writes nothing)
   std::vector<int32_t> swa_loc;        // window ring slot; -1 = no write
-  std::vector<int32_t> c_out_loc[3];   // index by ratio 1, 2: compressed slot or <= 0 (skip)
+  std::vector<int32_t> c_out_loc[3];   // index by ratio 1, 2: compressed slot or <= 0 (skip);
+                                       // [0] is left empty (ratio 0 has no compressed pool)
   std::vector<int32_t> clen[3];        // index by ratio 1, 2: (pos + 1) / r; 0 for padded rows
+                                       // ([0] left empty)
   std::vector<int32_t> pair_state_row; // req * pair_ring + pos % pair_ring; -1 for padded rows
   std::vector<int32_t> pair_prev_row;  // ratio-2 partner in this batch (row t-1 of the same
                                        // request at pos-1), else -1 (read the pair state)
