@@ -1,0 +1,85 @@
+# CLI behaviour tests for `v4attn` (included from CMakeLists.txt): exit codes, --help, --version,
+# the plan output and malformed configs. Each runs through tests/cli_expect.sh, which checks the
+# exit code, the number of stderr lines and regexes on stdout/stderr (see its header).
+set(_v4attn_cli_expect "${CMAKE_CURRENT_LIST_DIR}/cli_expect.sh")
+set(_v4attn_cli_configs "${CMAKE_CURRENT_LIST_DIR}/configs")
+
+# v4attn_cli_test(NAME <cli_expect.sh options> -- <v4attn arguments>)
+function(v4attn_cli_test name)
+  set(args ${ARGN})
+  list(FIND args "--" sep)
+  if(sep EQUAL -1)
+    message(FATAL_ERROR "v4attn_cli_test(${name}): missing -- before the v4attn arguments")
+  endif()
+  math(EXPR after "${sep} + 1")
+  list(LENGTH args n)
+  if(after EQUAL n)
+    list(APPEND args "$<TARGET_FILE:v4attn>")
+  else()
+    list(INSERT args ${after} "$<TARGET_FILE:v4attn>")
+  endif()
+  add_test(NAME cli.${name} COMMAND sh "${_v4attn_cli_expect}" ${args})
+  set_tests_properties(cli.${name} PROPERTIES LABELS cli TIMEOUT 60)
+endfunction()
+
+# --- help and version: exit 0, text on stdout, nothing on stderr ---
+v4attn_cli_test(help --exit 0 --stderr-lines 0 --stdout "Subcommands:" --stdout "^ +plan " -- --help)
+v4attn_cli_test(version --exit 0 --stderr-lines 0 --stdout "^v4attn [0-9]+\\.[0-9]+" -- --version)
+v4attn_cli_test(plan_help --exit 0 --stderr-lines 0 --stdout "--config FILE" --stdout "--tp" -- plan --help)
+v4attn_cli_test(main_help --exit 0 --stderr-lines 0 --stdout "Usage: v4attn main" -- main --help)
+
+# --- plan on the embedded V4.1-Flash config ---
+v4attn_cli_test(plan --exit 0 --stderr-lines 0 --stdout "reuse"
+  --stdout "modes: 2 window-only, 4 full, 4 reindex, 30 reuse, 3 draft" -- plan)
+v4attn_cli_test(plan_tp4 --exit 0 --stderr-lines 0 --stdout "tp 4 \\(16 heads, 8 index heads" -- plan --tp 4)
+v4attn_cli_test(plan_config_file --exit 0 --stderr-lines 0 --stdout "30 reuse"
+  -- plan --config "${CMAKE_SOURCE_DIR}/configs/deepseek-v4.1-flash.json")
+find_program(V4ATTN_PYTHON3 python3)
+if(V4ATTN_PYTHON3)
+  v4attn_cli_test(plan_json --exit 0 --stderr-lines 0
+    --stdout-json "d['counts'] == {'window-only': 2, 'full': 4, 'reindex': 4, 'reuse': 30, 'draft': 3} and len(d['layers']) == 43 and d['layers'][25]['idx_src'] == 24"
+    -- plan --json)
+  v4attn_cli_test(plan_json_tp4 --exit 0 --stderr-lines 0
+    --stdout-json "d['local_heads'] == 16 and d['tp'] == 4" -- plan --json --tp 4)
+else()
+  message(STATUS "python3 not found: cli.plan_json* tests (JSON validation) not added")
+endif()
+v4attn_cli_test(main --exit 0 --stderr-lines 0 --stdout "30 reuse" --stdout "later work" -- main)
+
+# --- usage errors: exit 2, one line on stderr ---
+v4attn_cli_test(no_subcommand --exit 2 --stderr-lines 1 --stderr "^v4attn: .*subcommand" --)
+v4attn_cli_test(unknown_subcommand --exit 2 --stderr-lines 1
+  --stderr "^v4attn: unknown subcommand \"frobnicate\"" -- frobnicate)
+v4attn_cli_test(unknown_option --exit 2 --stderr-lines 1 --stderr "^v4attn: .*--bogus" -- plan --bogus)
+v4attn_cli_test(plan_tp_not_a_number --exit 2 --stderr-lines 1 --stderr "^v4attn: .*--tp" -- plan --tp x)
+v4attn_cli_test(plan_bad_tp --exit 2 --stderr-lines 1
+  --stderr "^v4attn: config error in <embedded default>: key \"n_heads\": 64 is not divisible by tp 3$"
+  -- plan --tp 3)
+v4attn_cli_test(plan_tp_zero --exit 2 --stderr-lines 1 --stderr "^v4attn: config error in .*tp 0" -- plan --tp 0)
+
+# --- malformed configs: exit 2, one line on stderr naming the file and the key ---
+v4attn_cli_test(config_missing_file --exit 2 --stderr-lines 1
+  --stderr "^v4attn: config error in .*/no_such_config\\.json: cannot open"
+  -- plan --config "${_v4attn_cli_configs}/no_such_config.json")
+v4attn_cli_test(config_truncated --exit 2 --stderr-lines 1
+  --stderr "^v4attn: config error in .*/truncated\\.json: invalid JSON at byte [0-9]+: .*end of input"
+  -- plan --config "${_v4attn_cli_configs}/truncated.json")
+v4attn_cli_test(config_missing_key --exit 2 --stderr-lines 1
+  --stderr "^v4attn: config error in .*/missing_key\\.json: missing required key \"dim\"$"
+  -- plan --config "${_v4attn_cli_configs}/missing_key.json")
+v4attn_cli_test(config_string_for_number --exit 2 --stderr-lines 1
+  --stderr "^v4attn: config error in .*/string_for_number\\.json: key \"n_heads\": expected an integer, got string"
+  -- plan --config "${_v4attn_cli_configs}/string_for_number.json")
+v4attn_cli_test(config_float_for_int --exit 2 --stderr-lines 1
+  --stderr "^v4attn: config error in .*/float_for_int\\.json: key \"dim\": expected an integer, got float"
+  -- plan --config "${_v4attn_cli_configs}/float_for_int.json")
+v4attn_cli_test(config_ratios_too_short --exit 2 --stderr-lines 1
+  --stderr "^v4attn: config error in .*/ratios_too_short\\.json: key \"compress_ratios\": has 42 entries"
+  -- plan --config "${_v4attn_cli_configs}/ratios_too_short.json")
+v4attn_cli_test(config_source_ratio_zero --exit 2 --stderr-lines 1
+  --stderr "^v4attn: config error in .*/source_ratio_zero\\.json: key \"kv_source_layers\": layer 1 has compress ratio 0"
+  -- plan --config "${_v4attn_cli_configs}/source_ratio_zero.json")
+v4attn_cli_test(config_unsorted_sources --exit 2 --stderr-lines 1
+  --stderr "^v4attn: config error in .*/unsorted_sources\\.json: key \"index_source_layers\": not sorted"
+  -- plan --config "${_v4attn_cli_configs}/unsorted_sources.json")
+v4attn_cli_test(main_bad_argument --exit 2 --stderr-lines 1 --stderr "^v4attn: " -- main --bogus)
