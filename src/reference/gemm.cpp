@@ -247,17 +247,47 @@ std::vector<float> dequant_fp8(const Fp8Matrix& w) {
   return out;
 }
 
+namespace {
+
+// Memo of num::e4m3_from_f32 for the quantiser of large weight matrices. Round-to-nearest-even
+// to 3 mantissa bits (or to a subnormal step, which is coarser) depends only on the sign, the
+// exponent, the top 7 mantissa bits (they hold the kept bits and the round bit) and whether any
+// lower bit is set (sticky). So the code of an fp32 with bits u is the code of the representative
+// (u & 0xffff0000) | (low 16 bits != 0): a 2^17-entry table filled by e4m3_from_f32 itself.
+const std::vector<uint8_t>& e4m3_memo() {
+  static const std::vector<uint8_t> memo = [] {
+    std::vector<uint8_t> t(size_t{1} << 17);
+    for (uint32_t i = 0; i < t.size(); ++i) t[i] = num::e4m3_from_f32(num::f32_from_bits(((i >> 1) << 16) | (i & 1u)));
+    return t;
+  }();
+  return memo;
+}
+uint8_t e4m3_memo_code(const std::vector<uint8_t>& memo, float v) {
+  const uint32_t u = num::f32_bits(v);
+  return memo[((u >> 16) << 1) | ((u & 0xffffu) != 0 ? 1u : 0u)];
+}
+
+}  // namespace
+
 void quantize_fp8_strip(const float* w, int64_t rows, int64_t k, uint8_t* codes, uint8_t* scales) {
   if (rows < 1 || rows > kBlock || k % kBlock != 0) fail("quantize_fp8_strip: rows must be 1..32 and k a multiple of 32");
+  const std::vector<uint8_t>& memo = e4m3_memo();
   for (int64_t b = 0; b < k / kBlock; ++b) {
+    // = num::block_amax_step over the block: std::max(a, |x|) also skips a NaN x (a never is NaN).
     float amax = 0.0f;
     for (int64_t r = 0; r < rows; ++r)
-      for (int64_t c = b * kBlock; c < (b + 1) * kBlock; ++c) amax = num::block_amax_step(amax, w[r * k + c]);
+      for (int64_t c = b * kBlock; c < (b + 1) * kBlock; ++c) amax = std::max(amax, num::abs_f(w[r * k + c]));
     const int e = num::act_quant_scale_exp(amax);
-    const float s = num::pow2_f32(e);
     scales[b] = num::ue8m0_from_exp(e);
+    // = num::act_quant_code(x, 2^e): x / 2^e and x * 2^-e are the same correctly rounded value
+    // while 2^-e is a normal fp32; the e4m3 conversion goes through the memo above.
+    const bool by_reciprocal = e >= -126 && e <= 126;
+    const float s = num::pow2_f32(e), inv_s = by_reciprocal ? num::pow2_f32(-e) : 0.0f;
     for (int64_t r = 0; r < rows; ++r)
-      for (int64_t c = b * kBlock; c < (b + 1) * kBlock; ++c) codes[r * k + c] = num::act_quant_code(w[r * k + c], s);
+      for (int64_t c = b * kBlock; c < (b + 1) * kBlock; ++c) {
+        const float v = by_reciprocal ? num::mul_rn(w[r * k + c], inv_s) : num::div_rn(w[r * k + c], s);
+        codes[r * k + c] = e4m3_memo_code(memo, num::clamp_f(v, -num::kE4m3Max, num::kE4m3Max));
+      }
   }
 }
 

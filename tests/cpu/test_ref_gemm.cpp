@@ -338,4 +338,29 @@ TEST(RefGemmQuantize, RoundTripWithinHalfAnE4m3Step) {
     }
 }
 
+TEST(RefGemmQuantize, CodesAreTheActQuantRuleAcrossMagnitudes) {
+  // Values spread over 2^-40 .. 2^9 inside each block (e4m3 subnormals, underflow to 0, RNE ties
+  // and the top of the range), plus exact ties: the codes must be act_quant_code(w / s, s).
+  std::mt19937_64 rng(1006);
+  std::uniform_real_distribution<double> mant(1.0, 2.0);
+  std::uniform_int_distribution<int> expo(-40, 9);
+  const int64_t N = 64, K = 256;
+  std::vector<float> w(static_cast<size_t>(N * K));
+  for (size_t i = 0; i < w.size(); ++i) {
+    const double m = (i % 7 == 0) ? 1.0 + (static_cast<double>(i % 16) + 0.5) / 16.0 : mant(rng);  // some ties
+    w[i] = static_cast<float>(std::ldexp((i & 1) ? -m : m, expo(rng)));
+  }
+  const Fp8Matrix q = ref::quantize_fp8_blocks(w, N, K);
+  size_t subnormal = 0;
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k) {
+      const uint8_t sb = q.scale[static_cast<size_t>((n / 32) * (K / 32) + k / 32)];
+      const float s = static_cast<float>(ue8m0_value(sb));
+      const uint8_t want = num::act_quant_code(w[static_cast<size_t>(n * K + k)], s);
+      subnormal += (want & 0x78) == 0 && (want & 7) != 0;
+      ASSERT_EQ(q.w[static_cast<size_t>(n * K + k)], want) << n << "," << k << " value " << w[static_cast<size_t>(n * K + k)];
+    }
+  EXPECT_GT(subnormal, 100u);  // the subnormal codes were exercised
+}
+
 }  // namespace
