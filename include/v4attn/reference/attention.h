@@ -32,13 +32,17 @@ struct AttentionInputs {
   int64_t topk_stride = 0;
   const uint8_t* comp_cache = nullptr;
   CacheLayout comp_layout{};
-  const float* attn_sink = nullptr;  // [heads]
+  const float* attn_sink = nullptr;  // [heads] (nullptr: no sink, i.e. attn_sink = -inf)
+  // Pool sizes in slots, for range checks (a slot outside [0, n) throws); 0 = unchecked.
+  int64_t window_slots = 0;
+  int64_t comp_slots = 0;
 };
 
 // out [T, heads, 512] bf16: s = (q.k) * 512^-0.5 fp32; online softmax over blocks of 64 indices
 // (window first, then compressed entries), running max from -1e30, p = exp(s - m) (double exp
 // rounded to fp32), denominator fp32 p, numerator bf16(p) * v; sink added to the denominator as
-// exp(sink - m_final); a row with no valid key gives zeros.
+// exp(sink - m_final); a row with no valid key gives zeros. The exact key-index list and block
+// algorithm are defined in src/reference/attention.cpp (the GPU kernel mirrors it).
 void sparse_attention(const AttentionInputs& in, bf16_t* out);
 
 // Output: inverse RoPE at pos on dims 448..511 of each head (bf16), view [T, groups, heads/groups
@@ -47,5 +51,10 @@ void sparse_attention(const AttentionInputs& in, bf16_t* out);
 void output_projection(const bf16_t* attn_out, int64_t T, int heads, int groups, const int32_t* pos,
                        const float* table, int64_t max_pos, const Bf16Matrix& wo_a,
                        const Fp8Matrix& wo_b, bf16_t* out);
+
+// First half of output_projection, exposed for tests and dumps: inverse RoPE + the per-group
+// wo_a GEMM -> lora_out [T, groups*o_lora_rank] bf16 (o_lora_rank = wo_a.n / groups).
+void output_lora_a(const bf16_t* attn_out, int64_t T, int heads, int groups, const int32_t* pos,
+                   const float* table, int64_t max_pos, const Bf16Matrix& wo_a, bf16_t* lora_out);
 
 }  // namespace v4attn::ref
