@@ -71,6 +71,13 @@ int64_t c2_fused(const float* kvs, int64_t N, const int32_t* pos, const int32_t*
                  int64_t max_pos, const int32_t* out_loc, const CacheLayout& layout,
                  uint8_t* cache, int64_t n_slots, bf16_t* latent_pre_rope);
 
+// Ratio-2 pair state rows [state_rows, 1024] to their initial value: kv = 0, score = -inf (a
+// partner read before anything was parked then gets weight exp(-inf) = 0).
+// Semantics of c2_fused with respect to the state: every read sees the state as it was before
+// the call (phase 1 completes groups, phase 2 parks even rows); a step in which a state row
+// would be parked twice, or parked and read, is refused (pair ring too small for the rows).
+void pair_state_init(float* state, int64_t state_rows);
+
 // Index-K store: kproj [N, 128] bf16 (= wk(latent_pre_rope)) -> k = RMSNorm(kproj, k_norm) ->
 // RoPE at g[t] on dims 64..127 (compressed table) -> FP4 indexer quant (block 32, ue8m0) ->
 // 68-byte index-K slot at out_loc[t] (<= 0 skip). Returns skipped out-of-range slots.
