@@ -1,0 +1,209 @@
+// Device and host helpers shared by the prepare kernels (q_rope_store.cu, window_k.cu,
+// compressor.cu, index_k.cu). Every numeric step is a numerics.h primitive, applied in the same
+// order as the CPU reference (src/reference/), so the bytes agree.
+//
+// Warp-per-row convention (window-K, c1, c2, index-K): lane l owns the LaneSum chunks of its row,
+// i.e. dims [8l, 8l+8) and, for 512-wide rows, [256+8l, 256+8l+8) (chunk c -> lane c % 32). So the
+// per-lane sum of squares runs chunk l then chunk l+32, each in element order, and the warp
+// butterfly (dev::warp_lane_sum) finishes the LaneSum exactly as num::lane_sum_squares does.
+// Quantization blocks are 2 (block 16), 4 (block 32) or 8 (block 64) consecutive lanes' chunks;
+// their amax is combined with xor shuffles inside that lane group (max is order-free).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/device_common.cuh"
+#include "v4attn/cache_layout.h"
+#include "v4attn/numerics.h"
+
+namespace v4attn::kernels::detail {
+
+using num::bf16_t;
+
+constexpr int kChunk = 8;          // LaneSum chunk: 8 values = one 16-byte bf16 vector
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// ---- loads and stores of one chunk ---------------------------------------------------------------
+// Plain (coherent) loads for data a PDL predecessor may write: never the read-only path there.
+__device__ __forceinline__ void unpack_bf16x8(const uint4& v, float (&x)[kChunk]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    x[2 * i] = num::f32_from_bf16(static_cast<bf16_t>(w[i] & 0xffffu));
+    x[2 * i + 1] = num::f32_from_bf16(static_cast<bf16_t>(w[i] >> 16));
+  }
+}
+__device__ __forceinline__ void load_bf16x8(const bf16_t* p, float (&x)[kChunk]) {
+  unpack_bf16x8(*reinterpret_cast<const uint4*>(p), x);
+}
+// x holds bf16-exact values (each already rounded); packs their bf16 bits, even element low.
+__device__ __forceinline__ uint4 pack_bf16x8(const float (&x)[kChunk]) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    w[i] = static_cast<uint32_t>(num::bf16_from_f32(x[2 * i])) |
+           (static_cast<uint32_t>(num::bf16_from_f32(x[2 * i + 1])) << 16);
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+// One 16-byte global store. Written out because nvcc scalarises a uint4 store whose value comes
+// from two branches (q_rope_store's copy and rotate paths) into four 4-byte stores.
+__device__ __forceinline__ void st_global_v4(void* p, const uint4& v) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+#else
+  *static_cast<uint4*>(p) = v;  // host compilation pass only
+#endif
+}
+__device__ __forceinline__ void store_bf16x8(bf16_t* p, const float (&x)[kChunk]) {
+  *reinterpret_cast<uint4*>(p) = pack_bf16x8(x);
+}
+__device__ __forceinline__ void load_f32x8(const float* p, float (&x)[kChunk]) {
+  const float4 a = reinterpret_cast<const float4*>(p)[0];
+  const float4 b = reinterpret_cast<const float4*>(p)[1];
+  x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
+  x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
+}
+__device__ __forceinline__ void store_f32x8(float* p, const float (&x)[kChunk]) {
+  reinterpret_cast<float4*>(p)[0] = make_float4(x[0], x[1], x[2], x[3]);
+  reinterpret_cast<float4*>(p)[1] = make_float4(x[4], x[5], x[6], x[7]);
+}
+// Read-only path: only for constants nobody writes during the step (norm weights, RoPE tables).
+__device__ __forceinline__ void ldg_f32x8(const float* p, float (&x)[kChunk]) {
+  const float4 a = __ldg(reinterpret_cast<const float4*>(p));
+  const float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+  x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
+  x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
+}
+
+// ---- RMSNorm pieces ----------------------------------------------------------------------------
+// This lane's part of the LaneSum: its chunks in order, each chunk's terms in order.
+template <int kChunks>
+__device__ __forceinline__ float lane_sum_squares_part(const float (&x)[kChunks][kChunk]) {
+  float acc = 0.0f;
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c)
+#pragma unroll
+    for (int k = 0; k < kChunk; ++k) acc = num::add_rn(acc, num::mul_rn(x[c][k], x[c][k]));
+  return acc;
+}
+// x <- bf16(w * (x * r)) kept as the (exact) float value of the bf16.
+__device__ __forceinline__ void rmsnorm_apply_chunk(float (&x)[kChunk], float r, const float (&w)[kChunk]) {
+#pragma unroll
+  for (int k = 0; k < kChunk; ++k) x[k] = num::f32_from_bf16(num::rmsnorm_apply(x[k], r, w[k]));
+}
+
+// ---- RoPE on one chunk: 4 (re, im) pairs with their 8 table floats (c0, s0, c1, s1, ...) ------
+__device__ __forceinline__ void rope_chunk(float (&x)[kChunk], const float (&cs)[kChunk]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    float re, im;
+    num::rope_rotate(x[2 * j], x[2 * j + 1], cs[2 * j], cs[2 * j + 1], re, im);
+    x[2 * j] = num::round_bf16(re);
+    x[2 * j + 1] = num::round_bf16(im);
+  }
+}
+
+// ---- block amax over a group of kLanes consecutive lanes (each holding one chunk) -------------
+// Starts from 0 like the reference; max is exact and order-free, so the xor combine inside the
+// aligned lane group gives the block's amax on every lane of the group. All 32 lanes must call it.
+template <int kLanes>
+__device__ __forceinline__ float group_amax(const float (&x)[kChunk]) {
+  float amax = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kChunk; ++k) amax = num::block_amax_step(amax, x[k]);
+#pragma unroll
+  for (int off = 1; off < kLanes; off <<= 1) amax = num::max_f(amax, __shfl_xor_sync(kFullMask, amax, off));
+  return amax;
+}
+
+// FP8 act quant of one chunk whose block spans kLanes lanes: returns the 8 e4m3 codes (byte k =
+// element k) and the block's scale exponent.
+template <int kLanes>
+__device__ __forceinline__ uint2 act_quant_chunk(const float (&x)[kChunk], int& scale_exp) {
+  scale_exp = num::act_quant_scale_exp(group_amax<kLanes>(x));
+  const float s = num::pow2_f32(scale_exp);
+  uint32_t w[2] = {0u, 0u};
+#pragma unroll
+  for (int k = 0; k < kChunk; ++k) w[k / 4] |= static_cast<uint32_t>(num::act_quant_code(x[k], s)) << (8 * (k % 4));
+  return make_uint2(w[0], w[1]);
+}
+
+// 8 e2m1 codes of one chunk packed into 4 bytes (byte i = elements 2i (low nibble), 2i+1).
+__device__ __forceinline__ uint32_t fp4_pack_chunk(const float (&x)[kChunk], float s) {
+  uint32_t packed = 0u;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    packed |= static_cast<uint32_t>(num::pack_e2m1(num::fp4_code(x[2 * i], s), num::fp4_code(x[2 * i + 1], s)))
+              << (8 * i);
+  return packed;
+}
+
+// FP4 KV quant (block 16 = two lanes' chunks, e4m3 scale): codes and the scale byte.
+__device__ __forceinline__ uint32_t kv_fp4_quant_chunk(const float (&x)[kChunk], uint8_t& scale_byte) {
+  scale_byte = num::kv_fp4_scale_byte(group_amax<2>(x));
+  return fp4_pack_chunk(x, num::f32_from_e4m3(scale_byte));
+}
+
+// FP4 indexer quant (block 32 = four lanes' chunks, ue8m0 scale): codes and the scale exponent.
+__device__ __forceinline__ uint32_t indexer_fp4_quant_chunk(const float (&x)[kChunk], int& scale_exp) {
+  scale_exp = num::indexer_quant_scale_exp(group_amax<4>(x));
+  return fp4_pack_chunk(x, num::pow2_f32(scale_exp));
+}
+
+// The V41_FP4 compressed-KV store of one 512-dim roped latent held warp-wide (lane l: chunks l
+// and l+32): 256 code bytes (lane l writes bytes [4l, 4l+4) and [128+4l, 128+4l+4)), 32 e4m3
+// scales (block b = elements [16b, 16b+16): chunk 0 of lanes 2b, 2b+1 for b < 16, chunk 1 of
+// lanes 2(b-16), 2(b-16)+1 above). All 32 lanes of the warp must call it (shuffles).
+__device__ __forceinline__ void store_latent_fp4(const float (&x)[2][kChunk], int lane, const CacheLayout& layout,
+                                                 uint8_t* cache, int64_t loc) {
+  uint8_t sc[2];
+  const uint32_t codes0 = kv_fp4_quant_chunk(x[0], sc[0]);
+  const uint32_t codes1 = kv_fp4_quant_chunk(x[1], sc[1]);
+  uint8_t* data = cache + layout.data_offset(loc);
+  uint8_t* scales = cache + layout.scale_offset(loc);
+  *reinterpret_cast<uint32_t*>(data + 4 * lane) = codes0;
+  *reinterpret_cast<uint32_t*>(data + 128 + 4 * lane) = codes1;
+  if ((lane & 1) == 0) {
+    scales[lane / 2] = sc[0];
+    scales[16 + lane / 2] = sc[1];
+  }
+}
+
+// ---- host-side argument checks (throw std::invalid_argument, nothing launched) ---------------
+inline void require(bool ok, const char* who, const std::string& what) {
+  if (!ok) throw std::invalid_argument(std::string(who) + ": " + what);
+}
+inline void require_ptr(const void* p, const char* who, const char* name) {
+  require(p != nullptr, who, std::string(name) + " is null");
+}
+inline void require_aligned(const void* p, size_t bytes, const char* who, const char* name) {
+  require(reinterpret_cast<uintptr_t>(p) % bytes == 0, who,
+          std::string(name) + " must be " + std::to_string(bytes) + "-byte aligned");
+}
+// The layout has kind's per-token sizes and a positive page size; the cache base is 16-byte
+// aligned so that the vector stores of every slot are aligned (page sizes are multiples of 16 for
+// the window and compressed layouts; index-K slots need 4).
+inline void require_cache(const CacheLayout& layout, CacheKind kind, const uint8_t* cache, int64_t n_slots,
+                          const char* who) {
+  const CacheLayout want = cache_layout(kind, layout.page_size > 0 ? layout.page_size : 1);
+  require(layout.page_size > 0 && layout.data_bytes == want.data_bytes && layout.scale_bytes == want.scale_bytes &&
+              layout.align == want.align,
+          who,
+          "cache layout (" + std::to_string(layout.data_bytes) + " data + " + std::to_string(layout.scale_bytes) +
+              " scale bytes, align " + std::to_string(layout.align) + ", page " + std::to_string(layout.page_size) +
+              ") is not cache_layout(kind " + std::to_string(static_cast<int>(kind)) + ", page)");
+  require(n_slots > 0, who, "n_slots must be > 0");
+  require_ptr(cache, who, "cache");
+  require_aligned(cache, 16, who, "cache");
+}
+inline void require_table(const float* table, int64_t max_pos, const char* who) {
+  require_ptr(table, who, "table");
+  require_aligned(table, 16, who, "table");
+  require(max_pos > 0, who, "max_pos must be > 0");
+}
+
+}  // namespace v4attn::kernels::detail
