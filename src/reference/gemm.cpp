@@ -6,14 +6,16 @@
 // accumulator in k order. So the result is the same for any thread count and any panel width.
 #include "v4attn/reference/gemm.h"
 
-#include "reference/ref_internal.h"
-
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <exception>
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <vector>
+
+#include "reference/ref_internal.h"
 
 namespace v4attn::ref {
 namespace {
@@ -58,8 +60,12 @@ void parallel_panels(int64_t count, int64_t work, Body body) {
       }
     });
   }
-  body(int64_t{0}, count / threads);
-  for (auto& th : pool) th.join();
+  try {
+    body(int64_t{0}, count / threads);
+  } catch (...) {
+    if (!failed.exchange(true)) error = std::current_exception();
+  }
+  for (auto& th : pool) th.join();  // always joined: a joinable std::thread must not be destroyed
   if (error) std::rethrow_exception(error);
 }
 

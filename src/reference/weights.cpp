@@ -10,10 +10,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <exception>
 #include <stdexcept>
 #include <string>
 #include <string_view>
 #include <thread>
+#include <vector>
 
 #include "reference/ref_internal.h"
 
@@ -104,8 +106,14 @@ void parallel_for(int64_t count, Body body) {
       error = std::current_exception();
     }
   });
-  for (int64_t i = 0; i < count / 2; ++i) body(i);
-  other.join();
+  std::exception_ptr own_error;
+  try {
+    for (int64_t i = 0; i < count / 2; ++i) body(i);
+  } catch (...) {
+    own_error = std::current_exception();
+  }
+  other.join();  // always joined: a joinable std::thread must not be destroyed
+  if (own_error) std::rethrow_exception(own_error);
   if (error) std::rethrow_exception(error);
 }
 

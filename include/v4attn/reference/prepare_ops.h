@@ -63,15 +63,18 @@ int64_t c1_fused(const bf16_t* proj, int64_t N, const float* c_norm, float eps, 
 // explicitly as partner_state_row[t]. pooled[d] = pair_softmax_pool(kv_a, s_a, kv_b, s_b)
 // (a = partner = even position), latent = RMSNorm(bf16(pooled), c_norm) ->
 // latent_pre_rope[t] -> RoPE at g -> FP4 KV store at out_loc[t] (<= 0 skip). Even rows leave
-// latent_pre_rope[t] untouched. Padded rows (state_row < 0) write nothing at all.
-// Returns skipped out-of-range slots.
+// latent_pre_rope[t] untouched. Padded rows (state_row < 0) write nothing at all and are not
+// validated. Refused (std::invalid_argument, nothing written): a live row's pos outside
+// [0, max_pos) or state row outside [0, state_rows); an odd row whose prev_row is not a live row
+// at pos - 1, or (prev_row < 0) whose partner_state_row is outside the state; a state row parked
+// twice, or parked and read, in one call (see pair_state_init). Returns skipped out-of-range slots.
 int64_t c2_fused(const float* kvs, int64_t N, const int32_t* pos, const int32_t* state_row,
                  const int32_t* partner_state_row, const int32_t* prev_row, float* state,
                  int64_t state_rows, const float* c_norm, float eps, const float* table,
                  int64_t max_pos, const int32_t* out_loc, const CacheLayout& layout,
                  uint8_t* cache, int64_t n_slots, bf16_t* latent_pre_rope);
 
-// Ratio-2 pair state rows [state_rows, 1024] to their initial value: kv = 0, score = -inf (a
+// Sets ratio-2 pair state rows [state_rows, 1024] to their initial value: kv = 0, score = -inf (a
 // partner read before anything was parked then gets weight exp(-inf) = 0).
 // Semantics of c2_fused with respect to the state: every read sees the state as it was before
 // the call (phase 1 completes groups, phase 2 parks even rows); a step in which a state row
