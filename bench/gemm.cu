@@ -1,0 +1,599 @@
+// Benchmark of the prepare-path GEMMs (include/v4attn/kernels/gemm.h) at M = 1..64.
+//
+// For every shape of the model (--shapes, default all) and row count m (--m, default
+// 1,6,8,24,48,64): build seeded random inputs with realistic magnitudes, validate against the CPU
+// reference (v0 byte for byte, v1 within 1 bf16 ulp / the fp32 rounding bound, act quant byte
+// for byte), then time each version with CUDA events around each launch (3 warm-ups, then --reps
+// launches, a 128 MB memset before each one so that every launch starts with a cold L2: the 60 MB
+// L2 would otherwise hold the smaller weights) and report the median.
+//
+// Rows per shape and m:
+//   fp8:  act_quant (bf16 x -> codes + scales), v0, v1 (GEMM on quantized x), v1+quant (both
+//         launches back to back, the GEMM with PDL), and the peer "cublasLt bf16 (2x bytes)": a
+//         bf16 cublasLtMatmul on a dequantised bf16 copy of the weight (exact: every e4m3 * 2^e
+//         is a bf16) and the unquantized bf16 x; validated against our bf16 v1 on the same copy.
+//   bf16: v0, v1, "cublasLt bf16" (wo_a: one strided-batched call for the 8 groups).
+//   f32:  v0, v1, "cublasLt f32" (x widened to fp32 for it; CUBLAS_COMPUTE_32F, no TF32).
+// v0 (one thread per output) is slow: when one launch takes > 2 ms it is timed with 5 launches
+// (the "reps" column says so); --no-v0 skips it.
+//
+// "bytes" = weights + weight scales + activations (+ their scales) + outputs, what a kernel must
+// move at least; "floor" = bytes at 4.27 TB/s (measured D2D copy rate of the H200); "%floor" =
+// floor / median. Split-K partial sums are not counted (they are overhead, mostly in L2).
+//
+// Usage: bench_gemm [--m 1,6,8,24,48,64] [--shapes wq_b,wo_b,...] [--reps 50] [--no-v0]
+//                   [--no-peer] [--json FILE]
+#include <CLI/CLI.hpp>
+#include <cublasLt.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "runtime/cuda_utils.h"
+#include "v4attn/kernels/gemm.h"
+#include "v4attn/reference/gemm.h"
+
+namespace {
+
+using namespace v4attn;
+using num::bf16_t;
+namespace kn = v4attn::kernels;
+
+constexpr double kHbmBytesPerSecond = 4.27e12;
+constexpr size_t kFlushBytes = size_t{128} << 20;
+constexpr double kSlowLaunchMs = 2.0;
+
+enum class Kind { kFp8, kBf16, kF32 };
+
+struct Shape {
+  const char* name;
+  Kind kind;
+  int64_t n, k;
+  int groups;
+};
+constexpr Shape kShapes[] = {
+    {"wq_a_wkv", Kind::kFp8, 1792, 5120, 1},   {"wq_b", Kind::kFp8, 32768, 1280, 1},
+    {"wq_b_tp4", Kind::kFp8, 8192, 1280, 1},   {"idx_wq_b", Kind::kFp8, 4096, 1280, 1},
+    {"wo_b", Kind::kFp8, 5120, 8192, 1},       {"c1_wkv", Kind::kBf16, 512, 5120, 1},
+    {"weights_proj", Kind::kBf16, 32, 5120, 1}, {"wk", Kind::kBf16, 128, 512, 1},
+    {"wo_a", Kind::kBf16, 1024, 4096, 8},      {"c2_wkv_wgate", Kind::kF32, 1024, 5120, 1}};
+
+struct Row {
+  std::string shape, kernel, version;
+  int m = 0;
+  double median_us = 0.0;
+  int64_t bytes = 0;
+  int reps = 0;
+  bool valid = false;
+  std::string note;
+  double floor_us() const { return static_cast<double>(bytes) / kHbmBytesPerSecond * 1e6; }
+};
+
+// splitmix64
+struct Rng {
+  uint64_t s;
+  explicit Rng(uint64_t seed) : s(seed * 0x9E3779B97F4A7C15ull + 777) {}
+  uint64_t next() {
+    uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  float uniform() { return static_cast<float>(static_cast<double>(next() >> 11) * 0x1.0p-53 * 2.0 - 1.0); }
+  int range(int lo, int hi) { return lo + static_cast<int>(next() % static_cast<uint64_t>(hi - lo + 1)); }
+};
+
+template <class T>
+DeviceBuffer<T> to_device(const std::vector<T>& h) {
+  DeviceBuffer<T> d(std::max<size_t>(h.size(), 1));
+  if (!h.empty()) d.upload(h.data(), h.size());
+  return d;
+}
+template <class T>
+std::vector<T> to_host(const DeviceBuffer<T>& d, size_t n) {
+  std::vector<T> h(n);
+  d.download(h.data(), n);
+  return h;
+}
+
+int32_t bf16_ordinal(bf16_t b) {
+  const int32_t mag = b & 0x7fff;
+  return (b & 0x8000) ? -mag : mag;
+}
+// Max ulps and count of differing elements between two dense [m, n] bf16 arrays.
+std::pair<int, int64_t> ulp_diff(const std::vector<bf16_t>& a, const std::vector<bf16_t>& b) {
+  int mx = 0;
+  int64_t differ = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    mx = std::max(mx, std::abs(bf16_ordinal(a[i]) - bf16_ordinal(b[i])));
+    differ += a[i] != b[i];
+  }
+  return {mx, differ};
+}
+
+// Median over `reps` launches, each after an L2 flush; reps drops to 5 when one launch is slow.
+double median_us(const std::function<void(cudaStream_t)>& launch, int reps, DeviceBuffer<uint8_t>& flush,
+                 cudaStream_t s, int* reps_used) {
+  cudaEvent_t start, stop;
+  V4_CUDA_CHECK(cudaEventCreate(&start));
+  V4_CUDA_CHECK(cudaEventCreate(&stop));
+  std::vector<float> ms;
+  for (int i = 0; i < 3 + reps; ++i) {
+    V4_CUDA_CHECK(cudaMemsetAsync(flush.get(), i & 0xff, flush.bytes(), s));
+    V4_CUDA_CHECK(cudaEventRecord(start, s));
+    launch(s);
+    V4_CUDA_CHECK(cudaEventRecord(stop, s));
+    V4_CUDA_CHECK(cudaEventSynchronize(stop));
+    float t = 0.0f;
+    V4_CUDA_CHECK(cudaEventElapsedTime(&t, start, stop));
+    if (i == 0 && t > kSlowLaunchMs) reps = std::min(reps, 5);
+    if (i >= 3) ms.push_back(t);
+  }
+  V4_CUDA_CHECK(cudaEventDestroy(start));
+  V4_CUDA_CHECK(cudaEventDestroy(stop));
+  *reps_used = static_cast<int>(ms.size());
+  std::nth_element(ms.begin(), ms.begin() + ms.size() / 2, ms.end());
+  return static_cast<double>(ms[ms.size() / 2]) * 1000.0;
+}
+
+// ---- cuBLASLt peer ------------------------------------------------------------------------------------
+// out[m, n] (row-major, ld out_stride) = x[m, k] (row-major, ld x_stride) @ w[n, k]^T, per group.
+// Column-major view: D^T [n, m] (ld out_stride) = op(A) [n, k] * B [k, m] with A = w viewed as a
+// col-major k x n matrix (ld k) and op = T, B = x viewed as col-major k x m (ld x_stride), op = N.
+// Groups: strided batch with offsets n*k (w), k (x: the group's columns), n (out: its columns).
+class LtMatmul {
+ public:
+  LtMatmul(cudaDataType_t type, int m, int64_t n, int64_t k, int groups, int64_t x_stride, int64_t out_stride,
+           cublasLtHandle_t handle, void* ws, size_t ws_bytes)
+      : handle_(handle), ws_(ws), ws_bytes_(ws_bytes) {
+    check(cublasLtMatmulDescCreate(&op_, CUBLAS_COMPUTE_32F, CUDA_R_32F), "desc");
+    const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+    check(cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)), "transa");
+    check(cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)), "transb");
+    check(cublasLtMatrixLayoutCreate(&la_, type, static_cast<uint64_t>(k), static_cast<uint64_t>(n), k), "A");
+    check(cublasLtMatrixLayoutCreate(&lb_, type, static_cast<uint64_t>(k), static_cast<uint64_t>(m), x_stride), "B");
+    check(cublasLtMatrixLayoutCreate(&lc_, type, static_cast<uint64_t>(n), static_cast<uint64_t>(m), out_stride), "C");
+    if (groups > 1) {
+      const int32_t count = groups;
+      const int64_t sa = n * k, sb = k, sc = n;
+      for (auto [l, stride] : {std::pair{la_, sa}, std::pair{lb_, sb}, std::pair{lc_, sc}}) {
+        check(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)), "batch");
+        check(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof(stride)),
+              "batch stride");
+      }
+    }
+    cublasLtMatmulPreference_t pref;
+    check(cublasLtMatmulPreferenceCreate(&pref), "pref");
+    check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes_,
+                                               sizeof(ws_bytes_)),
+          "pref ws");
+    int found = 0;
+    check(cublasLtMatmulAlgoGetHeuristic(handle_, op_, la_, lb_, lc_, lc_, pref, 1, &algo_, &found), "heuristic");
+    cublasLtMatmulPreferenceDestroy(pref);
+    if (found < 1) throw std::runtime_error("cuBLASLt: no algorithm");
+  }
+  ~LtMatmul() {
+    cublasLtMatrixLayoutDestroy(la_);
+    cublasLtMatrixLayoutDestroy(lb_);
+    cublasLtMatrixLayoutDestroy(lc_);
+    cublasLtMatmulDescDestroy(op_);
+  }
+  LtMatmul(const LtMatmul&) = delete;
+  LtMatmul& operator=(const LtMatmul&) = delete;
+  void run(const void* w, const void* x, void* out, cudaStream_t s) const {
+    const float alpha = 1.0f, beta = 0.0f;
+    check(cublasLtMatmul(handle_, op_, &alpha, w, la_, x, lb_, &beta, out, lc_, out, lc_, &algo_.algo, ws_, ws_bytes_, s),
+          "matmul");
+  }
+
+ private:
+  static void check(cublasStatus_t st, const char* what) {
+    if (st != CUBLAS_STATUS_SUCCESS) throw std::runtime_error(std::string("cuBLASLt ") + what + " failed: status " + std::to_string(st));
+  }
+  cublasLtHandle_t handle_;
+  void* ws_;
+  size_t ws_bytes_;
+  cublasLtMatmulDesc_t op_ = nullptr;
+  cublasLtMatrixLayout_t la_ = nullptr, lb_ = nullptr, lc_ = nullptr;
+  cublasLtMatmulHeuristicResult_t algo_{};
+};
+
+struct Env {
+  int reps = 50;
+  bool run_v0 = true, run_peer = true;
+  cudaStream_t stream = nullptr;
+  DeviceBuffer<uint8_t>* flush = nullptr;
+  cublasLtHandle_t lt = nullptr;
+  DeviceBuffer<uint8_t>* lt_ws = nullptr;
+  DeviceBuffer<uint8_t>* gemm_ws = nullptr;
+};
+
+Row make_row(const Shape& sh, const char* version, int m, int64_t bytes) {
+  Row r;
+  r.shape = sh.name;
+  r.kernel = sh.kind == Kind::kFp8 ? "gemm_fp8" : sh.kind == Kind::kBf16 ? "gemm_bf16" : "gemm_f32";
+  r.version = version;
+  r.m = m;
+  r.bytes = bytes;
+  return r;
+}
+
+kn::GemmWorkspace workspace(Env& env, int m, int64_t n, int64_t k, int groups) {
+  const size_t need = kn::plan_gemm_tc(m, n, k, groups).workspace_bytes;
+  if (need > env.gemm_ws->bytes()) throw std::runtime_error("bench workspace too small");
+  return kn::GemmWorkspace{env.gemm_ws->get(), env.gemm_ws->bytes()};
+}
+
+// ---- fp8 ------------------------------------------------------------------------------------------------
+void bench_fp8(const Shape& sh, const std::vector<int>& ms, Env& env, std::vector<Row>& rows) {
+  const int64_t n = sh.n, k = sh.k, kb = k / 32;
+  Rng rng(static_cast<uint64_t>(n * 31 + k));
+  ref::Fp8Matrix w;
+  w.n = n;
+  w.k = k;
+  w.w.resize(static_cast<size_t>(n * k));
+  w.scale.resize(static_cast<size_t>((n / 32) * kb));
+  for (auto& c : w.w) c = num::e4m3_from_f32(rng.uniform() * 448.0f * std::fabs(rng.uniform()));
+  for (auto& s : w.scale) s = static_cast<uint8_t>(127 + rng.range(-14, -6));
+  const DeviceBuffer<uint8_t> dw = to_device(w.w), dws = to_device(w.scale);
+  // The peer's weight: the exact bf16 dequantisation.
+  DeviceBuffer<bf16_t> dw_bf16;
+  if (env.run_peer) {
+    const std::vector<float> deq = ref::dequant_fp8(w);
+    std::vector<bf16_t> hb(deq.size());
+    for (size_t i = 0; i < deq.size(); ++i) hb[i] = num::bf16_from_f32(deq[i]);
+    dw_bf16 = to_device(hb);
+  }
+  for (int m : ms) {
+    std::vector<bf16_t> x(static_cast<size_t>(m * k));
+    for (int r = 0; r < m; ++r)
+      for (int64_t b = 0; b < kb; ++b) {
+        const int e = rng.range(-6, 3);
+        for (int i = 0; i < 32; ++i) x[static_cast<size_t>(r * k + b * 32 + i)] = num::bf16_from_f32(std::ldexp(rng.uniform(), e));
+      }
+    const ref::ActQuant aq = ref::act_quant(x.data(), m, k, k);
+    std::vector<bf16_t> want(static_cast<size_t>(m * n));
+    ref::gemm_fp8(aq, w, want.data(), n);
+
+    const DeviceBuffer<bf16_t> dx = to_device(x);
+    DeviceBuffer<uint8_t> dq(static_cast<size_t>(m * k)), dsa(static_cast<size_t>(m * kb));
+    DeviceBuffer<bf16_t> out(static_cast<size_t>(m * n)), out_peer(static_cast<size_t>(m * n));
+    kn::ActQuantParams qp;
+    qp.x = dx.get();
+    qp.x_stride = k;
+    qp.q = dq.get();
+    qp.q_stride = k;
+    qp.scale = dsa.get();
+    qp.scale_stride = kb;
+    qp.m = m;
+    qp.k = k;
+    kn::Fp8GemmParams gp;
+    gp.a_q = dq.get();
+    gp.a_stride = k;
+    gp.a_scale = dsa.get();
+    gp.a_scale_stride = kb;
+    gp.w = dw.get();
+    gp.w_scale = dws.get();
+    gp.out = out.get();
+    gp.out_stride = n;
+    gp.m = m;
+    gp.n = n;
+    gp.k = k;
+    const kn::GemmWorkspace ws = workspace(env, m, n, k, 1);
+    kn::init_gemm_workspace(ws, env.stream);
+
+    // Validate: act quant bytes, v0 bytes, v1 <= 1 ulp.
+    kn::run_act_quant_fp8(qp, env.stream, false);
+    V4_CUDA_CHECK(cudaStreamSynchronize(env.stream));
+    const bool quant_ok = to_host(dq, dq.size()) == aq.q && to_host(dsa, dsa.size()) == aq.scale;
+    const int64_t quant_bytes = m * k * 2 + m * k + m * kb;
+    const int64_t gemm_bytes = n * k + (n / 32) * kb + m * k + m * kb + m * n * 2;
+    {
+      Row r = make_row(sh, "act_quant", m, quant_bytes);
+      r.valid = quant_ok;
+      r.median_us = median_us([&](cudaStream_t s) { kn::run_act_quant_fp8(qp, s, false); }, env.reps, *env.flush, env.stream, &r.reps);
+      rows.push_back(r);
+    }
+    for (kn::GemmVersion v : {kn::GemmVersion::kSimple, kn::GemmVersion::kTensorCore}) {
+      if (v == kn::GemmVersion::kSimple && !env.run_v0) continue;
+      out.fill_bytes(0xAB, env.stream);
+      kn::run_gemm_fp8(gp, ws, v, env.stream, false);
+      V4_CUDA_CHECK(cudaStreamSynchronize(env.stream));
+      const auto [ulps, differ] = ulp_diff(to_host(out, out.size()), want);
+      Row r = make_row(sh, v == kn::GemmVersion::kSimple ? "v0" : "v1", m, gemm_bytes);
+      r.valid = quant_ok && (v == kn::GemmVersion::kSimple ? differ == 0 : ulps <= 1);
+      if (v == kn::GemmVersion::kTensorCore) {
+        const kn::GemmPlan plan = kn::plan_gemm_tc(m, n, k, 1);
+        char note[96];
+        std::snprintf(note, sizeof(note), "%.3f%% differ; MT %d S %d", 100.0 * static_cast<double>(differ) / static_cast<double>(want.size()),
+                      plan.warp_mtiles, plan.splits);
+        r.note = note;
+      }
+      r.median_us = median_us([&](cudaStream_t s) { kn::run_gemm_fp8(gp, ws, v, s, false); }, env.reps, *env.flush, env.stream, &r.reps);
+      rows.push_back(r);
+    }
+    {
+      Row r = make_row(sh, "v1+quant", m, gemm_bytes + m * k * 2);
+      r.valid = rows.back().valid;
+      r.note = "act_quant, then the GEMM with PDL";
+      r.median_us = median_us(
+          [&](cudaStream_t s) {
+            kn::run_act_quant_fp8(qp, s, false);
+            kn::run_gemm_fp8(gp, ws, kn::GemmVersion::kTensorCore, s, true);
+          },
+          env.reps, *env.flush, env.stream, &r.reps);
+      rows.push_back(r);
+    }
+    if (env.run_peer) {
+      // Reference for the peer: our bf16 v1 (validated by the tests) on the same bf16 weight and x.
+      kn::Bf16GemmParams bp;
+      bp.x = dx.get();
+      bp.x_stride = k;
+      bp.w = dw_bf16.get();
+      bp.out = out.get();
+      bp.out_stride = n;
+      bp.m = m;
+      bp.n = n;
+      bp.k = k;
+      kn::run_gemm_bf16(bp, workspace(env, m, n, k, 1), kn::GemmVersion::kTensorCore, env.stream, false);
+      const LtMatmul lt(CUDA_R_16BF, m, n, k, 1, k, n, env.lt, env.lt_ws->get(), env.lt_ws->bytes());
+      lt.run(dw_bf16.get(), dx.get(), out_peer.get(), env.stream);
+      V4_CUDA_CHECK(cudaStreamSynchronize(env.stream));
+      const auto [ulps, differ] = ulp_diff(to_host(out_peer, out_peer.size()), to_host(out, out.size()));
+      Row r = make_row(sh, "cublasLt bf16 (2x bytes)", m, 2 * n * k + m * k * 2 + m * n * 2);
+      r.valid = ulps <= 2;
+      r.note = "max " + std::to_string(ulps) + " ulp vs our bf16 v1";
+      r.median_us = median_us([&](cudaStream_t s) { lt.run(dw_bf16.get(), dx.get(), out_peer.get(), s); }, env.reps,
+                              *env.flush, env.stream, &r.reps);
+      rows.push_back(r);
+    }
+  }
+}
+
+// ---- bf16 -----------------------------------------------------------------------------------------------
+void bench_bf16(const Shape& sh, const std::vector<int>& ms, Env& env, std::vector<Row>& rows) {
+  const int64_t n = sh.n, k = sh.k;
+  const int groups = sh.groups;
+  Rng rng(static_cast<uint64_t>(n * 37 + k + groups));
+  std::vector<ref::Bf16Matrix> w(static_cast<size_t>(groups));
+  std::vector<bf16_t> hw;
+  for (auto& wg : w) {
+    wg.n = n;
+    wg.k = k;
+    wg.w.resize(static_cast<size_t>(n * k));
+    for (auto& v : wg.w) v = num::bf16_from_f32(std::ldexp(rng.uniform(), rng.range(-8, -4)));
+    hw.insert(hw.end(), wg.w.begin(), wg.w.end());
+  }
+  const DeviceBuffer<bf16_t> dw = to_device(hw);
+  const int64_t x_stride = groups * k, out_stride = groups * n;
+  for (int m : ms) {
+    std::vector<bf16_t> x(static_cast<size_t>(m * x_stride));
+    for (auto& v : x) v = num::bf16_from_f32(std::ldexp(rng.uniform(), rng.range(-4, 1)));
+    std::vector<bf16_t> want(static_cast<size_t>(m * out_stride)), tmp(static_cast<size_t>(m * n));
+    for (int g = 0; g < groups; ++g) {
+      ref::gemm_bf16(x.data() + g * k, m, x_stride, w[static_cast<size_t>(g)], tmp.data(), n);
+      for (int r = 0; r < m; ++r) std::copy_n(tmp.begin() + r * n, n, want.begin() + r * out_stride + g * n);
+    }
+    const DeviceBuffer<bf16_t> dx = to_device(x);
+    DeviceBuffer<bf16_t> out(want.size());
+    kn::Bf16GemmParams p;
+    p.x = dx.get();
+    p.x_stride = x_stride;
+    p.w = dw.get();
+    p.out = out.get();
+    p.out_stride = out_stride;
+    p.m = m;
+    p.n = n;
+    p.k = k;
+    p.groups = groups;
+    p.x_group_stride = k;
+    p.w_group_stride = n * k;
+    p.out_group_stride = n;
+    const kn::GemmWorkspace ws = workspace(env, m, n, k, groups);
+    kn::init_gemm_workspace(ws, env.stream);
+    const int64_t bytes = groups * (n * k * 2 + m * k * 2 + m * n * 2);
+    for (kn::GemmVersion v : {kn::GemmVersion::kSimple, kn::GemmVersion::kTensorCore}) {
+      if (v == kn::GemmVersion::kSimple && !env.run_v0) continue;
+      out.fill_bytes(0xAB, env.stream);
+      kn::run_gemm_bf16(p, ws, v, env.stream, false);
+      V4_CUDA_CHECK(cudaStreamSynchronize(env.stream));
+      const auto [ulps, differ] = ulp_diff(to_host(out, out.size()), want);
+      Row r = make_row(sh, v == kn::GemmVersion::kSimple ? "v0" : "v1", m, bytes);
+      r.valid = v == kn::GemmVersion::kSimple ? differ == 0 : ulps <= 1;
+      if (v == kn::GemmVersion::kTensorCore) {
+        const kn::GemmPlan plan = kn::plan_gemm_tc(m, n, k, groups);
+        char note[96];
+        std::snprintf(note, sizeof(note), "%.3f%% differ; MT %d S %d", 100.0 * static_cast<double>(differ) / static_cast<double>(want.size()),
+                      plan.warp_mtiles, plan.splits);
+        r.note = note;
+      }
+      r.median_us = median_us([&](cudaStream_t s) { kn::run_gemm_bf16(p, ws, v, s, false); }, env.reps, *env.flush, env.stream, &r.reps);
+      rows.push_back(r);
+    }
+    if (env.run_peer) {
+      const LtMatmul lt(CUDA_R_16BF, m, n, k, groups, x_stride, out_stride, env.lt, env.lt_ws->get(), env.lt_ws->bytes());
+      out.fill_bytes(0xAB, env.stream);
+      lt.run(dw.get(), dx.get(), out.get(), env.stream);
+      V4_CUDA_CHECK(cudaStreamSynchronize(env.stream));
+      const auto [ulps, differ] = ulp_diff(to_host(out, out.size()), want);
+      Row r = make_row(sh, "cublasLt bf16", m, bytes);
+      r.valid = ulps <= 2;
+      r.note = "max " + std::to_string(ulps) + " ulp vs reference";
+      r.median_us = median_us([&](cudaStream_t s) { lt.run(dw.get(), dx.get(), out.get(), s); }, env.reps, *env.flush, env.stream,
+                              &r.reps);
+      rows.push_back(r);
+    }
+  }
+}
+
+// ---- f32 ------------------------------------------------------------------------------------------------
+void bench_f32(const Shape& sh, const std::vector<int>& ms, Env& env, std::vector<Row>& rows) {
+  const int64_t n = sh.n, k = sh.k;
+  Rng rng(static_cast<uint64_t>(n * 41 + k));
+  ref::F32Matrix w;
+  w.n = n;
+  w.k = k;
+  w.w.resize(static_cast<size_t>(n * k));
+  for (auto& v : w.w) v = rng.uniform() * 0.015625f;
+  const DeviceBuffer<float> dw = to_device(w.w);
+  for (int m : ms) {
+    std::vector<bf16_t> x(static_cast<size_t>(m * k));
+    std::vector<float> xf(x.size());
+    for (size_t i = 0; i < x.size(); ++i) {
+      x[i] = num::bf16_from_f32(std::ldexp(rng.uniform(), rng.range(-4, 1)));
+      xf[i] = num::f32_from_bf16(x[i]);
+    }
+    std::vector<float> want(static_cast<size_t>(m * n));
+    ref::gemm_f32(x.data(), m, k, w, want.data(), n);
+    // Rounding bound per element: 2 (k + 8) 2^-24 sum |x w|.
+    std::vector<double> bound(want.size());
+    for (int r = 0; r < m; ++r)
+      for (int64_t c = 0; c < n; ++c) {
+        double mag = 0.0;
+        for (int64_t i = 0; i < k; ++i) mag += std::fabs(static_cast<double>(xf[static_cast<size_t>(r * k + i)]) * w.w[static_cast<size_t>(c * k + i)]);
+        bound[static_cast<size_t>(r * n + c)] = 2.0 * static_cast<double>(k + 8) * 0x1.0p-24 * mag;
+      }
+    auto within = [&](const std::vector<float>& got, bool exact) {
+      for (size_t i = 0; i < got.size(); ++i) {
+        if (exact ? num::f32_bits(got[i]) != num::f32_bits(want[i])
+                  : !(std::fabs(static_cast<double>(got[i]) - static_cast<double>(want[i])) <= bound[i]))
+          return false;
+      }
+      return true;
+    };
+    const DeviceBuffer<bf16_t> dx = to_device(x);
+    const DeviceBuffer<float> dxf = to_device(xf);
+    DeviceBuffer<float> out(want.size());
+    kn::F32GemmParams p;
+    p.x = dx.get();
+    p.x_stride = k;
+    p.w = dw.get();
+    p.out = out.get();
+    p.out_stride = n;
+    p.m = m;
+    p.n = n;
+    p.k = k;
+    const int64_t bytes = n * k * 4 + m * k * 2 + m * n * 4;
+    for (kn::GemmVersion v : {kn::GemmVersion::kSimple, kn::GemmVersion::kTensorCore}) {
+      if (v == kn::GemmVersion::kSimple && !env.run_v0) continue;
+      out.fill_bytes(0xAB, env.stream);
+      kn::run_gemm_f32(p, v, env.stream, false);
+      V4_CUDA_CHECK(cudaStreamSynchronize(env.stream));
+      Row r = make_row(sh, v == kn::GemmVersion::kSimple ? "v0" : "v1", m, bytes);
+      r.valid = within(to_host(out, out.size()), v == kn::GemmVersion::kSimple);
+      r.median_us = median_us([&](cudaStream_t s) { kn::run_gemm_f32(p, v, s, false); }, env.reps, *env.flush, env.stream, &r.reps);
+      rows.push_back(r);
+    }
+    if (env.run_peer) {
+      const LtMatmul lt(CUDA_R_32F, m, n, k, 1, k, n, env.lt, env.lt_ws->get(), env.lt_ws->bytes());
+      out.fill_bytes(0xAB, env.stream);
+      lt.run(dw.get(), dxf.get(), out.get(), env.stream);
+      V4_CUDA_CHECK(cudaStreamSynchronize(env.stream));
+      Row r = make_row(sh, "cublasLt f32", m, n * k * 4 + m * k * 4 + m * n * 4);
+      r.valid = within(to_host(out, out.size()), false);
+      r.note = "x widened to fp32 for it";
+      r.median_us = median_us([&](cudaStream_t s) { lt.run(dw.get(), dxf.get(), out.get(), s); }, env.reps, *env.flush, env.stream,
+                              &r.reps);
+      rows.push_back(r);
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"bench_gemm: validate, then time the prepare-path GEMMs at M = 1..64"};
+  std::vector<int> ms = {1, 6, 8, 24, 48, 64};
+  std::vector<std::string> shapes;
+  Env env;
+  bool no_v0 = false, no_peer = false;
+  std::string json_path;
+  std::string shape_names;
+  for (const Shape& s : kShapes) shape_names += std::string(shape_names.empty() ? "" : ", ") + s.name;
+  app.add_option("--m", ms, "row counts m (1..64)")->delimiter(',');
+  app.add_option("--shapes", shapes, "shapes to run (default all): " + shape_names)->delimiter(',');
+  app.add_option("--reps", env.reps, "timed launches per case (>= 50)")->check(CLI::Range(50, 100000));
+  app.add_flag("--no-v0", no_v0, "skip the (slow) v0 baseline");
+  app.add_flag("--no-peer", no_peer, "skip the cuBLASLt peers");
+  app.add_option("--json", json_path, "also write the rows to this JSON file");
+  CLI11_PARSE(app, argc, argv);
+  env.run_v0 = !no_v0;
+  env.run_peer = !no_peer;
+
+  try {
+    std::string reason;
+    if (!gpu_available(&reason)) {
+      std::fprintf(stderr, "bench_gemm: needs an sm_90 GPU: %s\n", reason.c_str());
+      return 2;
+    }
+    for (int m : ms)
+      if (m < 1 || m > kn::kGemmMaxRows) throw std::invalid_argument("--m values must be in [1, 64]");
+    for (const std::string& s : shapes)
+      if (std::none_of(std::begin(kShapes), std::end(kShapes), [&](const Shape& k) { return s == k.name; }))
+        throw std::invalid_argument("unknown shape '" + s + "' (known: " + shape_names + ")");
+    ref::set_gemm_threads(static_cast<int>(std::max(2u, std::thread::hardware_concurrency())));
+
+    V4_CUDA_CHECK(cudaStreamCreateWithFlags(&env.stream, cudaStreamNonBlocking));
+    DeviceBuffer<uint8_t> flush(kFlushBytes), lt_ws(size_t{32} << 20);
+    size_t ws_bytes = 0;
+    for (const Shape& s : kShapes)
+      if (s.kind != Kind::kF32) ws_bytes = std::max(ws_bytes, kn::gemm_workspace_bytes(kn::kGemmMaxRows, s.n, s.k, s.groups));
+    DeviceBuffer<uint8_t> gemm_ws(std::max<size_t>(ws_bytes, 256));
+    env.flush = &flush;
+    env.lt_ws = &lt_ws;
+    env.gemm_ws = &gemm_ws;
+    if (cublasLtCreate(&env.lt) != CUBLAS_STATUS_SUCCESS) throw std::runtime_error("cublasLtCreate failed");
+
+    std::vector<Row> rows;
+    std::printf("%-13s %-24s %3s %10s %11s %9s %7s %5s %-8s %s\n", "shape", "version", "m", "median_us", "bytes", "floor_us",
+                "%floor", "reps", "valid", "note");
+    size_t printed = 0;
+    for (const Shape& sh : kShapes) {
+      if (!shapes.empty() && std::find(shapes.begin(), shapes.end(), sh.name) == shapes.end()) continue;
+      if (sh.kind == Kind::kFp8) bench_fp8(sh, ms, env, rows);
+      else if (sh.kind == Kind::kBf16) bench_bf16(sh, ms, env, rows);
+      else bench_f32(sh, ms, env, rows);
+      for (; printed < rows.size(); ++printed) {
+        const Row& r = rows[printed];
+        std::printf("%-13s %-24s %3d %10.2f %11lld %9.3f %6.1f%% %5d %-8s %s\n", r.shape.c_str(), r.version.c_str(), r.m,
+                    r.median_us, static_cast<long long>(r.bytes), r.floor_us(), 100.0 * r.floor_us() / r.median_us, r.reps,
+                    r.valid ? "ok" : "MISMATCH", r.note.c_str());
+      }
+      std::fflush(stdout);
+    }
+
+    bool all_valid = true;
+    for (const Row& r : rows)
+      if (r.version.rfind("cublasLt", 0) != 0) all_valid = all_valid && r.valid;  // peers are informational
+    if (!json_path.empty()) {
+      nlohmann::json j = nlohmann::json::array();
+      for (const Row& r : rows)
+        j.push_back({{"shape", r.shape}, {"kernel", r.kernel}, {"version", r.version}, {"m", r.m}, {"median_us", r.median_us},
+                     {"bytes", r.bytes}, {"floor_us", r.floor_us()}, {"pct_of_floor", 100.0 * r.floor_us() / r.median_us},
+                     {"ratio", r.median_us / r.floor_us()}, {"reps", r.reps}, {"valid", r.valid}, {"note", r.note}});
+      std::ofstream f(json_path);
+      if (!f) throw std::runtime_error("cannot write " + json_path);
+      f << j.dump(2) << "\n";
+    }
+    cublasLtDestroy(env.lt);
+    V4_CUDA_CHECK(cudaStreamDestroy(env.stream));
+    if (!all_valid) {
+      std::fprintf(stderr, "bench_gemm: some kernels do not match the reference (see 'valid')\n");
+      return 1;
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_gemm: %s\n", e.what());
+    return 1;
+  }
+}

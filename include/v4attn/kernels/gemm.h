@@ -1,0 +1,167 @@
+// GEMMs of the prepare path (spec v41-attention.md section 2 "Block-scaled FP8 GEMM", section 6),
+// sm_90a, tuned for few rows: M = 1..64 tokens against weights that are streamed once.
+//
+//   run_act_quant_fp8  <-> ref::act_quant   (bf16 rows -> e4m3 codes + ue8m0 scales, byte-exact)
+//   run_gemm_fp8       <-> ref::gemm_fp8    (quantized activations x fp8 32x32-block weights)
+//   run_gemm_bf16      <-> ref::gemm_bf16   (bf16 x bf16, fp32 accumulation, bf16 out)
+//   run_gemm_f32       <-> ref::gemm_f32    (bf16 x widened to fp32, fp32 weights, fp32 out)
+//
+// Every GEMM computes out[m, n] = sum_k a[m, k] * w[n, k] (weights [N, K] row-major, "x @ W^T"),
+// optionally for `groups` independent problems that differ only by base offsets (wo_a: 8 groups).
+//
+// Versions (GemmVersion):
+//  - kSimple (v0): one thread per output element, a plain loop in exactly the reference's order,
+//    so its output is byte-identical to the CPU reference. The fallback and the bench baseline.
+//  - kTensorCore (v1, fp8 / bf16): mma.sync m16n8k16 with the WEIGHT as the 16-row A operand and
+//    the tokens as the 8-column B operand (small M wastes little), weights streamed through a
+//    cp.async shared-memory ring, split-K across CTAs where N is small. M <= kGemmMaxRows.
+//    fp8 codes are widened to f16 in registers (exact: every e4m3 value is an f16 value) because
+//    sm_90 has no native fp8 mma.sync (ptxas would emulate it the same way, but per mma).
+//  - kTensorCore for run_gemm_f32: CUDA-core fma kernel (no tensor cores; fp32 weights).
+//
+// Numerics of v1 (what differs from the reference, and why it stays within the spec's allowance):
+//  - fp8: per 32-wide K block b, the tensor core forms blocksum(b) of the 32 exact products
+//    (two chained k16 mmas starting from C = 0); then acc = fma(blocksum, sa * sw, acc) on the
+//    CUDA cores. sa and sw are powers of two, so sa * sw is exact and blocksum * (sa * sw) is
+//    exact: the fma rounds once, exactly like the reference's add(acc, mul(mul(blocksum, sa), sw)).
+//    Only the order of additions inside a block differs (spec: <= 1 bf16 ulp, rarely).
+//    (Assumes no overflow / underflow of blocksum * sa * sw, true for any real weights and
+//    activations: |blocksum| <= 2^23, sa in [2^-22, 2^120], sw a weight scale.)
+//  - bf16: same structure without scales: per 32-wide K block a tensor-core block sum, then
+//    acc = add_rn(acc, blocksum) in block order (round-to-nearest on the CUDA cores, so rounding
+//    errors do not build up with the tensor core's truncating accumulator over long K).
+//  - split-K (S > 1): CTA s sums its contiguous range of K blocks in order (from +0); the partial
+//    sums are added in the fixed order ((P0 + P1) + P2) + ... by the last CTA to finish a tile,
+//    so results never depend on timing. S depends only on (n, k, groups), never on M, so a token's
+//    output does not depend on how many other tokens are in the batch.
+//  - f32 v1: each lane accumulates (fma) a strided slice of K in order, then a fixed butterfly
+//    across lanes and a fixed order across warps: equal to the reference up to rounding
+//    (|diff| <= ~K * 2^-24 * sum_k |x_k * w_k|).
+//
+// Conventions: params structs passed by value; all pointers are device pointers; strides and
+// group strides are in elements. Host launchers validate everything and throw
+// std::invalid_argument (nothing launched) on bad input; m == 0 launches nothing. `pdl`: launch
+// with programmatic stream serialization; weights (and weight scales) are read before
+// dev::pdl_wait(), activations only after it; outputs do not depend on pdl.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "v4attn/numerics.h"
+
+namespace v4attn::kernels {
+
+using num::bf16_t;
+
+constexpr int kGemmBlock = 32;    // K block of the fp8 GEMM / act quant; N block of weight scales
+constexpr int kGemmMaxRows = 64;  // M limit of the tensor-core versions
+
+enum class GemmVersion : int { kSimple = 0, kTensorCore = 1 };
+const char* gemm_version_name(GemmVersion v);
+
+// ---- FP8 act quant ----------------------------------------------------------------------------
+// Per row and per block of 32 along K: amax -> ue8m0 scale, e4m3 codes (numerics.h act quant),
+// byte-identical to ref::act_quant. Alignment: x, q 16-byte aligned; x_stride % 8 == 0;
+// q_stride % 16 == 0.
+struct ActQuantParams {
+  const bf16_t* x = nullptr;  // [m, k] bf16; row r at x + r * x_stride
+  int64_t x_stride = 0;       // elements, >= k
+  uint8_t* q = nullptr;       // [m, k] e4m3 codes; row r at q + r * q_stride
+  int64_t q_stride = 0;       // bytes, >= k
+  uint8_t* scale = nullptr;   // [m, k/32] ue8m0; row r at scale + r * scale_stride
+  int64_t scale_stride = 0;   // bytes, >= k/32
+  int m = 0;
+  int64_t k = 0;              // multiple of 32
+};
+void run_act_quant_fp8(const ActQuantParams& p, cudaStream_t stream, bool pdl);
+
+// ---- workspace of the split-K tensor-core GEMMs --------------------------------------------------
+// fp32 partial sums [S, groups, m, n] plus one arrival counter per output tile. The counters must
+// be zero before the first use (init_gemm_workspace, once after allocation); every completed GEMM
+// leaves them zero again, so one workspace serves any number of stream-ordered GEMMs (and graph
+// replays). Two GEMMs that may run concurrently need two workspaces. A GEMM whose plan has S == 1
+// needs no workspace (data may be null).
+struct GemmWorkspace {
+  void* data = nullptr;  // 256-byte aligned (cudaMalloc is)
+  size_t bytes = 0;
+};
+void init_gemm_workspace(const GemmWorkspace& ws, cudaStream_t stream);
+
+// How v1 cuts a problem (exposed for the bench, tests and the engine's workspace sizing).
+struct GemmPlan {
+  int warp_mtiles = 1;   // 16-row weight tiles per warp (1 or 2); a CTA (4 warps) owns 64 * this rows
+  int block_n = 64;      // weight rows per CTA
+  int tiles_n = 0;       // ceil(n / block_n)
+  int splits = 1;        // S: K ranges (CTAs) per output tile
+  size_t workspace_bytes = 0;  // for m rows (0 when splits == 1)
+};
+// force_splits / force_mtiles: 0 = automatic (the default everywhere); tests use them to reach
+// every code path on small shapes.
+GemmPlan plan_gemm_tc(int m, int64_t n, int64_t k, int groups, int force_splits = 0, int force_mtiles = 0);
+// Workspace bytes for any m <= m_max with the automatic plan (what an engine allocates).
+size_t gemm_workspace_bytes(int m_max, int64_t n, int64_t k, int groups = 1);
+
+// ---- FP8 block-scaled GEMM --------------------------------------------------------------------
+// out[m, n] = bf16( sum over K blocks b in order of blocksum(b) * sa[m, b] * sw[n/32, b] ).
+// Requirements: n % 32 == 0, k % 32 == 0, 1 <= groups; v1: m <= 64. Alignment (both versions):
+// a_q, w 16-byte aligned, a_stride % 16 == 0, a_group_stride % 16 == 0.
+struct Fp8GemmParams {
+  const uint8_t* a_q = nullptr;      // [m, k] e4m3 codes (run_act_quant_fp8 output); row r at a_q + r * a_stride
+  int64_t a_stride = 0;              // bytes, >= k
+  const uint8_t* a_scale = nullptr;  // [m, k/32] ue8m0; row r at a_scale + r * a_scale_stride
+  int64_t a_scale_stride = 0;        // bytes, >= k/32
+  const uint8_t* w = nullptr;        // [n, k] e4m3, dense (row stride k)
+  const uint8_t* w_scale = nullptr;  // [n/32, k/32] ue8m0, dense
+  bf16_t* out = nullptr;             // [m, n] bf16; row r at out + r * out_stride
+  int64_t out_stride = 0;            // elements, >= n
+  int m = 0;
+  int64_t n = 0, k = 0;
+  // groups > 1: problem g uses a_q + g * a_group_stride, a_scale + g * a_scale_group_stride,
+  // w + g * w_group_stride, w_scale + g * w_scale_group_stride, out + g * out_group_stride.
+  int groups = 1;
+  int64_t a_group_stride = 0, a_scale_group_stride = 0, w_group_stride = 0, w_scale_group_stride = 0,
+          out_group_stride = 0;
+  int force_splits = 0, force_mtiles = 0;  // v1 plan overrides (0 = automatic)
+};
+void run_gemm_fp8(const Fp8GemmParams& p, const GemmWorkspace& ws, GemmVersion version, cudaStream_t stream,
+                  bool pdl);
+
+// ---- bf16 GEMM --------------------------------------------------------------------------------
+// out[m, n] = bf16( sum_k x[m, k] * w[n, k] ), fp32 accumulation. Requirements as for fp8;
+// alignment: x, w 16-byte aligned, x_stride % 8 == 0, x_group_stride % 8 == 0.
+struct Bf16GemmParams {
+  const bf16_t* x = nullptr;  // [m, k]; row r at x + r * x_stride
+  int64_t x_stride = 0;       // elements, >= k
+  const bf16_t* w = nullptr;  // [n, k], dense
+  bf16_t* out = nullptr;      // [m, n]; row r at out + r * out_stride
+  int64_t out_stride = 0;     // elements, >= n
+  int m = 0;
+  int64_t n = 0, k = 0;
+  // wo_a: groups = 8, x_group_stride = 4096 (the group's columns of o), w_group_stride =
+  // 1024 * 4096, out_group_stride = 1024.
+  int groups = 1;
+  int64_t x_group_stride = 0, w_group_stride = 0, out_group_stride = 0;
+  int force_splits = 0, force_mtiles = 0;  // v1 plan overrides (0 = automatic)
+};
+void run_gemm_bf16(const Bf16GemmParams& p, const GemmWorkspace& ws, GemmVersion version, cudaStream_t stream,
+                   bool pdl);
+
+// ---- fp32 GEMM (ratio-2 compressor [wkv; wgate]) --------------------------------------------
+// out[m, n] = sum_k f32(x[m, k]) * w[n, k], fp32 out. Requirements: n % 4 == 0, k % 4 == 0 (both
+// versions); alignment: w 16-byte aligned, x 8-byte aligned, x_stride % 4 == 0. Any m (v1 tiles
+// m by 16).
+struct F32GemmParams {
+  const bf16_t* x = nullptr;  // [m, k]; row r at x + r * x_stride
+  int64_t x_stride = 0;       // elements, >= k
+  const float* w = nullptr;   // [n, k], dense
+  float* out = nullptr;       // [m, n]; row r at out + r * out_stride
+  int64_t out_stride = 0;     // elements, >= n
+  int m = 0;
+  int64_t n = 0, k = 0;
+};
+void run_gemm_f32(const F32GemmParams& p, GemmVersion version, cudaStream_t stream, bool pdl);
+
+}  // namespace v4attn::kernels

@@ -1,0 +1,120 @@
+// Public entry points of the GEMM family: validate once (std::invalid_argument, nothing launched),
+// then dispatch to v0 (gemm_simple.cu) or v1 (gemm_tc.cu, gemm_f32.cu).
+#include <string>
+
+#include "gemm/gemm_internal.h"
+
+namespace v4attn::kernels {
+
+namespace {
+
+[[noreturn]] void fail(const char* who, const std::string& what) { throw std::invalid_argument(std::string(who) + ": " + what); }
+
+bool aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
+
+void check_nk(const char* who, int64_t n, int64_t k) {
+  if (n <= 0 || n % kGemmBlock != 0) fail(who, "n " + std::to_string(n) + " is not a positive multiple of 32");
+  if (k <= 0 || k % kGemmBlock != 0) fail(who, "k " + std::to_string(k) + " is not a positive multiple of 32");
+  if (n > (int64_t{1} << 30) || k > (int64_t{1} << 30)) fail(who, "n or k too large");
+}
+
+void check_rows_groups(const char* who, int m, int groups) {
+  if (m > 65535) fail(who, "m > 65535");
+  if (groups < 1 || groups > 65535) fail(who, "groups must be 1..65535");
+}
+
+// v1 needs m <= 64 and, when its plan splits K, a workspace large enough.
+GemmPlan check_tc(const char* who, int m, int64_t n, int64_t k, int groups, int force_splits, int force_mtiles,
+                  const GemmWorkspace& ws) {
+  if (m > kGemmMaxRows) fail(who, "tensor-core version takes m <= 64 (got " + std::to_string(m) + ")");
+  const GemmPlan plan = plan_gemm_tc(m, n, k, groups, force_splits, force_mtiles);
+  if (plan.tiles_n > 65535 * 64 || plan.splits > 65535) fail(who, "grid too large");
+  if (plan.splits > 1) {
+    if (ws.data == nullptr || ws.bytes < plan.workspace_bytes)
+      fail(who, "split-K plan (S = " + std::to_string(plan.splits) + ") needs a workspace of " +
+                    std::to_string(plan.workspace_bytes) + " bytes (got " + std::to_string(ws.bytes) + ")");
+    if (!aligned(ws.data, 256)) fail(who, "workspace must be 256-byte aligned");
+  }
+  return plan;
+}
+
+}  // namespace
+
+const char* gemm_version_name(GemmVersion v) {
+  switch (v) {
+    case GemmVersion::kSimple: return "v0 simple";
+    case GemmVersion::kTensorCore: return "v1 tensor-core";
+  }
+  return "?";
+}
+
+void run_gemm_fp8(const Fp8GemmParams& p, const GemmWorkspace& ws, GemmVersion version, cudaStream_t stream,
+                  bool pdl) {
+  const char* who = "run_gemm_fp8";
+  if (p.m < 0) fail(who, "m < 0");
+  if (p.m == 0) return;
+  check_nk(who, p.n, p.k);
+  check_rows_groups(who, p.m, p.groups);
+  if (!p.a_q || !p.a_scale || !p.w || !p.w_scale || !p.out) fail(who, "null pointer");
+  if (p.a_stride < p.k) fail(who, "a_stride < k");
+  if (p.a_scale_stride < p.k / kGemmBlock) fail(who, "a_scale_stride < k/32");
+  if (p.out_stride < p.n) fail(who, "out_stride < n");
+  if (!aligned(p.a_q, 16) || p.a_stride % 16 != 0 || p.a_group_stride % 16 != 0)
+    fail(who, "a_q must be 16-byte aligned with a_stride and a_group_stride multiples of 16");
+  if (!aligned(p.w, 16) || p.w_group_stride % 16 != 0) fail(who, "w must be 16-byte aligned with w_group_stride % 16 == 0");
+  switch (version) {
+    case GemmVersion::kSimple: detail::launch_gemm_fp8_simple(p, stream, pdl); return;
+    case GemmVersion::kTensorCore: {
+      const GemmPlan plan = check_tc(who, p.m, p.n, p.k, p.groups, p.force_splits, p.force_mtiles, ws);
+      detail::launch_gemm_fp8_tc(p, plan, ws, stream, pdl);
+      return;
+    }
+  }
+  fail(who, "unknown version");
+}
+
+void run_gemm_bf16(const Bf16GemmParams& p, const GemmWorkspace& ws, GemmVersion version, cudaStream_t stream,
+                   bool pdl) {
+  const char* who = "run_gemm_bf16";
+  if (p.m < 0) fail(who, "m < 0");
+  if (p.m == 0) return;
+  check_nk(who, p.n, p.k);
+  check_rows_groups(who, p.m, p.groups);
+  if (!p.x || !p.w || !p.out) fail(who, "null pointer");
+  if (p.x_stride < p.k) fail(who, "x_stride < k");
+  if (p.out_stride < p.n) fail(who, "out_stride < n");
+  if (!aligned(p.x, 16) || p.x_stride % 8 != 0 || p.x_group_stride % 8 != 0)
+    fail(who, "x must be 16-byte aligned with x_stride and x_group_stride multiples of 8");
+  if (!aligned(p.w, 16) || p.w_group_stride % 8 != 0) fail(who, "w must be 16-byte aligned with w_group_stride % 8 == 0");
+  switch (version) {
+    case GemmVersion::kSimple: detail::launch_gemm_bf16_simple(p, stream, pdl); return;
+    case GemmVersion::kTensorCore: {
+      const GemmPlan plan = check_tc(who, p.m, p.n, p.k, p.groups, p.force_splits, p.force_mtiles, ws);
+      detail::launch_gemm_bf16_tc(p, plan, ws, stream, pdl);
+      return;
+    }
+  }
+  fail(who, "unknown version");
+}
+
+void run_gemm_f32(const F32GemmParams& p, GemmVersion version, cudaStream_t stream, bool pdl) {
+  const char* who = "run_gemm_f32";
+  if (p.m < 0) fail(who, "m < 0");
+  if (p.m == 0) return;
+  if (p.n <= 0 || p.n % 4 != 0) fail(who, "n " + std::to_string(p.n) + " is not a positive multiple of 4");
+  if (p.k <= 0 || p.k % 4 != 0) fail(who, "k " + std::to_string(p.k) + " is not a positive multiple of 4");
+  if (p.n / 4 > 65535) fail(who, "n > 262140");
+  if (p.m > 65535) fail(who, "m > 65535");
+  if (!p.x || !p.w || !p.out) fail(who, "null pointer");
+  if (p.x_stride < p.k) fail(who, "x_stride < k");
+  if (p.out_stride < p.n) fail(who, "out_stride < n");
+  if (!aligned(p.w, 16)) fail(who, "w must be 16-byte aligned");
+  if (!aligned(p.x, 8) || p.x_stride % 4 != 0) fail(who, "x must be 8-byte aligned with x_stride % 4 == 0");
+  switch (version) {
+    case GemmVersion::kSimple: detail::launch_gemm_f32_simple(p, stream, pdl); return;
+    case GemmVersion::kTensorCore: detail::launch_gemm_f32_warp(p, stream, pdl); return;
+  }
+  fail(who, "unknown version");
+}
+
+}  // namespace v4attn::kernels

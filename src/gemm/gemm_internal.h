@@ -1,0 +1,37 @@
+// Internal launchers of the GEMM family (include/v4attn/kernels/gemm.h). The public run_*
+// functions (gemm_api.cu) validate every argument once and then call one of these, which trust
+// their input.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "v4attn/kernels/gemm.h"
+
+namespace v4attn::kernels::detail {
+
+// v0: one thread per output element, the reference's order (gemm_simple.cu).
+void launch_gemm_fp8_simple(const Fp8GemmParams& p, cudaStream_t stream, bool pdl);
+void launch_gemm_bf16_simple(const Bf16GemmParams& p, cudaStream_t stream, bool pdl);
+void launch_gemm_f32_simple(const F32GemmParams& p, cudaStream_t stream, bool pdl);
+
+// v1: tensor cores (gemm_tc.cu); `plan` comes from plan_gemm_tc with the params' overrides.
+void launch_gemm_fp8_tc(const Fp8GemmParams& p, const GemmPlan& plan, const GemmWorkspace& ws, cudaStream_t stream,
+                        bool pdl);
+void launch_gemm_bf16_tc(const Bf16GemmParams& p, const GemmPlan& plan, const GemmWorkspace& ws, cudaStream_t stream,
+                         bool pdl);
+
+// v1 of the fp32 GEMM: CUDA cores (gemm_f32.cu).
+void launch_gemm_f32_warp(const F32GemmParams& p, cudaStream_t stream, bool pdl);
+
+// Workspace layout of a split-K GEMM: [counters: groups * tiles_n uint32, padded to 256 B]
+// [partials: splits * groups * m * n fp32].
+inline size_t workspace_counter_bytes(int groups, int tiles_n) {
+  const size_t b = static_cast<size_t>(groups) * static_cast<size_t>(tiles_n) * sizeof(uint32_t);
+  return (b + 255) / 256 * 256;
+}
+
+}  // namespace v4attn::kernels::detail

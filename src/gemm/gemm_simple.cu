@@ -1,0 +1,159 @@
+// v0 of every GEMM (and the FP8 act quant): one thread per output element, a plain loop in the
+// CPU reference's exact order, so the output is byte-identical to ref::gemm_* / ref::act_quant.
+// Slow on purpose (weights are read with one thread per row); it is the fallback and the bench
+// baseline. Every kernel calls dev::pdl_wait() before its first load.
+#include <algorithm>
+
+#include "gemm/gemm_internal.h"
+#include "kernels/device_common.cuh"
+#include "runtime/launch.h"
+
+namespace v4attn::kernels {
+
+namespace {
+
+constexpr int kSimpleThreads = 128;
+
+// ---- FP8 act quant ----------------------------------------------------------------------------
+// Grid (ceil((k/32) / 128), m), block 128: one thread owns one 32-wide block of one row
+// (64 bytes in, 32 code bytes + 1 scale byte out). Same steps as ref::act_quant: amax from 0 with
+// the NaN-skipping max, scale exponent, codes.
+__global__ void __launch_bounds__(kSimpleThreads) act_quant_fp8_kernel(const __grid_constant__ ActQuantParams p) {
+  dev::pdl_wait();  // x is the predecessor's output
+  const int row = static_cast<int>(blockIdx.y);
+  const int64_t blk = static_cast<int64_t>(blockIdx.x) * kSimpleThreads + threadIdx.x;
+  if (blk < p.k / kGemmBlock) {
+    const uint4* src = reinterpret_cast<const uint4*>(p.x + row * p.x_stride + blk * kGemmBlock);
+    float v[kGemmBlock];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint4 u = src[i];
+      const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        v[8 * i + 2 * j] = num::f32_from_bits(w[j] << 16);            // element 2j: low half
+        v[8 * i + 2 * j + 1] = num::f32_from_bits(w[j] & 0xffff0000u);  // element 2j+1: high half
+      }
+    }
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kGemmBlock; ++i) amax = num::block_amax_step(amax, v[i]);
+    const int e = num::act_quant_scale_exp(amax);
+    const float s = num::pow2_f32(e);
+    uint32_t packed[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      packed[i] = static_cast<uint32_t>(num::act_quant_code(v[4 * i], s)) |
+                  (static_cast<uint32_t>(num::act_quant_code(v[4 * i + 1], s)) << 8) |
+                  (static_cast<uint32_t>(num::act_quant_code(v[4 * i + 2], s)) << 16) |
+                  (static_cast<uint32_t>(num::act_quant_code(v[4 * i + 3], s)) << 24);
+    }
+    uint4* dst = reinterpret_cast<uint4*>(p.q + row * p.q_stride + blk * kGemmBlock);
+    dst[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    dst[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+    p.scale[row * p.scale_stride + blk] = num::ue8m0_from_exp(e);
+  }
+  dev::pdl_launch_dependents();
+}
+
+// ---- v0 GEMMs ---------------------------------------------------------------------------------
+// Grid (ceil(n / 128), m, groups), block 128: thread -> one output element out[m, n] of group z.
+__global__ void __launch_bounds__(kSimpleThreads) gemm_fp8_simple_kernel(const __grid_constant__ Fp8GemmParams p) {
+  dev::pdl_wait();
+  const int64_t n = static_cast<int64_t>(blockIdx.x) * kSimpleThreads + threadIdx.x;
+  const int m = static_cast<int>(blockIdx.y);
+  const int64_t grp = blockIdx.z;
+  if (n < p.n) {
+    const int64_t kb = p.k / kGemmBlock;
+    const uint8_t* a = p.a_q + grp * p.a_group_stride + m * p.a_stride;
+    const uint8_t* sa = p.a_scale + grp * p.a_scale_group_stride + m * p.a_scale_stride;
+    const uint8_t* w = p.w + grp * p.w_group_stride + n * p.k;
+    const uint8_t* sw = p.w_scale + grp * p.w_scale_group_stride + (n / kGemmBlock) * kb;
+    float acc = 0.0f;
+    for (int64_t b = 0; b < kb; ++b) {
+      float bs = 0.0f;
+      for (int i = 0; i < kGemmBlock; ++i)
+        bs = num::add_rn(bs, num::mul_rn(num::f32_from_e4m3(a[b * kGemmBlock + i]), num::f32_from_e4m3(w[b * kGemmBlock + i])));
+      acc = num::add_rn(acc, num::mul_rn(num::mul_rn(bs, num::f32_from_ue8m0(sa[b])), num::f32_from_ue8m0(sw[b])));
+    }
+    p.out[grp * p.out_group_stride + m * p.out_stride + n] = num::bf16_from_f32(acc);
+  }
+  dev::pdl_launch_dependents();
+}
+
+__global__ void __launch_bounds__(kSimpleThreads) gemm_bf16_simple_kernel(const __grid_constant__ Bf16GemmParams p) {
+  dev::pdl_wait();
+  const int64_t n = static_cast<int64_t>(blockIdx.x) * kSimpleThreads + threadIdx.x;
+  const int m = static_cast<int>(blockIdx.y);
+  const int64_t grp = blockIdx.z;
+  if (n < p.n) {
+    const bf16_t* x = p.x + grp * p.x_group_stride + m * p.x_stride;
+    const bf16_t* w = p.w + grp * p.w_group_stride + n * p.k;
+    float acc = 0.0f;
+    for (int64_t i = 0; i < p.k; ++i) acc = num::add_rn(acc, num::mul_rn(num::f32_from_bf16(x[i]), num::f32_from_bf16(w[i])));
+    p.out[grp * p.out_group_stride + m * p.out_stride + n] = num::bf16_from_f32(acc);
+  }
+  dev::pdl_launch_dependents();
+}
+
+__global__ void __launch_bounds__(kSimpleThreads) gemm_f32_simple_kernel(const __grid_constant__ F32GemmParams p) {
+  dev::pdl_wait();
+  const int64_t n = static_cast<int64_t>(blockIdx.x) * kSimpleThreads + threadIdx.x;
+  const int m = static_cast<int>(blockIdx.y);
+  if (n < p.n) {
+    const bf16_t* x = p.x + m * p.x_stride;
+    const float* w = p.w + n * p.k;
+    float acc = 0.0f;
+    for (int64_t i = 0; i < p.k; ++i) acc = num::add_rn(acc, num::mul_rn(num::f32_from_bf16(x[i]), w[i]));
+    p.out[m * p.out_stride + n] = acc;
+  }
+  dev::pdl_launch_dependents();
+}
+
+LaunchConfig simple_config(int64_t n, int m, int groups, cudaStream_t stream, bool pdl) {
+  LaunchConfig cfg;
+  cfg.grid = dim3(static_cast<unsigned>((n + kSimpleThreads - 1) / kSimpleThreads), static_cast<unsigned>(m),
+                  static_cast<unsigned>(groups));
+  cfg.block = dim3(kSimpleThreads);
+  cfg.stream = stream;
+  cfg.pdl = pdl;
+  return cfg;
+}
+
+}  // namespace
+
+void run_act_quant_fp8(const ActQuantParams& p, cudaStream_t stream, bool pdl) {
+  auto fail = [](const std::string& what) { throw std::invalid_argument("run_act_quant_fp8: " + what); };
+  if (p.m < 0) fail("m < 0");
+  if (p.m == 0) return;
+  if (p.m > 65535) fail("m > 65535");
+  if (p.k <= 0 || p.k % kGemmBlock != 0) fail("k " + std::to_string(p.k) + " is not a positive multiple of 32");
+  if (p.x == nullptr || p.q == nullptr || p.scale == nullptr) fail("null pointer");
+  if (p.x_stride < p.k) fail("x_stride < k");
+  if (p.q_stride < p.k) fail("q_stride < k");
+  if (p.scale_stride < p.k / kGemmBlock) fail("scale_stride < k/32");
+  if (reinterpret_cast<uintptr_t>(p.x) % 16 != 0 || p.x_stride % 8 != 0) fail("x must be 16-byte aligned with x_stride % 8 == 0");
+  if (reinterpret_cast<uintptr_t>(p.q) % 16 != 0 || p.q_stride % 16 != 0) fail("q must be 16-byte aligned with q_stride % 16 == 0");
+  LaunchConfig cfg;
+  const int64_t blocks = p.k / kGemmBlock;
+  cfg.grid = dim3(static_cast<unsigned>((blocks + kSimpleThreads - 1) / kSimpleThreads), static_cast<unsigned>(p.m));
+  cfg.block = dim3(kSimpleThreads);
+  cfg.stream = stream;
+  cfg.pdl = pdl;
+  launch_kernel("act_quant_fp8", act_quant_fp8_kernel, cfg, p);
+}
+
+namespace detail {
+
+void launch_gemm_fp8_simple(const Fp8GemmParams& p, cudaStream_t stream, bool pdl) {
+  launch_kernel("gemm_fp8_simple", gemm_fp8_simple_kernel, simple_config(p.n, p.m, p.groups, stream, pdl), p);
+}
+void launch_gemm_bf16_simple(const Bf16GemmParams& p, cudaStream_t stream, bool pdl) {
+  launch_kernel("gemm_bf16_simple", gemm_bf16_simple_kernel, simple_config(p.n, p.m, p.groups, stream, pdl), p);
+}
+void launch_gemm_f32_simple(const F32GemmParams& p, cudaStream_t stream, bool pdl) {
+  launch_kernel("gemm_f32_simple", gemm_f32_simple_kernel, simple_config(p.n, p.m, 1, stream, pdl), p);
+}
+
+}  // namespace detail
+}  // namespace v4attn::kernels
