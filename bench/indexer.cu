@@ -1,0 +1,420 @@
+// Benchmark of the lightning-indexer kernels (include/v4attn/kernels/indexer_kernels.h): scores,
+// top-k -> slots, candidate mask (q pack is a tiny per-row kernel and is covered by the tests).
+//
+// For every context length clen (--clen, default 4096 and 65536), batch shape (--shape: "decode" =
+// T rows of T requests, the worst case for K traffic; "verify" = T/6 requests x 6 consecutive rows
+// (clen-5 .. clen), padded to T with rows of req -1) and row count T: build seeded random inputs
+// (random e2m1 codes, realistic scale bytes, per-request slot tables of 64-slot pages in shuffled
+// page order), validate against the CPU reference (scores: rows 0 and the last real row, bit for
+// bit; top-k and candidate mask: every row, fed the GPU scores), then time each kernel with CUDA
+// events around each launch (5 warm-ups, then --reps launches, a 128 MB memset before each one so
+// that every launch starts with a cold L2) and report the median.
+//
+// "bytes" is what the kernel must move at least: scores = index K of every distinct (request,
+// position) (68 B) + the slot table entries (4 B) + the score row writes (4 B x score_stride) + q;
+// top-k = one read of the visible scores + the selected slot table entries + the output;
+// candidate mask = one read of the visible scores + the mask bytes. "floor" is that at 4.27 TB/s.
+// top-k reads its row 4 times (3 radix passes + output) when clen > topk, so its ratio is >= ~4
+// with a cold L2 (the row stays in L2 after the first pass in a real step).
+//
+// Versions: scores "auto" (the launcher's tile choice) and "s1", "s2", "s4" (32-position steps per
+// warp per CTA, i.e. 128 / 256 / 512 positions per CTA); the others "v1".
+//
+// Usage: bench_indexer [--T 1,6,8,48,64] [--clen 4096,65536] [--shape decode,verify] [--reps 100]
+//                      [--json FILE]
+#include <CLI/CLI.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <numeric>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "runtime/cuda_utils.h"
+#include "v4attn/cache_layout.h"
+#include "v4attn/kernels/indexer_kernels.h"
+#include "v4attn/reference/indexer.h"
+#include "v4attn/rope_table.h"
+
+namespace {
+
+using namespace v4attn;
+using num::bf16_t;
+namespace kn = v4attn::kernels;
+
+constexpr double kHbmBytesPerSecond = 4.27e12;
+constexpr size_t kFlushBytes = size_t{128} << 20;
+constexpr int kHeads = kn::kIndexerHeads;
+constexpr int kTopk = 512;
+constexpr int kMaskBlock = 8;
+constexpr int kCandidateBlocks = 2048;
+
+struct Row {
+  std::string kernel, version, shape;
+  int T = 0;
+  int64_t clen = 0;
+  double median_us = 0.0;
+  int64_t bytes = 0;
+  bool valid = false;
+  double floor_us() const { return static_cast<double>(bytes) / kHbmBytesPerSecond * 1e6; }
+};
+
+std::mt19937_64& rng() {
+  static std::mt19937_64 r(20250101);
+  return r;
+}
+
+template <class T>
+DeviceBuffer<T> to_device(const std::vector<T>& h) {
+  DeviceBuffer<T> d(std::max<size_t>(h.size(), 1));
+  if (!h.empty()) d.upload(h.data(), h.size());
+  return d;
+}
+template <class T>
+std::vector<T> to_host(const DeviceBuffer<T>& d, size_t n) {
+  std::vector<T> h(n);
+  d.download(h.data(), n);
+  return h;
+}
+
+// One step of one shape: host inputs, device copies, and the outputs of the kernels under test.
+struct Problem {
+  std::string shape;
+  int T = 0;
+  int64_t clen = 0, stride = 0, n_req = 0, n_slots = 0, mask_stride = 0;
+  CacheLayout layout = cache_layout(CacheKind::kIndexK);
+  ref::IndexerQ q;
+  std::vector<float> w;
+  std::vector<uint8_t> cache;
+  std::vector<int32_t> table, req, row_clen;
+  DeviceBuffer<uint8_t> d_codes, d_scales, d_cache, d_mask;
+  DeviceBuffer<float> d_w, d_scores;
+  DeviceBuffer<int32_t> d_table, d_req, d_clen, d_out;
+  int64_t distinct_positions = 0;  // sum over requests of their largest clen
+  int64_t visible_positions = 0;   // sum over rows of clen
+};
+
+Problem make_problem(const std::string& shape, int T, int64_t clen) {
+  Problem pb;
+  pb.shape = shape;
+  pb.T = T;
+  pb.clen = clen;
+  pb.stride = (clen + 63) / 64 * 64;
+  pb.mask_stride = (pb.stride + kMaskBlock - 1) / kMaskBlock;
+  const bool verify = shape == "verify" && T >= 6;
+  pb.n_req = verify ? T / 6 : T;
+  pb.req.assign(static_cast<size_t>(T), -1);
+  pb.row_clen.assign(static_cast<size_t>(T), 0);
+  for (int t = 0; t < T; ++t) {
+    if (verify) {
+      if (t / 6 >= pb.n_req) continue;  // padded row
+      pb.req[t] = t / 6;
+      pb.row_clen[t] = static_cast<int32_t>(clen - 5 + t % 6);
+    } else {
+      pb.req[t] = t;
+      pb.row_clen[t] = static_cast<int32_t>(clen);
+    }
+  }
+  for (int t = 0; t < T; ++t) pb.visible_positions += pb.row_clen[t];
+  pb.distinct_positions = pb.n_req * clen;
+
+  // Pool: n_req * clen slots in pages of 64; each request takes clen/64 pages in shuffled order.
+  const int64_t P = pb.layout.page_size;
+  const int64_t pages_per_req = (clen + P - 1) / P;
+  pb.n_slots = pb.n_req * pages_per_req * P;
+  std::vector<int64_t> pages(static_cast<size_t>(pb.n_req * pages_per_req));
+  std::iota(pages.begin(), pages.end(), 0);
+  std::shuffle(pages.begin(), pages.end(), rng());
+  pb.table.resize(static_cast<size_t>(pb.n_req * pb.stride));
+  for (int64_t r = 0; r < pb.n_req; ++r)
+    for (int64_t j = 0; j < pb.stride; ++j)
+      pb.table[r * pb.stride + j] =
+          static_cast<int32_t>(pages[(r * pages_per_req + std::min(j, clen - 1) / P)] * P + std::min(j, clen - 1) % P);
+  pb.cache.resize(static_cast<size_t>(pb.layout.pool_bytes(pb.n_slots)));
+  for (size_t i = 0; i < pb.cache.size(); i += 8) {
+    const uint64_t v = rng()();
+    std::memcpy(pb.cache.data() + i, &v, std::min<size_t>(8, pb.cache.size() - i));
+  }
+  for (int64_t s = 0; s < pb.n_slots; ++s)
+    for (int b = 0; b < 4; ++b) pb.cache[pb.layout.scale_offset(s) + b] = static_cast<uint8_t>(118 + rng()() % 17);
+
+  pb.q.T = T;
+  pb.q.heads = kHeads;
+  pb.q.codes.resize(static_cast<size_t>(T) * kHeads * 64);
+  pb.q.scales.resize(static_cast<size_t>(T) * kHeads * 4);
+  for (auto& b : pb.q.codes) b = static_cast<uint8_t>(rng()());
+  for (auto& s : pb.q.scales) s = static_cast<uint8_t>(118 + rng()() % 17);
+  std::normal_distribution<float> nd(0.0f, 2.0f);
+  std::vector<bf16_t> wproj(static_cast<size_t>(T) * kHeads);
+  for (auto& x : wproj) x = num::bf16_from_f32(nd(rng()));
+  pb.w = ref::indexer_weights(wproj.data(), T, kHeads, kHeads);
+
+  pb.d_codes = to_device(pb.q.codes);
+  pb.d_scales = to_device(pb.q.scales);
+  pb.d_w = to_device(pb.w);
+  pb.d_cache = to_device(pb.cache);
+  pb.d_table = to_device(pb.table);
+  pb.d_req = to_device(pb.req);
+  pb.d_clen = to_device(pb.row_clen);
+  pb.d_scores.resize(static_cast<size_t>(T * pb.stride));
+  pb.d_mask.resize(static_cast<size_t>(T * pb.mask_stride));
+  pb.d_out.resize(static_cast<size_t>(T) * kTopk);
+  return pb;
+}
+
+kn::IndexerScoresParams scores_params(const Problem& pb, int steps) {
+  kn::IndexerScoresParams p;
+  p.q_codes = pb.d_codes.get();
+  p.q_scales = pb.d_scales.get();
+  p.weights = pb.d_w.get();
+  p.index_k_cache = pb.d_cache.get();
+  p.layout = pb.layout;
+  p.n_slots = pb.n_slots;
+  p.req = pb.d_req.get();
+  p.clen = pb.d_clen.get();
+  p.comp_slot_table = pb.d_table.get();
+  p.comp_table_stride = pb.stride;
+  p.comp_table_rows = pb.n_req;
+  p.scores = pb.d_scores.get();
+  p.score_stride = pb.stride;
+  p.T = pb.T;
+  p.steps_per_warp = steps;
+  return p;
+}
+kn::IndexerTopkParams topk_params(const Problem& pb) {
+  kn::IndexerTopkParams p;
+  p.scores = pb.d_scores.get();
+  p.score_stride = pb.stride;
+  p.clen = pb.d_clen.get();
+  p.req = pb.d_req.get();
+  p.T = pb.T;
+  p.comp_slot_table = pb.d_table.get();
+  p.comp_table_stride = pb.stride;
+  p.comp_table_rows = pb.n_req;
+  p.topk = kTopk;
+  p.out = pb.d_out.get();
+  p.out_stride = kTopk;
+  return p;
+}
+kn::CandidateMaskParams mask_params(const Problem& pb) {
+  kn::CandidateMaskParams p;
+  p.scores = pb.d_scores.get();
+  p.score_stride = pb.stride;
+  p.clen = pb.d_clen.get();
+  p.T = pb.T;
+  p.block = kMaskBlock;
+  p.topk_blocks = kCandidateBlocks;
+  p.mask = pb.d_mask.get();
+  p.mask_stride = pb.mask_stride;
+  return p;
+}
+
+// ---- validation ---------------------------------------------------------------------------------
+// Scores of rows 0 and the last real row against the reference (a two-row sub-batch).
+bool validate_scores(Problem& pb, cudaStream_t s) {
+  pb.d_scores.fill_bytes(0xAB, s);
+  kn::run_indexer_scores(scores_params(pb, 0), s, false);
+  V4_CUDA_CHECK(cudaStreamSynchronize(s));
+  const auto got = to_host(pb.d_scores, static_cast<size_t>(pb.T) * pb.stride);
+  int last = pb.T - 1;
+  while (last > 0 && pb.req[last] < 0) --last;
+  std::vector<int> rows = {0};
+  if (last > 0) rows.push_back(last);
+  ref::IndexerQ q;
+  q.T = static_cast<int64_t>(rows.size());
+  q.heads = kHeads;
+  std::vector<float> w;
+  std::vector<int32_t> req, clen;
+  for (int t : rows) {
+    q.codes.insert(q.codes.end(), pb.q.codes.begin() + int64_t{t} * kHeads * 64,
+                   pb.q.codes.begin() + int64_t{t + 1} * kHeads * 64);
+    q.scales.insert(q.scales.end(), pb.q.scales.begin() + int64_t{t} * kHeads * 4,
+                    pb.q.scales.begin() + int64_t{t + 1} * kHeads * 4);
+    w.insert(w.end(), pb.w.begin() + int64_t{t} * kHeads, pb.w.begin() + int64_t{t + 1} * kHeads);
+    req.push_back(pb.req[t]);
+    clen.push_back(pb.row_clen[t]);
+  }
+  std::vector<float> want(rows.size() * static_cast<size_t>(pb.stride));
+  ref::indexer_scores(q, w.data(), pb.cache.data(), pb.layout, pb.n_slots, req.data(), clen.data(), pb.table.data(),
+                      pb.stride, want.data(), pb.stride);
+  for (size_t i = 0; i < rows.size(); ++i)
+    if (std::memcmp(got.data() + int64_t{rows[i]} * pb.stride, want.data() + i * pb.stride, pb.stride * sizeof(float)) != 0)
+      return false;
+  return true;
+}
+
+bool validate_topk_and_mask(Problem& pb, cudaStream_t s, bool& mask_ok) {
+  kn::run_indexer_scores(scores_params(pb, 0), s, false);
+  pb.d_out.fill_bytes(0xAB, s);
+  pb.d_mask.fill_bytes(0xAB, s);
+  kn::run_indexer_topk(topk_params(pb), s, false);
+  kn::run_candidate_mask(mask_params(pb), s, false);
+  V4_CUDA_CHECK(cudaStreamSynchronize(s));
+  const auto scores = to_host(pb.d_scores, static_cast<size_t>(pb.T) * pb.stride);
+  const auto out = to_host(pb.d_out, static_cast<size_t>(pb.T) * kTopk);
+  const auto mask = to_host(pb.d_mask, static_cast<size_t>(pb.T) * pb.mask_stride);
+  std::vector<int32_t> want(out.size());
+  ref::topk_to_slots(scores.data(), pb.T, pb.stride, pb.row_clen.data(), kTopk, pb.req.data(), pb.table.data(),
+                     pb.stride, want.data(), kTopk);
+  std::vector<uint8_t> want_mask(mask.size());
+  ref::candidate_mask(scores.data(), pb.T, pb.stride, pb.row_clen.data(), kMaskBlock, kCandidateBlocks,
+                      want_mask.data(), pb.mask_stride);
+  mask_ok = mask == want_mask;
+  return out == want;
+}
+
+// ---- timing ---------------------------------------------------------------------------------------
+double median_us(const std::function<void(cudaStream_t)>& launch, int reps, DeviceBuffer<uint8_t>& flush,
+                 cudaStream_t s) {
+  cudaEvent_t start, stop;
+  V4_CUDA_CHECK(cudaEventCreate(&start));
+  V4_CUDA_CHECK(cudaEventCreate(&stop));
+  for (int i = 0; i < 5; ++i) launch(s);  // warm-up
+  std::vector<float> ms;
+  ms.reserve(static_cast<size_t>(reps));
+  for (int i = 0; i < reps; ++i) {
+    V4_CUDA_CHECK(cudaMemsetAsync(flush.get(), i & 0xff, flush.bytes(), s));  // cold L2
+    V4_CUDA_CHECK(cudaEventRecord(start, s));
+    launch(s);
+    V4_CUDA_CHECK(cudaEventRecord(stop, s));
+    V4_CUDA_CHECK(cudaEventSynchronize(stop));
+    float t = 0.0f;
+    V4_CUDA_CHECK(cudaEventElapsedTime(&t, start, stop));
+    ms.push_back(t);
+  }
+  V4_CUDA_CHECK(cudaEventDestroy(start));
+  V4_CUDA_CHECK(cudaEventDestroy(stop));
+  std::nth_element(ms.begin(), ms.begin() + ms.size() / 2, ms.end());
+  return static_cast<double>(ms[ms.size() / 2]) * 1000.0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"bench_indexer: validate, then time the lightning-indexer kernels"};
+  std::vector<int> Ts = {1, 6, 8, 48, 64};
+  std::vector<int64_t> clens = {4096, 65536};
+  std::vector<std::string> shapes = {"decode", "verify"};
+  int reps = 100;
+  std::string json_path;
+  app.add_option("--T", Ts, "row counts T")->delimiter(',');
+  app.add_option("--clen", clens, "context lengths (compressed positions per row)")->delimiter(',');
+  app.add_option("--shape", shapes, "batch shapes: decode (one request per row), verify (6 rows per request)")
+      ->delimiter(',');
+  app.add_option("--reps", reps, "timed launches per case (>= 50)")->check(CLI::Range(50, 100000));
+  app.add_option("--json", json_path, "also write the rows to this JSON file");
+  CLI11_PARSE(app, argc, argv);
+
+  try {
+    std::string reason;
+    if (!gpu_available(&reason)) {
+      std::fprintf(stderr, "bench_indexer: needs an sm_90 GPU: %s\n", reason.c_str());
+      return 2;
+    }
+    for (int T : Ts)
+      if (T < 1 || T > 1024) throw std::invalid_argument("--T values must be in [1, 1024]");
+    for (int64_t c : clens)
+      if (c < 8 || c > (int64_t{1} << 20)) throw std::invalid_argument("--clen values must be in [8, 2^20]");
+    for (const auto& s : shapes)
+      if (s != "decode" && s != "verify") throw std::invalid_argument("--shape must be decode or verify");
+    cudaStream_t stream;
+    V4_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    DeviceBuffer<uint8_t> flush(kFlushBytes);
+
+    std::vector<Row> rows;
+    bool all_valid = true;
+    std::printf("%-14s %-5s %-6s %5s %7s %11s %11s %9s %7s %s\n", "kernel", "ver", "shape", "T", "clen", "median_us",
+                "bytes", "floor_us", "ratio", "valid");
+    auto report = [&](Row r) {
+      all_valid = all_valid && r.valid;
+      std::printf("%-14s %-5s %-6s %5d %7lld %11.2f %11lld %9.3f %7.2f %s\n", r.kernel.c_str(), r.version.c_str(),
+                  r.shape.c_str(), r.T, static_cast<long long>(r.clen), r.median_us, static_cast<long long>(r.bytes),
+                  r.floor_us(), r.median_us / r.floor_us(), r.valid ? "ok" : "MISMATCH");
+      std::fflush(stdout);
+      rows.push_back(r);
+    };
+    for (int64_t clen : clens)
+      for (const auto& shape : shapes)
+        for (int T : Ts) {
+          if (shape == "verify" && T < 6) continue;  // a verify block is 6 rows
+          Problem pb = make_problem(shape, T, clen);
+          V4_CUDA_CHECK(cudaDeviceSynchronize());
+          const bool scores_ok = validate_scores(pb, stream);
+          bool mask_ok = false;
+          const bool topk_ok = validate_topk_and_mask(pb, stream, mask_ok);
+
+          const int64_t scores_bytes = pb.distinct_positions * (kn::kIndexerCodeBytes + kn::kIndexerScaleBytes) +
+                                       pb.distinct_positions * 4 + int64_t{pb.T} * pb.stride * 4 +
+                                       int64_t{pb.T} * kHeads * (64 + 4 + 4);
+          for (int steps : {0, 1, 2, 4}) {
+            const auto p = scores_params(pb, steps);
+            Row r;
+            r.kernel = "scores";
+            r.version = steps == 0 ? "auto" : "s" + std::to_string(steps);
+            r.shape = shape;
+            r.T = T;
+            r.clen = clen;
+            r.bytes = scores_bytes;
+            r.valid = scores_ok;
+            r.median_us = median_us([&](cudaStream_t s) { kn::run_indexer_scores(p, s, false); }, reps, flush, stream);
+            report(r);
+          }
+          // Top-k and the candidate mask read the scores the scores kernel left in d_scores.
+          kn::run_indexer_scores(scores_params(pb, 0), stream, false);
+          {
+            const auto p = topk_params(pb);
+            Row r;
+            r.kernel = "topk";
+            r.version = "v1";
+            r.shape = shape;
+            r.T = T;
+            r.clen = clen;
+            r.bytes = pb.visible_positions * 4 + int64_t{pb.T} * kTopk * (4 + 4);
+            r.valid = topk_ok;
+            r.median_us = median_us([&](cudaStream_t s) { kn::run_indexer_topk(p, s, false); }, reps, flush, stream);
+            report(r);
+          }
+          {
+            const auto p = mask_params(pb);
+            Row r;
+            r.kernel = "candidate_mask";
+            r.version = "v1";
+            r.shape = shape;
+            r.T = T;
+            r.clen = clen;
+            r.bytes = pb.visible_positions * 4 + int64_t{pb.T} * pb.mask_stride;
+            r.valid = mask_ok;
+            r.median_us = median_us([&](cudaStream_t s) { kn::run_candidate_mask(p, s, false); }, reps, flush, stream);
+            report(r);
+          }
+        }
+
+    if (!json_path.empty()) {
+      nlohmann::json j = nlohmann::json::array();
+      for (const Row& r : rows)
+        j.push_back({{"kernel", r.kernel}, {"version", r.version}, {"shape", r.shape}, {"T", r.T}, {"clen", r.clen},
+                     {"median_us", r.median_us}, {"bytes", r.bytes}, {"floor_us", r.floor_us()},
+                     {"ratio", r.median_us / r.floor_us()}, {"valid", r.valid}});
+      std::ofstream f(json_path);
+      if (!f) throw std::runtime_error("cannot write " + json_path);
+      f << j.dump(2) << "\n";
+    }
+    V4_CUDA_CHECK(cudaStreamDestroy(stream));
+    if (!all_valid) {
+      std::fprintf(stderr, "bench_indexer: some kernels do not match the reference (see 'valid')\n");
+      return 1;
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_indexer: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,156 @@
+// Lightning-indexer kernels for sm_90a (spec v41-attention.md section 3.4), each bit-exact against
+// the CPU reference of include/v4attn/reference/indexer.h:
+//   run_indexer_q_pack      qi (wq_b output) + pos -> RoPE -> FP4 indexer quant (codes + ue8m0),
+//                           and weights_proj output -> fp32 head weights (ref::indexer_q_pack,
+//                           ref::indexer_weights);
+//   run_indexer_scores      score[t, j] = sum_h relu(q[t,h] . K[slot(t,j)]) * w[t,h] over the
+//                           index-K paged cache, -inf for j >= clen (ref::indexer_scores);
+//   run_candidate_mask      candidate source: top blocks of 8 positions (ref::candidate_mask);
+//   run_apply_candidate_mask  later index sources: scores outside the mask -> -inf, in place
+//                           (ref::apply_candidate_mask);
+//   run_indexer_topk        top-k positions -> compressed-pool slots sorted by position, -1
+//                           padded (ref::topk_to_slots), optionally with the candidate mask fused
+//                           (same result as apply_candidate_mask + topk, one pass less).
+//
+// Conventions: every array is a device pointer, row-major, strides in elements. Each run_*
+// validates shapes and pointers on the host (std::invalid_argument, nothing launched) and takes
+// the stream and a `pdl` flag (programmatic dependent launch: each kernel waits for its stream
+// predecessor before its first global read and lets its successor launch after its last store).
+// Values that live on the device (pos, req, clen, slots) cannot be checked on the host: the
+// kernels contain them (skip or clamp) and count each case in `err_count` (nullable).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "v4attn/cache_layout.h"
+#include "v4attn/numerics.h"
+
+namespace v4attn::kernels {
+
+constexpr int kIndexerHeads = 32;     // index_n_heads (the scores kernel is written for 32)
+constexpr int kIndexerHeadDim = 128;  // index_head_dim
+constexpr int kIndexerCodeBytes = 64; // e2m1 pairs per head (or per index-K slot)
+constexpr int kIndexerScaleBytes = 4; // ue8m0 per head (one per 32 values)
+
+// ---- q pack + head weights ------------------------------------------------------------------
+// Grid: T CTAs of 128 threads; one CTA owns one row (all heads). Thread (h, b) quantizes block b
+// (32 values) of head h. Row t with pos outside [0, max_pos) is skipped (its codes and scales
+// are not written; weights are) and counted.
+struct IndexerQPackParams {
+  const num::bf16_t* qi = nullptr;        // [T, qi_stride], head h at h*128 (wq_b_idx output)
+  int64_t qi_stride = 0;                  // >= heads*128, multiple of 8 (16-byte rows)
+  const num::bf16_t* wproj_out = nullptr; // [T, wproj_stride], head h at h (weights_proj output)
+  int64_t wproj_stride = 0;               // >= heads
+  const int32_t* pos = nullptr;           // [T]
+  const float* rope_table = nullptr;      // [max_pos, 64] (the layer's compressed RoPE table)
+  int64_t max_pos = 0;
+  int64_t T = 0;
+  int heads = kIndexerHeads;              // local heads, 1..32
+  int heads_total = kIndexerHeads;        // for the weight scale 128^-0.5 * heads_total^-0.5
+  uint8_t* q_codes = nullptr;             // [T, heads, 64] e2m1 pairs, even element low nibble
+  uint8_t* q_scales = nullptr;            // [T, heads, 4] ue8m0
+  float* weights = nullptr;               // [T, heads]
+  unsigned long long* err_count = nullptr;    // device counter (nullable)
+};
+void run_indexer_q_pack(const IndexerQPackParams& p, cudaStream_t stream, bool pdl);
+
+// The fp32 weight scale, computed exactly like the reference: 1/64 for 32 heads.
+float indexer_weight_scale(int heads_total);
+
+// ---- scores ---------------------------------------------------------------------------------
+// Grid: (T, position tiles); one CTA owns one row and a tile of positions; 4 warps, each takes
+// 32 positions per step (int8 tensor-core MMAs give the exact 32-element block sums).
+// Bytes: 68 B of index K + 4 B of slot table per visible position, 4 B of score per stride slot.
+// K slot of position j: comp_slot_table[req[t] * comp_table_stride + j]. req < 0 is a padded row
+// (all -inf, like the reference). Device-side containment of what the reference refuses: a slot
+// outside [0, n_slots) gives score -inf for that position (counted once per position); a row with
+// req >= comp_table_rows sees nothing, a clen outside [0, min(score_stride, comp_table_stride)] is
+// clamped into it (counted once per row).
+// Bit-exact against the reference (which uses ldexp) whenever the scale exponents of each
+// (q block, K block) pair satisfy -149 <= eq + ek - 2 <= 127 (the fp32 power of two sq * sk / 4
+// exists); real activations are far inside (|eq|, |ek| < ~20).
+struct IndexerScoresParams {
+  const uint8_t* q_codes = nullptr;       // [T, 32, 64] (16-byte aligned)
+  const uint8_t* q_scales = nullptr;      // [T, 32, 4]  (16-byte aligned)
+  const float* weights = nullptr;         // [T, 32]
+  const uint8_t* index_k_cache = nullptr; // index-K pool (16-byte aligned)
+  CacheLayout layout{};                   // cache_layout(CacheKind::kIndexK, P), P power of 2, P % 4 == 0
+  int64_t n_slots = 0;                    // slots the pool holds
+  const int32_t* req = nullptr;           // [T]
+  const int32_t* clen = nullptr;          // [T]
+  const int32_t* comp_slot_table = nullptr;  // [comp_table_rows, comp_table_stride]
+  int64_t comp_table_stride = 0;
+  int64_t comp_table_rows = 0;
+  float* scores = nullptr;                // [T, score_stride]
+  int64_t score_stride = 0;               // multiple of 64
+  int64_t T = 0;
+  unsigned long long* err_count = nullptr;    // device counter (nullable)
+  int steps_per_warp = 0;                 // tuning: 32-position steps per warp per CTA (1..4);
+                                          // 0 = automatic (4, fewer when T * tiles is small)
+};
+void run_indexer_scores(const IndexerScoresParams& p, cudaStream_t stream, bool pdl);
+
+// ---- candidate mask (candidate source layer) ------------------------------------------------
+// Grid: T CTAs of 1024 threads; one CTA owns one row. Block score = max over `block` positions
+// (< clen), the block holding clen-1 pinned to +inf; the top min(topk_blocks, n_blocks) blocks
+// with score > -inf (ties: lower block first) get 1, every other byte of the row's
+// [0, mask_stride) gets 0.
+struct CandidateMaskParams {
+  const float* scores = nullptr;          // [T, score_stride]
+  int64_t score_stride = 0;
+  const int32_t* clen = nullptr;          // [T]; clamped to [0, score_stride] (counted)
+  int64_t T = 0;
+  int block = 8;                          // candidate_block_size
+  int topk_blocks = 2048;                 // candidate_topk_blocks
+  uint8_t* mask = nullptr;                // [T, mask_stride]
+  int64_t mask_stride = 0;                // >= ceil(score_stride / block)
+  unsigned long long* err_count = nullptr;    // device counter (nullable)
+};
+void run_candidate_mask(const CandidateMaskParams& p, cudaStream_t stream, bool pdl);
+
+// In place: scores[t, j] = -inf for j < clen[t] with mask[t, j / block] == 0. Entries j >= clen
+// are not touched (the scores kernel already wrote -inf there). Grid: (row tiles, T).
+struct ApplyCandidateMaskParams {
+  float* scores = nullptr;                // [T, score_stride]
+  int64_t score_stride = 0;
+  const int32_t* clen = nullptr;          // [T]; clamped to [0, score_stride] (counted)
+  int64_t T = 0;
+  int block = 8;
+  const uint8_t* mask = nullptr;          // [T, mask_stride]
+  int64_t mask_stride = 0;                // >= ceil(score_stride / block)
+  unsigned long long* err_count = nullptr;    // device counter (nullable)
+};
+void run_apply_candidate_mask(const ApplyCandidateMaskParams& p, cudaStream_t stream, bool pdl);
+
+// ---- top-k -> slots -------------------------------------------------------------------------
+// Grid: T CTAs of 1024 threads; one CTA owns one row. req and clen are contained like the scores
+// kernel's (req < 0: all -1). k = min(topk, clen) best scores among
+// positions j < clen with score > -inf (ties: lower position first), output sorted by position,
+// mapped through comp_slot_table[req * stride + j], then -1 up to out_stride. Selection: radix
+// select (11 + 11 + 10 bits) of the order-preserving key of each score, then a bitmap over
+// positions compacted in position order (sorted output, exact tie order). -0.0 and +0.0 are one
+// key (they compare equal, as in the reference).
+// With candidate_mask set, position j < clen counts as -inf when mask[j / mask_block] == 0
+// (= apply_candidate_mask then top-k, without rewriting the scores).
+struct IndexerTopkParams {
+  const float* scores = nullptr;          // [T, score_stride]
+  int64_t score_stride = 0;
+  const int32_t* clen = nullptr;          // [T]; clamped to [0, min(score_stride, table stride)]
+  const int32_t* req = nullptr;           // [T]; rows outside [0, comp_table_rows) give all -1
+  int64_t T = 0;
+  const int32_t* comp_slot_table = nullptr;  // [comp_table_rows, comp_table_stride]
+  int64_t comp_table_stride = 0;
+  int64_t comp_table_rows = 0;
+  const uint8_t* candidate_mask = nullptr;   // optional [T, mask_stride]
+  int64_t mask_stride = 0;
+  int mask_block = 8;
+  int topk = 512;                         // index_topk, 1..out_stride
+  int32_t* out = nullptr;                 // [T, out_stride]
+  int64_t out_stride = 0;                 // multiple of 64, >= topk
+  unsigned long long* err_count = nullptr;    // device counter (nullable)
+};
+void run_indexer_topk(const IndexerTopkParams& p, cudaStream_t stream, bool pdl);
+
+}  // namespace v4attn::kernels

@@ -1,0 +1,440 @@
+// Indexer selection kernels (spec 3.4): top-k -> slots, the candidate-source block mask, and the
+// mask applied by later index sources. Twins of ref::topk_to_slots, ref::candidate_mask and
+// ref::apply_candidate_mask (exact indices, exact tie order).
+//
+// Selection core (one CTA of 1024 threads per row). Each element i < n has a 32-bit key: the
+// order-preserving transform of its fp32 value (-0.0 folded onto +0.0, since the reference
+// compares floats and -0.0 == +0.0), or 0 for an element that can never be selected (value not
+// > -inf: -inf, NaN, masked). Valid keys are >= 0x00800000, so 0 is free. The reference order is
+// (value descending, index ascending); its top k is {key > K*} plus the lowest-index k_eq
+// elements with key == K*, where K* is the key of the k-th element. K* is found by a radix select
+// over the keys (digits of 11, 11 and 10 bits from the top; one pass over the source each, with
+// a shared-memory histogram and a block scan to find the digit holding the k-th element). When
+// every valid element fits (n_valid <= k) no radix pass is needed: K* = 0, k_eq = 0.
+// Output stage, in chunks of 65536 elements (in index order): per 32-element word a warp ballot
+// gives the bitmaps {key > K*} and {key == K*}; a block scan over the words' tie counts keeps the
+// first k_eq ties; a second scan over the selected counts gives each word's output offset. Each
+// thread owns 2 consecutive words, so the output is in index order by construction (the sort by
+// position of the reference comes for free).
+//
+// Bytes (top-k, per row): the clen scores are read 4 times when clen > topk (3 radix passes + the
+// output pass; the row is L2-resident after the first) and once when clen <= topk; plus k slot
+// table entries read and out_stride ints written.
+//
+// PDL: clen and req are read before dev::pdl_wait(); scores and the mask after it. The trigger
+// follows the CTA's last store.
+#include "v4attn/kernels/indexer_kernels.h"
+
+#include <stdexcept>
+#include <string>
+
+#include "kernels/device_common.cuh"
+#include "runtime/launch.h"
+
+namespace v4attn::kernels {
+
+namespace {
+
+constexpr int kThreads = 1024;
+constexpr int kWarps = kThreads / 32;
+constexpr int kRadixBins = 2048;             // 11-bit digits
+constexpr int kChunkWords = 2 * kThreads;    // bitmap words per output chunk
+constexpr int64_t kChunkElems = 32 * int64_t{kChunkWords};  // 65536
+constexpr uint32_t kFullMask = 0xffffffffu;
+constexpr uint32_t kKeyNone = 0xffffffffu;  // threshold that selects nothing (with k_eq = 0)
+
+struct SelectSmem {
+  int hist[kRadixBins];
+  uint32_t bm_gt[kChunkWords];
+  uint32_t bm_eq[kChunkWords];
+  int warp_total[kWarps];
+  int found_bin;
+  int found_above;
+};
+
+__device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
+
+// Order-preserving key of a selectable value (v > -inf, so never NaN); -0.0 maps like +0.0.
+__device__ __forceinline__ uint32_t value_key(float v) {
+  uint32_t u = num::f32_bits(v);
+  if (u == 0x80000000u) u = 0u;
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Scores of one row (positions < clen), optionally masked by candidate blocks.
+struct ScoreKeys {
+  const float* row;
+  const uint8_t* mask;  // null: no mask
+  int mask_block;
+  __device__ __forceinline__ uint32_t key(int64_t j) const {
+    const float v = row[j];
+    if (mask != nullptr && mask[j / mask_block] == 0) return 0u;
+    return v > neg_inf() ? value_key(v) : 0u;
+  }
+};
+
+// Candidate blocks of one row: max over `block` positions below clen (num::max_f from -inf, as
+// the reference), the newest block pinned to +inf.
+struct BlockKeys {
+  const float* row;
+  int64_t clen;
+  int block;
+  int64_t newest;
+  __device__ __forceinline__ uint32_t key(int64_t i) const {
+    float v = neg_inf();
+    if (i == newest) {
+      v = __int_as_float(0x7f800000);
+    } else {
+      const int64_t end = min((i + 1) * block, clen);
+      for (int64_t j = i * block; j < end; ++j) v = num::max_f(v, row[j]);
+    }
+    return v > neg_inf() ? value_key(v) : 0u;
+  }
+};
+
+// Inclusive scan of one int per thread over the CTA; `total` gets the CTA sum. All threads call.
+__device__ __forceinline__ int block_scan_inclusive(int v, int& total, SelectSmem& sm) {
+  const int lane = static_cast<int>(threadIdx.x) % 32, wid = static_cast<int>(threadIdx.x) / 32;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int n = __shfl_up_sync(kFullMask, v, off);
+    if (lane >= off) v += n;
+  }
+  if (lane == 31) sm.warp_total[wid] = v;
+  __syncthreads();
+  if (wid == 0) {
+    int w = sm.warp_total[lane];
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int n = __shfl_up_sync(kFullMask, w, off);
+      if (lane >= off) w += n;
+    }
+    sm.warp_total[lane] = w;
+  }
+  __syncthreads();
+  const int result = v + (wid > 0 ? sm.warp_total[wid - 1] : 0);
+  total = sm.warp_total[kWarps - 1];
+  __syncthreads();  // warp_total is reused by the next scan
+  return result;
+}
+
+// Histogram of the digit (key >> shift) & (2^digit_bits - 1) over valid keys whose bits from
+// prefix_shift up equal `prefix` (all valid keys when prefix_shift == 32; prefix_shift is always
+// shift + digit_bits). Warp-aggregated shared atomics: equal digits inside a warp (ties) cost one
+// atomic.
+template <class Keys>
+__device__ void histogram_pass(const Keys& keys, int64_t n, int shift, int digit_bits, uint32_t prefix,
+                               SelectSmem& sm) {
+  const int prefix_shift = shift + digit_bits;
+  const uint32_t digit_mask = (1u << digit_bits) - 1u;
+  for (int i = threadIdx.x; i < kRadixBins; i += kThreads) sm.hist[i] = 0;
+  __syncthreads();
+  const int64_t n_round = (n + kThreads - 1) / kThreads * kThreads;  // every lane of a warp iterates alike
+  for (int64_t j = threadIdx.x; j < n_round; j += kThreads) {
+    const uint32_t k = j < n ? keys.key(j) : 0u;
+    const bool take = k != 0u && (prefix_shift >= 32 || (k >> prefix_shift) == prefix);
+    const uint32_t active = __ballot_sync(kFullMask, take);
+    if (take) {
+      const uint32_t digit = (k >> shift) & digit_mask;
+      const uint32_t peers = __match_any_sync(active, digit);
+      if ((threadIdx.x % 32) == static_cast<unsigned>(__ffs(peers) - 1)) atomicAdd(&sm.hist[digit], __popc(peers));
+    }
+  }
+  __syncthreads();
+}
+
+// After a histogram: the digit holding the k_rem-th largest element (1-based) and the number of
+// elements in higher digits. Precondition: the histogram total >= k_rem >= 1.
+__device__ void find_digit(int k_rem, int bins, int& digit, int& above, SelectSmem& sm) {
+  // Thread i owns the descending bins 2i and 2i+1 (bins - 1 - 2i, bins - 2 - 2i).
+  const int d0 = bins - 1 - 2 * static_cast<int>(threadIdx.x), d1 = d0 - 1;
+  const int h0 = d0 >= 0 ? sm.hist[d0] : 0, h1 = d1 >= 0 ? sm.hist[d1] : 0;
+  int total;
+  const int incl = block_scan_inclusive(h0 + h1, total, sm);
+  const int excl = incl - h0 - h1;
+  if (excl < k_rem && k_rem <= incl) {
+    if (excl + h0 >= k_rem) {
+      sm.found_bin = d0;
+      sm.found_above = excl;
+    } else {
+      sm.found_bin = d1;
+      sm.found_above = excl + h0;
+    }
+  }
+  __syncthreads();
+  digit = sm.found_bin;
+  above = sm.found_above;
+  __syncthreads();
+}
+
+// Threshold of the top k (k >= 1) of the n keys: select {key > thr} + first k_eq with key == thr.
+// When all valid keys fit: thr = 0, k_eq = 0 (selects exactly the valid keys).
+template <class Keys>
+__device__ void radix_select(const Keys& keys, int64_t n, int k, uint32_t& thr, int& k_eq, SelectSmem& sm) {
+  histogram_pass(keys, n, 21, 11, 0u, sm);  // bits 31..21
+  int n_valid;
+  {
+    int v = 0;
+    for (int i = threadIdx.x; i < kRadixBins; i += kThreads) v += sm.hist[i];
+    block_scan_inclusive(v, n_valid, sm);
+  }
+  if (n_valid <= k) {
+    thr = 0u;
+    k_eq = 0;
+    return;
+  }
+  int k_rem = k, digit, above;
+  find_digit(k_rem, kRadixBins, digit, above, sm);
+  uint32_t prefix = static_cast<uint32_t>(digit);  // bits 31..21
+  k_rem -= above;
+  histogram_pass(keys, n, 10, 11, prefix, sm);  // bits 20..10
+  find_digit(k_rem, kRadixBins, digit, above, sm);
+  prefix = (prefix << 11) | static_cast<uint32_t>(digit);  // bits 31..10
+  k_rem -= above;
+  histogram_pass(keys, n, 0, 10, prefix, sm);  // bits 9..0
+  find_digit(k_rem, kRadixBins / 2, digit, above, sm);
+  thr = (prefix << 10) | static_cast<uint32_t>(digit);
+  k_rem -= above;
+  k_eq = k_rem;  // >= 1: elements equal to thr taken in index order
+}
+
+// The lowest n set bits of m.
+__device__ __forceinline__ uint32_t lowest_set_bits(uint32_t m, int n) {
+  if (n >= __popc(m)) return m;
+  uint32_t r = 0u;
+  for (int i = 0; i < n; ++i) {
+    const uint32_t b = m & (0u - m);
+    r |= b;
+    m ^= b;
+  }
+  return r;
+}
+
+// Output stage over elements [0, n): calls emit(word_index_global, selected_bits, out_offset) for
+// this thread's two words of each chunk, in index order; returns the number selected.
+template <class Keys, class Emit>
+__device__ int select_and_emit(const Keys& keys, int64_t n, int64_t n_keyed, uint32_t thr, int k_eq, SelectSmem& sm,
+                               const Emit& emit) {
+  const int lane = static_cast<int>(threadIdx.x) % 32, wid = static_cast<int>(threadIdx.x) / 32;
+  int eq_seen = 0, out_count = 0;
+  for (int64_t base = 0; base < n; base += kChunkElems) {
+    const int64_t chunk_n = min(kChunkElems, n - base);
+    const int words = static_cast<int>((chunk_n + 31) / 32);
+    for (int w = wid; w < kChunkWords; w += kWarps) {
+      const int64_t j = base + 32 * int64_t{w} + lane;
+      const uint32_t k = (w < words && j < n_keyed) ? keys.key(j) : 0u;
+      const uint32_t gt = __ballot_sync(kFullMask, k != 0u && k > thr);
+      const uint32_t eq = __ballot_sync(kFullMask, k != 0u && k == thr);
+      if (lane == 0) {
+        sm.bm_gt[w] = gt;
+        sm.bm_eq[w] = eq;
+      }
+    }
+    __syncthreads();
+    const int w0 = 2 * static_cast<int>(threadIdx.x), w1 = w0 + 1;
+    const uint32_t eq0 = sm.bm_eq[w0], eq1 = sm.bm_eq[w1];
+    const int e0 = __popc(eq0), e1 = __popc(eq1);
+    int eq_total;
+    const int eq_incl = block_scan_inclusive(e0 + e1, eq_total, sm);
+    const int before0 = eq_seen + eq_incl - e0 - e1, before1 = before0 + e0;
+    const uint32_t sel0 = sm.bm_gt[w0] | lowest_set_bits(eq0, max(0, min(e0, k_eq - before0)));
+    const uint32_t sel1 = sm.bm_gt[w1] | lowest_set_bits(eq1, max(0, min(e1, k_eq - before1)));
+    const int cnt = __popc(sel0) + __popc(sel1);
+    int sel_total;
+    const int sel_incl = block_scan_inclusive(cnt, sel_total, sm);
+    const int off = out_count + sel_incl - cnt;
+    emit(base + 32 * int64_t{w0}, sel0, off);
+    emit(base + 32 * int64_t{w1}, sel1, off + __popc(sel0));
+    eq_seen += eq_total;
+    out_count += sel_total;
+    // block_scan_inclusive ends with __syncthreads: the bitmaps are free for the next chunk.
+  }
+  return out_count;
+}
+
+// Row metadata shared by top-k: clamps like the reference refuses, counts once per row.
+__device__ __forceinline__ int64_t clamp_row(int32_t req, int64_t c, const IndexerTopkParams& p, bool& err) {
+  err = false;
+  if (c < 0) { c = 0; err = true; }
+  if (c > p.score_stride) { c = p.score_stride; err = true; }
+  if (req < 0) {
+    c = 0;
+  } else if (req >= p.comp_table_rows) {
+    if (c > 0) err = true;
+    c = 0;
+  } else if (c > p.comp_table_stride) {
+    c = p.comp_table_stride;
+    err = true;
+  }
+  return c;
+}
+
+// ---- top-k -> slots ---------------------------------------------------------------------------
+// Grid T, block 1024: one CTA per row.
+__global__ void __launch_bounds__(kThreads) indexer_topk_kernel(const __grid_constant__ IndexerTopkParams p) {
+  __shared__ SelectSmem sm;
+  const int64_t t = blockIdx.x;
+  const int32_t req = p.req[t];
+  bool err;
+  const int64_t c = clamp_row(req, p.clen[t], p, err);
+  if (err && threadIdx.x == 0) dev::count_error(p.err_count);
+
+  dev::pdl_wait();  // scores (and the mask) come from predecessors
+
+  int32_t* out = p.out + t * p.out_stride;
+  const int k = static_cast<int>(min(static_cast<int64_t>(p.topk), c));
+  int n_out = 0;
+  if (k > 0) {
+    const ScoreKeys keys{p.scores + t * p.score_stride,
+                         p.candidate_mask != nullptr ? p.candidate_mask + t * p.mask_stride : nullptr, p.mask_block};
+    uint32_t thr = 0u;
+    int k_eq = 0;
+    if (c > k) radix_select(keys, c, k, thr, k_eq, sm);  // else every valid position is selected
+    const int32_t* table = p.comp_slot_table + static_cast<int64_t>(req) * p.comp_table_stride;
+    const int64_t out_stride = p.out_stride;
+    n_out = select_and_emit(keys, c, c, thr, k_eq, sm, [&](int64_t first, uint32_t bits, int off) {
+      while (bits != 0u) {
+        const int b = __ffs(bits) - 1;
+        bits &= bits - 1u;
+        if (off < out_stride) out[off] = table[first + b];
+        ++off;
+      }
+    });
+  }
+  for (int64_t i = n_out + threadIdx.x; i < p.out_stride; i += kThreads) out[i] = -1;
+
+  dev::pdl_launch_dependents();  // after this thread's last store
+}
+
+// ---- candidate mask ---------------------------------------------------------------------------
+// Grid T, block 1024: one CTA per row; elements are the row's blocks of `block` positions.
+__global__ void __launch_bounds__(kThreads) candidate_mask_kernel(const __grid_constant__ CandidateMaskParams p) {
+  __shared__ SelectSmem sm;
+  const int64_t t = blockIdx.x;
+  int64_t c = p.clen[t];
+  if (c < 0 || c > p.score_stride) {
+    if (threadIdx.x == 0) dev::count_error(p.err_count);
+    c = c < 0 ? 0 : p.score_stride;
+  }
+  const int64_t n_blocks = (c + p.block - 1) / p.block;
+
+  dev::pdl_wait();
+
+  const BlockKeys keys{p.scores + t * p.score_stride, c, p.block, n_blocks - 1};
+  const int k = static_cast<int>(min(static_cast<int64_t>(p.topk_blocks), n_blocks));
+  uint32_t thr = kKeyNone;
+  int k_eq = 0;
+  if (k > 0) {
+    thr = 0u;
+    if (n_blocks > k) radix_select(keys, n_blocks, k, thr, k_eq, sm);
+  }
+  uint8_t* mask = p.mask + t * p.mask_stride;
+  // Every byte of [0, mask_stride) is written: blocks >= n_blocks have key 0 (never selected).
+  select_and_emit(keys, p.mask_stride, n_blocks, thr, k_eq, sm, [&](int64_t first, uint32_t bits, int) {
+    const int64_t end = min(first + 32, p.mask_stride);
+    for (int64_t i = first; i < end; ++i) mask[i] = static_cast<uint8_t>((bits >> (i - first)) & 1u);
+  });
+
+  dev::pdl_launch_dependents();
+}
+
+// ---- apply candidate mask ---------------------------------------------------------------------
+// Grid (ceil(score_stride / 1024), T), block 256: each thread 4 positions of one row.
+constexpr int kApplyThreads = 256;
+constexpr int kApplyPerCta = 4 * kApplyThreads;
+
+__global__ void __launch_bounds__(kApplyThreads)
+    apply_candidate_mask_kernel(const __grid_constant__ ApplyCandidateMaskParams p) {
+  const int64_t t = blockIdx.y;
+  int64_t c = p.clen[t];
+  if (c < 0 || c > p.score_stride) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) dev::count_error(p.err_count);
+    c = c < 0 ? 0 : p.score_stride;
+  }
+  dev::pdl_wait();
+  float* row = p.scores + t * p.score_stride;
+  const uint8_t* mask = p.mask + t * p.mask_stride;
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * kApplyPerCta + threadIdx.x;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int64_t j = base + i * kApplyThreads;
+    if (j < c && mask[j / p.block] == 0) row[j] = neg_inf();
+  }
+  dev::pdl_launch_dependents();
+}
+
+void require(bool ok, const char* who, const std::string& what) {
+  if (!ok) throw std::invalid_argument(std::string(who) + ": " + what);
+}
+
+}  // namespace
+
+void run_indexer_topk(const IndexerTopkParams& p, cudaStream_t stream, bool pdl) {
+  const char* who = "run_indexer_topk";
+  require(p.T >= 0, who, "negative T");
+  require(p.out_stride > 0 && p.out_stride % 64 == 0, who,
+          "out_stride " + std::to_string(p.out_stride) + " must be a positive multiple of 64");
+  require(p.topk >= 0 && p.topk <= p.out_stride, who,
+          "topk " + std::to_string(p.topk) + " must be in [0, out_stride]");
+  require(p.score_stride > 0 && p.score_stride < (int64_t{1} << 31), who, "score_stride must be in [1, 2^31)");
+  require(p.comp_table_stride >= 0 && p.comp_table_rows >= 0, who, "negative slot table shape");
+  if (p.candidate_mask != nullptr) {
+    require(p.mask_block > 0, who, "mask_block must be > 0");
+    require(p.mask_stride >= (p.score_stride + p.mask_block - 1) / p.mask_block, who,
+            "mask_stride must be >= ceil(score_stride / mask_block)");
+  }
+  if (p.T == 0) return;
+  require(p.T <= 0x7fffffff, who, "T too large for one grid dimension");
+  require(p.scores != nullptr && p.clen != nullptr && p.req != nullptr && p.out != nullptr, who, "null pointer");
+  require(p.comp_slot_table != nullptr || p.comp_table_rows == 0, who, "null slot table");
+
+  LaunchConfig cfg;
+  cfg.grid = dim3(static_cast<unsigned>(p.T), 1, 1);
+  cfg.block = dim3(kThreads, 1, 1);
+  cfg.stream = stream;
+  cfg.pdl = pdl;
+  launch_kernel("indexer_topk", indexer_topk_kernel, cfg, p);
+}
+
+void run_candidate_mask(const CandidateMaskParams& p, cudaStream_t stream, bool pdl) {
+  const char* who = "run_candidate_mask";
+  require(p.T >= 0, who, "negative T");
+  require(p.block > 0, who, "block must be > 0");
+  require(p.topk_blocks >= 0, who, "topk_blocks must be >= 0");
+  require(p.score_stride > 0 && p.score_stride < (int64_t{1} << 31), who, "score_stride must be in [1, 2^31)");
+  require(p.mask_stride >= (p.score_stride + p.block - 1) / p.block && p.mask_stride < (int64_t{1} << 31), who,
+          "mask_stride must be >= ceil(score_stride / block) (and < 2^31)");
+  if (p.T == 0) return;
+  require(p.T <= 0x7fffffff, who, "T too large for one grid dimension");
+  require(p.scores != nullptr && p.clen != nullptr && p.mask != nullptr, who, "null pointer");
+
+  LaunchConfig cfg;
+  cfg.grid = dim3(static_cast<unsigned>(p.T), 1, 1);
+  cfg.block = dim3(kThreads, 1, 1);
+  cfg.stream = stream;
+  cfg.pdl = pdl;
+  launch_kernel("candidate_mask", candidate_mask_kernel, cfg, p);
+}
+
+void run_apply_candidate_mask(const ApplyCandidateMaskParams& p, cudaStream_t stream, bool pdl) {
+  const char* who = "run_apply_candidate_mask";
+  require(p.T >= 0, who, "negative T");
+  require(p.block > 0, who, "block must be > 0");
+  require(p.score_stride > 0, who, "score_stride must be > 0");
+  require(p.mask_stride >= (p.score_stride + p.block - 1) / p.block, who,
+          "mask_stride must be >= ceil(score_stride / block)");
+  if (p.T == 0) return;
+  require(p.T <= 65535, who, "T must be <= 65535 (grid y)");
+  require(p.scores != nullptr && p.clen != nullptr && p.mask != nullptr, who, "null pointer");
+  const int64_t tiles = (p.score_stride + kApplyPerCta - 1) / kApplyPerCta;
+  require(tiles <= 0x7fffffff, who, "score_stride too large");
+
+  LaunchConfig cfg;
+  cfg.grid = dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(p.T), 1);
+  cfg.block = dim3(kApplyThreads, 1, 1);
+  cfg.stream = stream;
+  cfg.pdl = pdl;
+  launch_kernel("apply_candidate_mask", apply_candidate_mask_kernel, cfg, p);
+}
+
+}  // namespace v4attn::kernels

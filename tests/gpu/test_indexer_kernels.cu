@@ -1,0 +1,1046 @@
+// GPU lightning-indexer kernels against the CPU reference (include/v4attn/reference/indexer.h):
+// q pack bytes, scores bit for bit, candidate mask bytes, masked scores, top-k slots exactly.
+// Every output buffer (plus a guard tail) is poisoned before the call and compared whole, so an
+// unwritten element or a write past the end fails.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "gpu_test_util.h"
+#include "runtime/cuda_utils.h"
+#include "v4attn/cache_layout.h"
+#include "v4attn/kernels/indexer_kernels.h"
+#include "v4attn/numerics.h"
+#include "v4attn/reference/indexer.h"
+#include "v4attn/rope_table.h"
+
+namespace {
+
+using namespace v4attn;
+using num::bf16_t;
+
+constexpr uint8_t kPoison = 0xAB;
+constexpr size_t kGuardBytes = 256;  // poisoned tail after every output, must stay poison
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// ---- buffers ------------------------------------------------------------------------------------
+template <class T>
+DeviceBuffer<T> to_device(const std::vector<T>& h) {
+  DeviceBuffer<T> d(std::max<size_t>(h.size(), 1));
+  if (!h.empty()) d.upload(h.data(), h.size());
+  return d;
+}
+
+// An output buffer of n elements plus a guard tail, all poisoned.
+template <class T>
+struct PoisonedOutput {
+  size_t n;
+  DeviceBuffer<uint8_t> buf;
+  explicit PoisonedOutput(size_t n_elems) : n(n_elems), buf(n_elems * sizeof(T) + kGuardBytes) {
+    buf.fill_bytes(kPoison);
+  }
+  T* get() const { return reinterpret_cast<T*>(buf.get()); }
+  // Downloads the n elements and checks that the guard tail is untouched.
+  std::vector<T> download_checked() const {
+    std::vector<uint8_t> raw(buf.size());
+    buf.download(raw.data(), raw.size());
+    for (size_t i = n * sizeof(T); i < raw.size(); ++i)
+      if (raw[i] != kPoison) {
+        ADD_FAILURE() << "write past the end of the output, byte " << i - n * sizeof(T) << " of the guard";
+        break;
+      }
+    std::vector<T> out(n);
+    std::memcpy(out.data(), raw.data(), n * sizeof(T));
+    return out;
+  }
+};
+
+struct ErrorCount {
+  DeviceBuffer<unsigned long long> buf{1};
+  ErrorCount() { buf.fill_bytes(0); }
+  unsigned long long* get() const { return buf.get(); }
+  unsigned long long read() const {
+    unsigned long long v = 0;
+    buf.download(&v, 1);
+    return v;
+  }
+};
+
+// Byte-identical arrays; on failure reports the first differing element.
+template <class T>
+void expect_same_bytes(const std::vector<T>& got, const std::vector<T>& want, const std::string& what,
+                       int64_t row_len = 0) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  if (std::memcmp(got.data(), want.data(), got.size() * sizeof(T)) == 0) return;
+  size_t bad = 0, n_bad = 0;
+  for (size_t i = 0; i < got.size(); ++i)
+    if (std::memcmp(&got[i], &want[i], sizeof(T)) != 0) {
+      if (n_bad++ == 0) bad = i;
+    }
+  std::string where = "element " + std::to_string(bad);
+  if (row_len > 0) where += " (row " + std::to_string(bad / row_len) + ", col " + std::to_string(bad % row_len) + ")";
+  ADD_FAILURE() << what << ": " << n_bad << " element(s) differ; first at " << where << ": got " << +got[bad]
+                << ", want " << +want[bad];
+}
+
+// ---- random inputs ------------------------------------------------------------------------------
+std::vector<bf16_t> random_bf16(size_t n, std::mt19937_64& rng, float sigma = 1.0f) {
+  std::normal_distribution<float> nd(0.0f, sigma);
+  std::vector<bf16_t> v(n);
+  for (auto& x : v) x = num::bf16_from_f32(nd(rng));
+  return v;
+}
+
+// Indexer queries: random codes (every nibble value), realistic scale bytes (2^-11 .. 2^9), and one
+// all-zero head block per row (the reference's floor scale path).
+ref::IndexerQ random_q(int64_t T, std::mt19937_64& rng) {
+  ref::IndexerQ q;
+  q.T = T;
+  q.heads = kernels::kIndexerHeads;
+  q.codes.resize(static_cast<size_t>(T) * q.heads * 64);
+  q.scales.resize(static_cast<size_t>(T) * q.heads * 4);
+  for (auto& b : q.codes) b = static_cast<uint8_t>(rng());
+  for (auto& s : q.scales) s = static_cast<uint8_t>(116 + rng() % 21);
+  for (int64_t t = 0; t < T; ++t) {
+    const int h = static_cast<int>(rng() % q.heads), b = static_cast<int>(rng() % 4);
+    std::fill_n(q.codes.begin() + (t * q.heads + h) * 64 + 16 * b, 16, uint8_t{0});
+  }
+  return q;
+}
+
+std::vector<float> random_weights(int64_t T, std::mt19937_64& rng) {
+  const auto wproj = random_bf16(static_cast<size_t>(T) * kernels::kIndexerHeads, rng, 2.0f);
+  return ref::indexer_weights(wproj.data(), T, kernels::kIndexerHeads, kernels::kIndexerHeads);
+}
+
+struct IndexKPool {
+  CacheLayout layout{};
+  int64_t n_slots = 0;
+  std::vector<uint8_t> bytes;
+};
+IndexKPool random_pool(int64_t n_slots, int page, std::mt19937_64& rng) {
+  IndexKPool pool;
+  pool.layout = cache_layout(CacheKind::kIndexK, page);
+  pool.n_slots = n_slots;
+  pool.bytes.resize(static_cast<size_t>(pool.layout.pool_bytes(n_slots)));
+  for (auto& b : pool.bytes) b = static_cast<uint8_t>(rng());
+  for (int64_t s = 0; s < n_slots; ++s)
+    for (int b = 0; b < 4; ++b) pool.bytes[pool.layout.scale_offset(s) + b] = static_cast<uint8_t>(116 + rng() % 21);
+  return pool;
+}
+
+struct SlotTable {
+  int64_t rows = 0, stride = 0;
+  std::vector<int32_t> v;
+};
+// Each request's row: a fresh shuffle of the pool's slots (positions land anywhere in the pool).
+SlotTable shuffled_table(int64_t rows, int64_t stride, int64_t n_slots, std::mt19937_64& rng) {
+  SlotTable tab;
+  tab.rows = rows;
+  tab.stride = stride;
+  tab.v.resize(static_cast<size_t>(rows * stride));
+  std::vector<int32_t> perm(static_cast<size_t>(n_slots));
+  std::iota(perm.begin(), perm.end(), 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    std::shuffle(perm.begin(), perm.end(), rng);
+    for (int64_t j = 0; j < stride; ++j) tab.v[r * stride + j] = perm[j % n_slots];
+  }
+  return tab;
+}
+
+// ---- scores -------------------------------------------------------------------------------------
+struct ScoresProblem {
+  ref::IndexerQ q;
+  std::vector<float> w;
+  IndexKPool pool;
+  SlotTable table;
+  std::vector<int32_t> req, clen;
+  int64_t score_stride = 0;
+  int64_t T() const { return q.T; }
+};
+
+ScoresProblem make_scores_problem(const std::vector<int32_t>& req, const std::vector<int32_t>& clen, int64_t n_req,
+                                  int64_t score_stride, std::mt19937_64& rng, int page = kDefaultPageSize) {
+  ScoresProblem pb;
+  const int64_t T = static_cast<int64_t>(req.size());
+  pb.q = random_q(T, rng);
+  pb.w = random_weights(T, rng);
+  const int64_t max_clen = std::max<int64_t>(1, *std::max_element(clen.begin(), clen.end()));
+  pb.pool = random_pool(max_clen + 37, page, rng);
+  pb.table = shuffled_table(n_req, max_clen, pb.pool.n_slots, rng);
+  pb.req = req;
+  pb.clen = clen;
+  pb.score_stride = score_stride;
+  return pb;
+}
+
+std::vector<float> reference_scores(const ScoresProblem& pb) {
+  std::vector<float> out(static_cast<size_t>(pb.T() * pb.score_stride));
+  ref::indexer_scores(pb.q, pb.w.data(), pb.pool.bytes.data(), pb.pool.layout, pb.pool.n_slots, pb.req.data(),
+                      pb.clen.data(), pb.table.v.data(), pb.table.stride, out.data(), pb.score_stride);
+  return out;
+}
+
+struct GpuScores {
+  std::vector<float> scores;
+  unsigned long long errors = 0;
+};
+GpuScores gpu_scores(const ScoresProblem& pb, const std::vector<int32_t>& table_override = {}, int steps = 0,
+                     bool pdl = false) {
+  const int64_t T = pb.T();
+  auto d_codes = to_device(pb.q.codes);
+  auto d_scales = to_device(pb.q.scales);
+  auto d_w = to_device(pb.w);
+  auto d_cache = to_device(pb.pool.bytes);
+  auto d_table = to_device(table_override.empty() ? pb.table.v : table_override);
+  auto d_req = to_device(pb.req);
+  auto d_clen = to_device(pb.clen);
+  PoisonedOutput<float> out(static_cast<size_t>(T * pb.score_stride));
+  ErrorCount err;
+  kernels::IndexerScoresParams p;
+  p.q_codes = d_codes.get();
+  p.q_scales = d_scales.get();
+  p.weights = d_w.get();
+  p.index_k_cache = d_cache.get();
+  p.layout = pb.pool.layout;
+  p.n_slots = pb.pool.n_slots;
+  p.req = d_req.get();
+  p.clen = d_clen.get();
+  p.comp_slot_table = d_table.get();
+  p.comp_table_stride = pb.table.stride;
+  p.comp_table_rows = pb.table.rows;
+  p.scores = out.get();
+  p.score_stride = pb.score_stride;
+  p.T = T;
+  p.err_count = err.get();
+  p.steps_per_warp = steps;
+  kernels::run_indexer_scores(p, nullptr, pdl);
+  V4_CUDA_CHECK_LAUNCH();
+  V4_CUDA_CHECK(cudaDeviceSynchronize());
+  return {out.download_checked(), err.read()};
+}
+
+void check_scores(const ScoresProblem& pb, const std::string& what, int steps = 0, bool pdl = false) {
+  const auto want = reference_scores(pb);
+  const auto got = gpu_scores(pb, {}, steps, pdl);
+  EXPECT_EQ(got.errors, 0u) << what;
+  expect_same_bytes(got.scores, want, what, pb.score_stride);
+}
+
+// ---- selection inputs ---------------------------------------------------------------------------
+// Scores with many exact ties: small integers (with both zeros), some continuous values, some -inf,
+// NaN and +inf; entries past clen are finite garbage (must be ignored).
+std::vector<float> tie_heavy_scores(int64_t T, int64_t stride, const std::vector<int32_t>& clen, std::mt19937_64& rng,
+                                    int levels) {
+  std::vector<float> s(static_cast<size_t>(T * stride));
+  std::uniform_int_distribution<int> lvl(0, levels - 1);
+  std::uniform_real_distribution<float> cont(-4.0f, 4.0f);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < stride; ++j) {
+      float v;
+      const uint64_t r = rng() % 1000;
+      if (j >= clen[t]) v = 100.0f + static_cast<float>(j % 7);  // garbage past clen (larger than any valid)
+      else if (r < 60) v = -kInf;                                  // masked
+      else if (r < 62) v = std::numeric_limits<float>::quiet_NaN();
+      else if (r < 63) v = kInf;
+      else if (r < 200) v = cont(rng);
+      else if (r < 260) v = -0.0f;
+      else v = static_cast<float>(lvl(rng));
+      s[t * stride + j] = v;
+    }
+  return s;
+}
+
+std::vector<float> random_scores(int64_t T, int64_t stride, const std::vector<int32_t>& clen, std::mt19937_64& rng) {
+  std::vector<float> s(static_cast<size_t>(T * stride), -kInf);
+  std::normal_distribution<float> nd(0.0f, 3.0f);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < clen[t]; ++j) s[t * stride + j] = nd(rng);
+  return s;
+}
+
+struct TopkProblem {
+  int64_t T = 0, stride = 0;
+  std::vector<float> scores;
+  std::vector<int32_t> req, clen;
+  SlotTable table;
+  int topk = 512;
+  int64_t out_stride = 512;
+  std::vector<uint8_t> mask;  // optional [T, mask_stride]
+  int64_t mask_stride = 0;
+  int mask_block = 8;
+};
+
+std::vector<int32_t> reference_topk(const TopkProblem& pb) {
+  std::vector<float> s = pb.scores;
+  if (!pb.mask.empty())
+    ref::apply_candidate_mask(s.data(), pb.T, pb.stride, pb.clen.data(), pb.mask_block, pb.mask.data(), pb.mask_stride);
+  std::vector<int32_t> out(static_cast<size_t>(pb.T * pb.out_stride));
+  ref::topk_to_slots(s.data(), pb.T, pb.stride, pb.clen.data(), pb.topk, pb.req.data(), pb.table.v.data(),
+                     pb.table.stride, out.data(), pb.out_stride);
+  return out;
+}
+
+std::vector<int32_t> gpu_topk(const TopkProblem& pb, unsigned long long* errors = nullptr, bool pdl = false) {
+  auto d_scores = to_device(pb.scores);
+  auto d_req = to_device(pb.req);
+  auto d_clen = to_device(pb.clen);
+  auto d_table = to_device(pb.table.v);
+  auto d_mask = to_device(pb.mask);
+  PoisonedOutput<int32_t> out(static_cast<size_t>(pb.T * pb.out_stride));
+  ErrorCount err;
+  kernels::IndexerTopkParams p;
+  p.scores = d_scores.get();
+  p.score_stride = pb.stride;
+  p.clen = d_clen.get();
+  p.req = d_req.get();
+  p.T = pb.T;
+  p.comp_slot_table = d_table.get();
+  p.comp_table_stride = pb.table.stride;
+  p.comp_table_rows = pb.table.rows;
+  if (!pb.mask.empty()) {
+    p.candidate_mask = d_mask.get();
+    p.mask_stride = pb.mask_stride;
+    p.mask_block = pb.mask_block;
+  }
+  p.topk = pb.topk;
+  p.out = out.get();
+  p.out_stride = pb.out_stride;
+  p.err_count = err.get();
+  kernels::run_indexer_topk(p, nullptr, pdl);
+  V4_CUDA_CHECK_LAUNCH();
+  V4_CUDA_CHECK(cudaDeviceSynchronize());
+  auto got = out.download_checked();
+  const auto e = err.read();
+  if (errors != nullptr) *errors = e;
+  else EXPECT_EQ(e, 0u);
+  return got;
+}
+
+TopkProblem make_topk_problem(const std::vector<int32_t>& clen, int64_t stride, int topk, int64_t out_stride,
+                              std::mt19937_64& rng, bool ties) {
+  TopkProblem pb;
+  pb.T = static_cast<int64_t>(clen.size());
+  pb.stride = stride;
+  pb.clen = clen;
+  pb.topk = topk;
+  pb.out_stride = out_stride;
+  const int64_t n_req = 3;
+  pb.req.resize(clen.size());
+  for (size_t t = 0; t < clen.size(); ++t) pb.req[t] = static_cast<int32_t>(rng() % n_req);
+  pb.table = shuffled_table(n_req, stride, stride + 11, rng);
+  pb.scores = ties ? tie_heavy_scores(pb.T, stride, clen, rng, 12) : random_scores(pb.T, stride, clen, rng);
+  return pb;
+}
+
+// ---- candidate mask -----------------------------------------------------------------------------
+struct MaskProblem {
+  int64_t T = 0, stride = 0, mask_stride = 0;
+  std::vector<float> scores;
+  std::vector<int32_t> clen;
+  int block = 8, topk_blocks = 2048;
+};
+
+std::vector<uint8_t> reference_mask(const MaskProblem& pb) {
+  std::vector<uint8_t> m(static_cast<size_t>(pb.T * pb.mask_stride));
+  ref::candidate_mask(pb.scores.data(), pb.T, pb.stride, pb.clen.data(), pb.block, pb.topk_blocks, m.data(),
+                      pb.mask_stride);
+  return m;
+}
+
+std::vector<uint8_t> gpu_mask(const MaskProblem& pb) {
+  auto d_scores = to_device(pb.scores);
+  auto d_clen = to_device(pb.clen);
+  PoisonedOutput<uint8_t> out(static_cast<size_t>(pb.T * pb.mask_stride));
+  ErrorCount err;
+  kernels::CandidateMaskParams p;
+  p.scores = d_scores.get();
+  p.score_stride = pb.stride;
+  p.clen = d_clen.get();
+  p.T = pb.T;
+  p.block = pb.block;
+  p.topk_blocks = pb.topk_blocks;
+  p.mask = out.get();
+  p.mask_stride = pb.mask_stride;
+  p.err_count = err.get();
+  kernels::run_candidate_mask(p, nullptr, false);
+  V4_CUDA_CHECK_LAUNCH();
+  V4_CUDA_CHECK(cudaDeviceSynchronize());
+  EXPECT_EQ(err.read(), 0u);
+  return out.download_checked();
+}
+
+// =================================================================================================
+// q pack
+// =================================================================================================
+
+struct QPackInputs {
+  int64_t T = 0, qi_stride = 0, wproj_stride = 0, max_pos = 0;
+  std::vector<bf16_t> qi;        // [T, 4096] contiguous (the reference's layout)
+  std::vector<bf16_t> qi_strided;
+  std::vector<bf16_t> wproj;     // [T, 32]
+  std::vector<bf16_t> wproj_strided;
+  std::vector<int32_t> pos;
+  std::vector<float> table;
+};
+
+QPackInputs make_qpack_inputs(int64_t T, int64_t qi_pad, int64_t w_pad, std::mt19937_64& rng) {
+  QPackInputs in;
+  in.T = T;
+  in.max_pos = 3000;
+  RopeParams rp;
+  rp.base = 160000.0;
+  rp.yarn = true;
+  in.table = build_rope_table(rp, in.max_pos);
+  const int64_t D = int64_t{kernels::kIndexerHeads} * kernels::kIndexerHeadDim;
+  in.qi = random_bf16(static_cast<size_t>(T * D), rng);
+  // Spread the block scales: each 32-block gets its own power-of-two magnitude (2^-9 .. 2^8), and
+  // one block per row is all zero (the amax floor).
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t blk = 0; blk < D / 32; ++blk) {
+      const float f = std::ldexp(1.0f, static_cast<int>(rng() % 18) - 9);
+      for (int i = 0; i < 32; ++i) {
+        bf16_t& x = in.qi[t * D + blk * 32 + i];
+        x = num::bf16_from_f32(num::f32_from_bf16(x) * f);
+      }
+    }
+  for (int64_t t = 0; t < T; ++t) std::fill_n(in.qi.begin() + t * D + 32 * static_cast<int64_t>(rng() % (D / 32)), 32, bf16_t{0});
+  in.wproj = random_bf16(static_cast<size_t>(T * kernels::kIndexerHeads), rng, 3.0f);
+  in.pos.resize(static_cast<size_t>(T));
+  for (auto& p : in.pos) p = static_cast<int32_t>(rng() % in.max_pos);
+  if (T > 1) in.pos[1] = static_cast<int32_t>(in.max_pos - 1);
+  in.qi_stride = D + qi_pad;
+  in.wproj_stride = kernels::kIndexerHeads + w_pad;
+  in.qi_strided.assign(static_cast<size_t>(T * in.qi_stride), num::bf16_from_f32(7.0f));
+  in.wproj_strided.assign(static_cast<size_t>(T * in.wproj_stride), num::bf16_from_f32(7.0f));
+  for (int64_t t = 0; t < T; ++t) {
+    std::copy_n(in.qi.begin() + t * D, D, in.qi_strided.begin() + t * in.qi_stride);
+    std::copy_n(in.wproj.begin() + t * kernels::kIndexerHeads, kernels::kIndexerHeads,
+                in.wproj_strided.begin() + t * in.wproj_stride);
+  }
+  return in;
+}
+
+struct QPackOut {
+  std::vector<uint8_t> codes, scales;
+  std::vector<float> weights;
+  unsigned long long errors = 0;
+};
+QPackOut gpu_qpack(const QPackInputs& in, bool pdl) {
+  auto d_qi = to_device(in.qi_strided);
+  auto d_w = to_device(in.wproj_strided);
+  auto d_pos = to_device(in.pos);
+  auto d_table = to_device(in.table);
+  const int64_t H = kernels::kIndexerHeads;
+  PoisonedOutput<uint8_t> codes(static_cast<size_t>(in.T * H * 64));
+  PoisonedOutput<uint8_t> scales(static_cast<size_t>(in.T * H * 4));
+  PoisonedOutput<float> weights(static_cast<size_t>(in.T * H));
+  ErrorCount err;
+  kernels::IndexerQPackParams p;
+  p.qi = d_qi.get();
+  p.qi_stride = in.qi_stride;
+  p.wproj_out = d_w.get();
+  p.wproj_stride = in.wproj_stride;
+  p.pos = d_pos.get();
+  p.rope_table = d_table.get();
+  p.max_pos = in.max_pos;
+  p.T = in.T;
+  p.q_codes = codes.get();
+  p.q_scales = scales.get();
+  p.weights = weights.get();
+  p.err_count = err.get();
+  kernels::run_indexer_q_pack(p, nullptr, pdl);
+  V4_CUDA_CHECK_LAUNCH();
+  V4_CUDA_CHECK(cudaDeviceSynchronize());
+  return {codes.download_checked(), scales.download_checked(), weights.download_checked(), err.read()};
+}
+
+TEST(GpuIndexerQPack, BytesMatchReference) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5eed0001);
+  for (int64_t T : {1, 6, 8, 48, 64}) {
+    const int64_t qi_pad = T % 2 == 0 ? 64 : 0, w_pad = T % 3 == 0 ? 16 : 0;  // strided and contiguous rows
+    const auto in = make_qpack_inputs(T, qi_pad, w_pad, rng);
+    const auto want = ref::indexer_q_pack(in.qi.data(), T, kernels::kIndexerHeads, in.pos.data(), in.table.data(),
+                                          in.max_pos);
+    const auto want_w = ref::indexer_weights(in.wproj.data(), T, kernels::kIndexerHeads, kernels::kIndexerHeads);
+    const auto got = gpu_qpack(in, /*pdl=*/T == 8);
+    const std::string what = "T=" + std::to_string(T);
+    EXPECT_EQ(got.errors, 0u) << what;
+    expect_same_bytes(got.codes, want.codes, what + " codes", 32 * 64);
+    expect_same_bytes(got.scales, want.scales, what + " scales", 32 * 4);
+    expect_same_bytes(got.weights, want_w, what + " weights", 32);
+  }
+}
+
+TEST(GpuIndexerQPack, WeightScaleIsOneOver64) {
+  EXPECT_EQ(kernels::indexer_weight_scale(32), 1.0f / 64.0f);
+  EXPECT_THROW(kernels::indexer_weight_scale(0), std::invalid_argument);
+}
+
+TEST(GpuIndexerQPack, PositionOutsideTableSkipsRowAndCounts) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5eed0002);
+  auto in = make_qpack_inputs(6, 0, 0, rng);
+  const auto want = ref::indexer_q_pack(in.qi.data(), 6, 32, in.pos.data(), in.table.data(), in.max_pos);
+  in.pos[2] = static_cast<int32_t>(in.max_pos);  // one past the table
+  in.pos[4] = -1;
+  const auto got = gpu_qpack(in, false);
+  EXPECT_EQ(got.errors, 2u);
+  for (int64_t t = 0; t < 6; ++t) {
+    const bool skipped = t == 2 || t == 4;
+    for (int64_t i = 0; i < 32 * 64; ++i) {
+      const uint8_t w = skipped ? kPoison : want.codes[t * 32 * 64 + i];
+      if (got.codes[t * 32 * 64 + i] != w) {
+        ADD_FAILURE() << "row " << t << " code byte " << i;
+        break;
+      }
+    }
+    for (int64_t i = 0; i < 32 * 4; ++i)
+      if (got.scales[t * 32 * 4 + i] != (skipped ? kPoison : want.scales[t * 32 * 4 + i])) {
+        ADD_FAILURE() << "row " << t << " scale byte " << i;
+        break;
+      }
+  }
+  // Weights do not depend on pos: written for every row.
+  expect_same_bytes(got.weights, ref::indexer_weights(in.wproj.data(), 6, 32, 32), "weights");
+}
+
+// =================================================================================================
+// scores
+// =================================================================================================
+
+TEST(GpuIndexerScores, EdgeLengthsMatchReferenceBitForBit) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5eed0101);
+  // clen 0, 1, 63, 64, 1000, 5000 on six rows of six requests; the stride leaves -inf tails.
+  const auto pb = make_scores_problem({0, 1, 2, 3, 4, 5}, {0, 1, 63, 64, 1000, 5000}, 6, 5056, rng);
+  check_scores(pb, "edge lengths");
+}
+
+TEST(GpuIndexerScores, TileSizesAndPdlGiveTheSameBits) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5eed0102);
+  const auto pb = make_scores_problem({1, 0, 1}, {1500, 700, 1537}, 2, 1600, rng);
+  const auto want = reference_scores(pb);
+  for (int steps : {1, 2, 3, 4}) {
+    const auto got = gpu_scores(pb, {}, steps, /*pdl=*/steps == 3);
+    EXPECT_EQ(got.errors, 0u);
+    expect_same_bytes(got.scores, want, "steps " + std::to_string(steps), pb.score_stride);
+  }
+}
+
+TEST(GpuIndexerScores, FullContext65536MatchesReference) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5eed0103);
+  const auto pb = make_scores_problem({0}, {65536}, 1, 65536, rng);
+  check_scores(pb, "clen 65536");
+}
+
+TEST(GpuIndexerScores, DecodeBatchesMatchReference) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5eed0104);
+  for (int64_t T : {1, 6, 8, 48, 64}) {
+    std::vector<int32_t> req(static_cast<size_t>(T)), clen(static_cast<size_t>(T));
+    for (int64_t t = 0; t < T; ++t) {
+      req[t] = static_cast<int32_t>(rng() % 5);
+      clen[t] = static_cast<int32_t>(rng() % 700);
+    }
+    if (T > 1) {
+      req[T - 1] = -1;  // padded rows: req -1 (with and without a stale clen) see nothing
+      clen[T - 1] = 0;
+    }
+    if (T > 2) req[T - 2] = -1;
+    const auto pb = make_scores_problem(req, clen, 5, 704, rng);
+    check_scores(pb, "decode T=" + std::to_string(T));
+  }
+}
+
+TEST(GpuIndexerScores, VerifyBatchWithPaddedRowsAndSmallPages) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5eed0105);
+  // 4 requests x 6 verify rows (consecutive positions: clen c..c+5), then 8 padded rows.
+  std::vector<int32_t> req, clen;
+  const int32_t base[4] = {90, 511, 1024, 2047};
+  for (int r = 0; r < 4; ++r)
+    for (int v = 0; v < 6; ++v) {
+      req.push_back(r);
+      clen.push_back(base[r] + v);
+    }
+  for (int i = 0; i < 8; ++i) {
+    req.push_back(-1);
+    clen.push_back(0);
+  }
+  for (int page : {64, 16}) {
+    const auto pb = make_scores_problem(req, clen, 4, 2112, rng, page);
+    check_scores(pb, "verify, page " + std::to_string(page));
+  }
+}
+
+TEST(GpuIndexerScores, OutOfRangeSlotsGiveMinusInfAndAreCounted) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5eed0106);
+  const auto pb = make_scores_problem({0, 1}, {300, 200}, 2, 320, rng);
+  const auto want = reference_scores(pb);  // valid table
+  auto bad = pb.table.v;
+  bad[0 * pb.table.stride + 17] = static_cast<int32_t>(pb.pool.n_slots);  // one past the pool
+  bad[1 * pb.table.stride + 199] = -3;
+  bad[1 * pb.table.stride + 250] = -3;  // past clen of row 1: never read, not counted
+  const auto got = gpu_scores(pb, bad);
+  EXPECT_EQ(got.errors, 2u);
+  auto want_bad = want;
+  want_bad[0 * pb.score_stride + 17] = -kInf;
+  want_bad[1 * pb.score_stride + 199] = -kInf;
+  expect_same_bytes(got.scores, want_bad, "bad slots", pb.score_stride);
+}
+
+TEST(GpuIndexerScores, BadRowMetadataIsContainedAndCounted) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5eed0107);
+  auto pb = make_scores_problem({0, 1, 0}, {100, 50, 64}, 2, 128, rng);
+  auto want = reference_scores(pb);
+  // Row 1: unknown request (2 rows in the table) -> sees nothing; row 2: clen past the stride ->
+  // clamped to min(score_stride, table stride) (the reference refuses both).
+  pb.req[1] = 2;
+  pb.clen[2] = 129;
+  const auto got = gpu_scores(pb);
+  EXPECT_EQ(got.errors, 2u);
+  std::fill_n(want.begin() + 1 * pb.score_stride, pb.score_stride, -kInf);
+  auto pb_clamped = pb;
+  pb_clamped.req[1] = 1;
+  pb_clamped.clen = {100, 0, static_cast<int32_t>(std::min<int64_t>(pb.score_stride, pb.table.stride))};
+  const auto want_row2 = reference_scores(pb_clamped);
+  std::copy_n(want_row2.begin() + 2 * pb.score_stride, pb.score_stride, want.begin() + 2 * pb.score_stride);
+  expect_same_bytes(got.scores, want, "contained rows", pb.score_stride);
+}
+
+// =================================================================================================
+// top-k
+// =================================================================================================
+
+TEST(GpuIndexerTopk, TiesMaskedAndShortRowsMatchReference) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5eed0201);
+  const std::vector<int32_t> clen = {0, 1, 100, 511, 512, 513, 700, 5000, 20000, 65536};
+  const auto pb = make_topk_problem(clen, 65536, 512, 576, rng, /*ties=*/true);
+  expect_same_bytes(gpu_topk(pb), reference_topk(pb), "tie-heavy", pb.out_stride);
+}
+
+TEST(GpuIndexerTopk, DecodeBatchesMatchReference) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5eed0202);
+  for (int64_t T : {1, 6, 8, 48, 64}) {
+    std::vector<int32_t> clen(static_cast<size_t>(T));
+    for (auto& c : clen) c = static_cast<int32_t>(rng() % 4096);
+    if (T > 1) clen[0] = 4096;
+    const bool ties = T % 2 == 0;
+    auto pb = make_topk_problem(clen, 4096, 512, 512, rng, ties);
+    if (T > 2) {
+      pb.req[T - 1] = -1;  // padded rows (one with a stale clen) give all -1
+      pb.clen[T - 2] = 0;
+    }
+    expect_same_bytes(gpu_topk(pb, nullptr, /*pdl=*/T == 6), reference_topk(pb), "T=" + std::to_string(T),
+                      pb.out_stride);
+  }
+}
+
+TEST(GpuIndexerTopk, AllEqualScoresTakeTheLowestPositions) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5eed0203);
+  auto pb = make_topk_problem({65536, 3000, 512}, 65536, 512, 512, rng, false);
+  for (int64_t t = 0; t < pb.T; ++t)
+    for (int64_t j = 0; j < pb.clen[t]; ++j) pb.scores[t * pb.stride + j] = 0.5f;
+  // Row 1: the equal run starts at 100 after -inf positions; one larger value at the end.
+  for (int64_t j = 0; j < 100; ++j) pb.scores[1 * pb.stride + j] = -kInf;
+  pb.scores[1 * pb.stride + 2999] = 1.0f;
+  const auto got = gpu_topk(pb);
+  expect_same_bytes(got, reference_topk(pb), "all equal", pb.out_stride);
+  // Independent of the reference: row 0 is the slots of positions 0..511.
+  for (int i = 0; i < 512; ++i) ASSERT_EQ(got[i], pb.table.v[pb.req[0] * pb.table.stride + i]) << i;
+}
+
+TEST(GpuIndexerTopk, OtherKAndWidths) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5eed0204);
+  for (int topk : {0, 1, 64, 500, 2048}) {
+    const std::vector<int32_t> clen = {0, 63, 2000, 2049, 9000};
+    const int64_t out_stride = std::max<int64_t>(64, (topk + 63) / 64 * 64);
+    const auto pb = make_topk_problem(clen, 9024, topk, out_stride, rng, topk % 2 == 0);
+    expect_same_bytes(gpu_topk(pb), reference_topk(pb), "topk " + std::to_string(topk), pb.out_stride);
+  }
+}
+
+TEST(GpuIndexerTopk, FusedCandidateMaskEqualsApplyThenTopk) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5eed0205);
+  const std::vector<int32_t> clen = {0, 9, 800, 4100, 30000, 65536};
+  for (bool ties : {false, true}) {
+    auto pb = make_topk_problem(clen, 65536, 512, 512, rng, ties);
+    pb.mask_block = 8;
+    pb.mask_stride = 8192 + 64;
+    pb.mask.resize(static_cast<size_t>(pb.T * pb.mask_stride));
+    for (auto& m : pb.mask) m = (rng() % 4 == 0) ? 1 : 0;
+    expect_same_bytes(gpu_topk(pb), reference_topk(pb), std::string("masked, ties ") + (ties ? "on" : "off"),
+                      pb.out_stride);
+  }
+}
+
+TEST(GpuIndexerTopk, BadRowMetadataIsContainedAndCounted) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5eed0206);
+  auto pb = make_topk_problem({600, 600, 600}, 1024, 512, 512, rng, false);
+  auto want = reference_topk(pb);
+  pb.req[1] = 3;       // unknown request (3 table rows): all -1
+  pb.clen[2] = 5000;   // past the stride: clamped to 1024
+  unsigned long long errors = 0;
+  const auto got = gpu_topk(pb, &errors);
+  EXPECT_EQ(errors, 2u);
+  std::fill_n(want.begin() + 512, 512, -1);
+  auto pb2 = pb;
+  pb2.req[1] = 0;
+  pb2.clen = {600, 600, 1024};
+  const auto want2 = reference_topk(pb2);
+  std::copy_n(want2.begin() + 1024, 512, want.begin() + 1024);
+  expect_same_bytes(got, want, "contained rows", pb.out_stride);
+}
+
+// =================================================================================================
+// candidate mask and its application
+// =================================================================================================
+
+TEST(GpuIndexerCandidateMask, MatchesReference) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5eed0301);
+  const std::vector<int32_t> clen = {0, 1, 7, 8, 9, 1000, 16384, 16385, 30001, 65536};
+  for (bool ties : {false, true}) {
+    MaskProblem pb;
+    pb.T = static_cast<int64_t>(clen.size());
+    pb.stride = 65536;
+    pb.mask_stride = 8192 + 128;
+    pb.clen = clen;
+    pb.scores = ties ? tie_heavy_scores(pb.T, pb.stride, clen, rng, 6) : random_scores(pb.T, pb.stride, clen, rng);
+    // A few blocks of only -inf (never kept unless newest).
+    for (int64_t t = 0; t < pb.T; ++t)
+      for (int64_t j = 800; j < std::min<int64_t>(clen[t], 880); ++j) pb.scores[t * pb.stride + j] = -kInf;
+    expect_same_bytes(gpu_mask(pb), reference_mask(pb), std::string("mask, ties ") + (ties ? "on" : "off"),
+                      pb.mask_stride);
+  }
+}
+
+TEST(GpuIndexerCandidateMask, OtherBlockSizesAndBudgets) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5eed0302);
+  const std::vector<int32_t> clen = {0, 5, 333, 4000, 12345};
+  for (int block : {1, 5, 8}) {
+    for (int budget : {0, 3, 100, 2048}) {
+      MaskProblem pb;
+      pb.T = static_cast<int64_t>(clen.size());
+      pb.stride = 12352;
+      pb.block = block;
+      pb.topk_blocks = budget;
+      pb.mask_stride = (pb.stride + block - 1) / block + 3;
+      pb.clen = clen;
+      pb.scores = tie_heavy_scores(pb.T, pb.stride, clen, rng, 4);
+      expect_same_bytes(gpu_mask(pb), reference_mask(pb),
+                        "block " + std::to_string(block) + " budget " + std::to_string(budget), pb.mask_stride);
+    }
+  }
+}
+
+TEST(GpuIndexerCandidateMask, ApplyMatchesReference) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5eed0303);
+  const std::vector<int32_t> clen = {0, 1, 9, 1000, 4096};
+  const int64_t T = static_cast<int64_t>(clen.size()), stride = 4096, mask_stride = 520;
+  auto scores = tie_heavy_scores(T, stride, clen, rng, 10);
+  std::vector<uint8_t> mask(static_cast<size_t>(T * mask_stride));
+  for (auto& m : mask) m = (rng() % 3 == 0) ? 1 : 0;
+  auto want = scores;
+  ref::apply_candidate_mask(want.data(), T, stride, clen.data(), 8, mask.data(), mask_stride);
+  auto d_scores = to_device(scores);
+  auto d_clen = to_device(clen);
+  auto d_mask = to_device(mask);
+  kernels::ApplyCandidateMaskParams p;
+  p.scores = d_scores.get();
+  p.score_stride = stride;
+  p.clen = d_clen.get();
+  p.T = T;
+  p.block = 8;
+  p.mask = d_mask.get();
+  p.mask_stride = mask_stride;
+  kernels::run_apply_candidate_mask(p, nullptr, false);
+  V4_CUDA_CHECK_LAUNCH();
+  std::vector<float> got(scores.size());
+  d_scores.download(got.data(), got.size());
+  expect_same_bytes(got, want, "apply mask", stride);
+}
+
+// =================================================================================================
+// the whole indexer chain: q pack -> scores -> candidate mask -> masked top-k
+// =================================================================================================
+
+TEST(GpuIndexerChain, QPackScoresMaskTopkMatchReference) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5eed0401);
+  const int64_t T = 8, stride = 3072;
+  const auto in = make_qpack_inputs(T, 0, 0, rng);
+  std::vector<int32_t> req(T), clen(T);
+  for (int64_t t = 0; t < T; ++t) {
+    req[t] = static_cast<int32_t>(t / 2);
+    clen[t] = static_cast<int32_t>(rng() % 3000 + 1);
+  }
+  // Reference chain.
+  ScoresProblem pb;
+  pb.q = ref::indexer_q_pack(in.qi.data(), T, 32, in.pos.data(), in.table.data(), in.max_pos);
+  pb.w = ref::indexer_weights(in.wproj.data(), T, 32, 32);
+  pb.pool = random_pool(4000, 64, rng);
+  pb.table = shuffled_table(4, stride, pb.pool.n_slots, rng);
+  pb.req = req;
+  pb.clen = clen;
+  pb.score_stride = stride;
+  const auto ref_scores = reference_scores(pb);
+  const int64_t mask_stride = stride / 8;
+  std::vector<uint8_t> ref_mask(static_cast<size_t>(T * mask_stride));
+  ref::candidate_mask(ref_scores.data(), T, stride, clen.data(), 8, 64, ref_mask.data(), mask_stride);
+  auto masked = ref_scores;
+  ref::apply_candidate_mask(masked.data(), T, stride, clen.data(), 8, ref_mask.data(), mask_stride);
+  std::vector<int32_t> ref_out(static_cast<size_t>(T * 512));
+  ref::topk_to_slots(masked.data(), T, stride, clen.data(), 512, req.data(), pb.table.v.data(), pb.table.stride,
+                     ref_out.data(), 512);
+
+  // GPU chain on one stream with PDL between the kernels.
+  cudaStream_t stream;
+  V4_CUDA_CHECK(cudaStreamCreate(&stream));
+  auto d_qi = to_device(in.qi);
+  auto d_wp = to_device(in.wproj);
+  auto d_pos = to_device(in.pos);
+  auto d_table = to_device(in.table);
+  DeviceBuffer<uint8_t> d_codes(T * 32 * 64), d_scales(T * 32 * 4);
+  DeviceBuffer<float> d_w(T * 32), d_scores(T * stride);
+  DeviceBuffer<uint8_t> d_mask(T * mask_stride);
+  DeviceBuffer<int32_t> d_out(T * 512);
+  d_scores.fill_bytes(kPoison);
+  d_mask.fill_bytes(kPoison);
+  d_out.fill_bytes(kPoison);
+  auto d_cache = to_device(pb.pool.bytes);
+  auto d_slots = to_device(pb.table.v);
+  auto d_req = to_device(req);
+  auto d_clen = to_device(clen);
+  V4_CUDA_CHECK(cudaDeviceSynchronize());
+
+  kernels::IndexerQPackParams qp;
+  qp.qi = d_qi.get();
+  qp.qi_stride = 32 * 128;
+  qp.wproj_out = d_wp.get();
+  qp.wproj_stride = 32;
+  qp.pos = d_pos.get();
+  qp.rope_table = d_table.get();
+  qp.max_pos = in.max_pos;
+  qp.T = T;
+  qp.q_codes = d_codes.get();
+  qp.q_scales = d_scales.get();
+  qp.weights = d_w.get();
+  kernels::run_indexer_q_pack(qp, stream, true);
+  kernels::IndexerScoresParams sp;
+  sp.q_codes = d_codes.get();
+  sp.q_scales = d_scales.get();
+  sp.weights = d_w.get();
+  sp.index_k_cache = d_cache.get();
+  sp.layout = pb.pool.layout;
+  sp.n_slots = pb.pool.n_slots;
+  sp.req = d_req.get();
+  sp.clen = d_clen.get();
+  sp.comp_slot_table = d_slots.get();
+  sp.comp_table_stride = pb.table.stride;
+  sp.comp_table_rows = pb.table.rows;
+  sp.scores = d_scores.get();
+  sp.score_stride = stride;
+  sp.T = T;
+  kernels::run_indexer_scores(sp, stream, true);
+  kernels::CandidateMaskParams cp;
+  cp.scores = d_scores.get();
+  cp.score_stride = stride;
+  cp.clen = d_clen.get();
+  cp.T = T;
+  cp.block = 8;
+  cp.topk_blocks = 64;
+  cp.mask = d_mask.get();
+  cp.mask_stride = mask_stride;
+  kernels::run_candidate_mask(cp, stream, true);
+  kernels::IndexerTopkParams tp;
+  tp.scores = d_scores.get();
+  tp.score_stride = stride;
+  tp.clen = d_clen.get();
+  tp.req = d_req.get();
+  tp.T = T;
+  tp.comp_slot_table = d_slots.get();
+  tp.comp_table_stride = pb.table.stride;
+  tp.comp_table_rows = pb.table.rows;
+  tp.candidate_mask = d_mask.get();
+  tp.mask_stride = mask_stride;
+  tp.mask_block = 8;
+  tp.topk = 512;
+  tp.out = d_out.get();
+  tp.out_stride = 512;
+  kernels::run_indexer_topk(tp, stream, true);
+  V4_CUDA_CHECK_LAUNCH();
+  V4_CUDA_CHECK(cudaStreamSynchronize(stream));
+
+  std::vector<float> got_scores(static_cast<size_t>(T * stride));
+  d_scores.download(got_scores.data(), got_scores.size());
+  std::vector<uint8_t> got_mask(static_cast<size_t>(T * mask_stride));
+  d_mask.download(got_mask.data(), got_mask.size());
+  std::vector<int32_t> got_out(static_cast<size_t>(T * 512));
+  d_out.download(got_out.data(), got_out.size());
+  V4_CUDA_CHECK(cudaStreamDestroy(stream));
+  expect_same_bytes(got_scores, ref_scores, "chain scores", stride);
+  expect_same_bytes(got_mask, ref_mask, "chain mask", mask_stride);
+  expect_same_bytes(got_out, ref_out, "chain top-k", 512);
+}
+
+// =================================================================================================
+// host-side refusals (no GPU needed: nothing is launched)
+// =================================================================================================
+
+template <class T>
+T* fake_ptr() {
+  return reinterpret_cast<T*>(uintptr_t{0x10000});  // aligned, never dereferenced on the host
+}
+
+kernels::IndexerScoresParams valid_scores_params() {
+  kernels::IndexerScoresParams p;
+  p.q_codes = fake_ptr<uint8_t>();
+  p.q_scales = fake_ptr<uint8_t>();
+  p.weights = fake_ptr<float>();
+  p.index_k_cache = fake_ptr<uint8_t>();
+  p.layout = cache_layout(CacheKind::kIndexK);
+  p.n_slots = 100;
+  p.req = fake_ptr<int32_t>();
+  p.clen = fake_ptr<int32_t>();
+  p.comp_slot_table = fake_ptr<int32_t>();
+  p.comp_table_stride = 128;
+  p.comp_table_rows = 1;
+  p.scores = fake_ptr<float>();
+  p.score_stride = 128;
+  p.T = 1;
+  return p;
+}
+
+kernels::IndexerTopkParams valid_topk_params() {
+  kernels::IndexerTopkParams p;
+  p.scores = fake_ptr<float>();
+  p.score_stride = 1024;
+  p.clen = fake_ptr<int32_t>();
+  p.req = fake_ptr<int32_t>();
+  p.T = 1;
+  p.comp_slot_table = fake_ptr<int32_t>();
+  p.comp_table_stride = 1024;
+  p.comp_table_rows = 1;
+  p.topk = 512;
+  p.out = fake_ptr<int32_t>();
+  p.out_stride = 512;
+  return p;
+}
+
+TEST(GpuIndexerHostChecks, BadShapesAreRefusedBeforeLaunch) {
+  {
+    auto p = valid_scores_params();
+    p.score_stride = 100;  // not a multiple of 64
+    EXPECT_THROW(kernels::run_indexer_scores(p, nullptr, false), std::invalid_argument);
+    p = valid_scores_params();
+    p.layout = cache_layout(CacheKind::kCompressedFp4);
+    EXPECT_THROW(kernels::run_indexer_scores(p, nullptr, false), std::invalid_argument);
+    p = valid_scores_params();
+    p.layout = cache_layout(CacheKind::kIndexK, 48);  // not a power of two
+    EXPECT_THROW(kernels::run_indexer_scores(p, nullptr, false), std::invalid_argument);
+    p = valid_scores_params();
+    p.q_codes = reinterpret_cast<uint8_t*>(uintptr_t{0x10004});  // misaligned
+    EXPECT_THROW(kernels::run_indexer_scores(p, nullptr, false), std::invalid_argument);
+    p = valid_scores_params();
+    p.scores = nullptr;
+    EXPECT_THROW(kernels::run_indexer_scores(p, nullptr, false), std::invalid_argument);
+    p = valid_scores_params();
+    p.steps_per_warp = 5;
+    EXPECT_THROW(kernels::run_indexer_scores(p, nullptr, false), std::invalid_argument);
+    p = valid_scores_params();
+    p.T = -1;
+    EXPECT_THROW(kernels::run_indexer_scores(p, nullptr, false), std::invalid_argument);
+  }
+  {
+    auto p = valid_topk_params();
+    p.out_stride = 500;  // not a multiple of 64
+    EXPECT_THROW(kernels::run_indexer_topk(p, nullptr, false), std::invalid_argument);
+    p = valid_topk_params();
+    p.topk = 576;  // wider than the output
+    EXPECT_THROW(kernels::run_indexer_topk(p, nullptr, false), std::invalid_argument);
+    p = valid_topk_params();
+    p.candidate_mask = fake_ptr<uint8_t>();
+    p.mask_stride = 100;  // < 1024 / 8
+    EXPECT_THROW(kernels::run_indexer_topk(p, nullptr, false), std::invalid_argument);
+    p = valid_topk_params();
+    p.out = nullptr;
+    EXPECT_THROW(kernels::run_indexer_topk(p, nullptr, false), std::invalid_argument);
+  }
+  {
+    kernels::CandidateMaskParams p;
+    p.scores = fake_ptr<float>();
+    p.score_stride = 1024;
+    p.clen = fake_ptr<int32_t>();
+    p.T = 1;
+    p.mask = fake_ptr<uint8_t>();
+    p.mask_stride = 127;  // < 1024 / 8
+    EXPECT_THROW(kernels::run_candidate_mask(p, nullptr, false), std::invalid_argument);
+    p.mask_stride = 128;
+    p.block = 0;
+    EXPECT_THROW(kernels::run_candidate_mask(p, nullptr, false), std::invalid_argument);
+    kernels::ApplyCandidateMaskParams a;
+    a.scores = fake_ptr<float>();
+    a.score_stride = 1024;
+    a.clen = fake_ptr<int32_t>();
+    a.T = 1;
+    a.mask = fake_ptr<uint8_t>();
+    a.mask_stride = 64;
+    EXPECT_THROW(kernels::run_apply_candidate_mask(a, nullptr, false), std::invalid_argument);
+  }
+  {
+    kernels::IndexerQPackParams p;
+    p.qi = fake_ptr<bf16_t>();
+    p.qi_stride = 4096 + 4;  // not a multiple of 8
+    p.wproj_out = fake_ptr<bf16_t>();
+    p.wproj_stride = 32;
+    p.pos = fake_ptr<int32_t>();
+    p.rope_table = fake_ptr<float>();
+    p.max_pos = 10;
+    p.T = 1;
+    p.q_codes = fake_ptr<uint8_t>();
+    p.q_scales = fake_ptr<uint8_t>();
+    p.weights = fake_ptr<float>();
+    EXPECT_THROW(kernels::run_indexer_q_pack(p, nullptr, false), std::invalid_argument);
+    p.qi_stride = 4096;
+    p.heads = 33;
+    EXPECT_THROW(kernels::run_indexer_q_pack(p, nullptr, false), std::invalid_argument);
+    p.heads = 32;
+    p.heads_total = 16;
+    EXPECT_THROW(kernels::run_indexer_q_pack(p, nullptr, false), std::invalid_argument);
+  }
+}
+
+TEST(GpuIndexerHostChecks, EmptyBatchLaunchesNothing) {
+  auto p = valid_scores_params();
+  p.T = 0;
+  p.scores = nullptr;  // never touched for T = 0
+  EXPECT_NO_THROW(kernels::run_indexer_scores(p, nullptr, false));
+  auto q = valid_topk_params();
+  q.T = 0;
+  EXPECT_NO_THROW(kernels::run_indexer_topk(q, nullptr, false));
+}
+
+}  // namespace
