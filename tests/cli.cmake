@@ -44,7 +44,7 @@ if(V4ATTN_PYTHON3)
 else()
   message(STATUS "python3 not found: cli.plan_json* tests (JSON validation) not added")
 endif()
-v4attn_cli_test(main --exit 0 --stderr-lines 0 --stdout "30 reuse" --stdout "later work" -- main)
+v4attn_cli_test(main --exit 0 --stderr-lines 0 --stdout "running the CPU reference on the reduced config" -- main)
 
 # --- usage errors: exit 2, one line on stderr ---
 v4attn_cli_test(no_subcommand --exit 2 --stderr-lines 1 --stderr "^v4attn: .*subcommand" --)
@@ -83,3 +83,30 @@ v4attn_cli_test(config_unsorted_sources --exit 2 --stderr-lines 1
   --stderr "^v4attn: config error in .*/unsorted_sources\\.json: key \"index_source_layers\": not sorted"
   -- plan --config "${_v4attn_cli_configs}/unsorted_sources.json")
 v4attn_cli_test(main_bad_argument --exit 2 --stderr-lines 1 --stderr "^v4attn: " -- main --bogus)
+
+# --- main: the CPU reference path (tools/cmd_main.cpp). cli_expect.sh keeps only its last --stdout
+# regex, so each property is its own test. ---
+v4attn_cli_test(main_cpu --exit 0 --stderr-lines 0
+  --stdout "^(no GPU|CPU path \\(--cpu\\)): running the CPU reference on the reduced config" -- main --cpu)
+v4attn_cli_test(main_cpu_first_layer --exit 0 --stderr-lines 0 --stdout "^ +0 +0 window-only +QA QB KV ATT +[0-9a-f]{16} "
+  -- main --cpu --context 1024)
+v4attn_cli_test(main_cpu_last_layer --exit 0 --stderr-lines 0
+  --stdout "^ +11 +1 reuse +QA QB KV ATT +[0-9a-f]{16} [0-9a-f]{16} [0-9a-f]{16} +- +- +[0-9]+ +[0-9.]+$" -- main --cpu --context 1024)
+v4attn_cli_test(main_cpu_summary --exit 0 --stderr-lines 0
+  --stdout "^summary: 12 layers, verify bs 1 \\(6 rows\\) at context 1024: .*stack checksum [0-9a-f]{16}$"
+  -- main --cpu --context 1024)
+v4attn_cli_test(main_cpu_decode --exit 0 --stderr-lines 0 --stdout "^summary: 4 layers, decode bs 2 \\(2 rows\\)"
+  -- main --cpu --mode decode --bs 2 --context 300 --layers 4)
+v4attn_cli_test(main_cpu_dump --exit 0 --stderr-lines 0 --stdout "^dump: [0-9]+ tensors in .*cli_main_dump"
+  -- main --cpu --context 300 --dump "${CMAKE_BINARY_DIR}/cli_main_dump" --dump-layers 2,6-7)
+if(V4ATTN_PYTHON3)
+  v4attn_cli_test(main_cpu_json --exit 0
+    --stdout-json "len(d['layers']) == 12 and [l['layer'] for l in d['layers']] == list(range(12)) and all(l['attention'] for l in d['layers']) and d['layers'][6]['work'] == 'QA QB KV CMP IDX' and d['layers'][8]['topk_count'] > 0 and d['prefill']['groups'] == 1536"
+    -- main --cpu --context 1024 --json -)
+endif()
+v4attn_cli_test(main_bad_mode --exit 2 --stderr-lines 1 --stderr "^v4attn: .*--mode" -- main --cpu --mode prefill)
+v4attn_cli_test(main_dump_layers_without_dump --exit 2 --stderr-lines 1
+  --stderr "^v4attn: --dump-layers needs --dump DIR$" -- main --cpu --dump-layers 3)
+v4attn_cli_test(main_dump_layers_out_of_range --exit 2 --stderr-lines 1
+  --stderr "^v4attn: --dump-layers: 3-99 is outside the layers 0..12$"
+  -- main --cpu --dump "${CMAKE_BINARY_DIR}/cli_main_dump_bad" --dump-layers 3-99)
