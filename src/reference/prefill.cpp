@@ -146,8 +146,12 @@ PrefillStats synthetic_prefill(RefStack& stack, const std::vector<int32_t>& cont
     for (int32_t ctx : context) total_groups += ctx / stack.plan().layers[static_cast<size_t>(s)].ratio;
   PrefillStats st;
   st.path = options.path;
+  // kAuto: the real path needs each kv source's weights; when the stack generates weights per
+  // use (full-size configs) that would cost one whole layer's generation per source, for entries
+  // that are synthetic either way, so auto takes the fast path there.
   if (st.path == PrefillPath::kAuto)
-    st.path = total_groups <= options.real_max_groups ? PrefillPath::kReal : PrefillPath::kFast;
+    st.path = total_groups <= options.real_max_groups && stack.keeps_all_weights() ? PrefillPath::kReal
+                                                                                   : PrefillPath::kFast;
   const uint64_t seed = stack.options().seed;
   const float eps = c.norm_eps;
   const int64_t max_pos = stack.max_pos();

@@ -193,7 +193,8 @@ class RefStack {
 //             (what the quantiser gives its amax element); index-K blocks of 32 with a ue8m0
 //             scale in 2^-2..2^0 and one code at +-4 or +-6. Decodes like real entries, costs a
 //             few ns per byte (64K context x 4 sources in well under a second).
-//      kAuto: kReal when the total number of groups is at most real_max_groups, else kFast.
+//      kAuto: kReal when the total number of groups is at most real_max_groups and the stack
+//             keeps all weights in memory (not the full-size configs), else kFast.
 //  - ratio-2 pair state: initialised for every request, and when context is odd the state row
 //    of position context-1 holds that even row's parked (kv, score) (kReal: the synthetic row
 //    that was paired in order; kFast: a synthetic row), so a step at position context completes
