@@ -184,8 +184,9 @@ int run_main_cpu(const MainOptions& o, bool gpu_present, const std::string& no_g
     stack_sum = ref::fnv1a64(&r.out_checksum, sizeof r.out_checksum, stack_sum);
     stack_sum = ref::fnv1a64(&r.q_checksum, sizeof r.q_checksum, stack_sum);
   }
-  out << "summary: " << res.layers.size() << (res.layers.size() == 1 ? " layer, " : " layers, ") << (verify ? "verify" : "decode") << " bs " << o.bs << " ("
-      << total_rows << (total_rows == 1 ? " row" : " rows") << ") at context " << context << ": prepare " << fmt("%.3f", prep / 1000.0) << " s + attention "
+  out << "summary: " << res.layers.size() << (res.layers.size() == 1 ? " layer, " : " layers, ")
+      << (verify ? "verify" : "decode") << " bs " << o.bs << " (" << total_rows << (total_rows == 1 ? " row" : " rows")
+      << ") at context " << context << ": prepare " << fmt("%.3f", prep / 1000.0) << " s + attention "
       << fmt("%.3f", att / 1000.0) << " s = " << fmt("%.3f", res.total_ms / 1000.0) << " s; stack checksum "
       << ref::checksum_hex(stack_sum) << (skipped ? "; " + std::to_string(skipped) + " SKIPPED SLOTS" : "") << "\n";
   if (dumper) out << "dump: " << dumper->entries().size() << " tensors in " << o.dump_dir << " (manifest.json)\n";
