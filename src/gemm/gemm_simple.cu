@@ -15,43 +15,22 @@ namespace {
 constexpr int kSimpleThreads = 128;
 
 // ---- FP8 act quant ----------------------------------------------------------------------------
-// Grid (ceil((k/32) / 128), m), block 128: one thread owns one 32-wide block of one row
-// (64 bytes in, 32 code bytes + 1 scale byte out). Same steps as ref::act_quant: amax from 0 with
-// the NaN-skipping max, scale exponent, codes.
+// Grid (ceil((k/32) / 4), m), block 128: one warp owns one 32-wide block of one row, one lane one
+// element. amax = warp max of max(0, |x|): the reference's sequential NaN-skipping max from 0,
+// exactly (max is exact and order-free); then the same scale exponent and codes.
+constexpr int kQuantWarps = kSimpleThreads / 32;
+
 __global__ void __launch_bounds__(kSimpleThreads) act_quant_fp8_kernel(const __grid_constant__ ActQuantParams p) {
   dev::pdl_wait();  // x is the predecessor's output
   const int row = static_cast<int>(blockIdx.y);
-  const int64_t blk = static_cast<int64_t>(blockIdx.x) * kSimpleThreads + threadIdx.x;
-  if (blk < p.k / kGemmBlock) {
-    const uint4* src = reinterpret_cast<const uint4*>(p.x + row * p.x_stride + blk * kGemmBlock);
-    float v[kGemmBlock];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint4 u = src[i];
-      const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        v[8 * i + 2 * j] = num::f32_from_bits(w[j] << 16);            // element 2j: low half
-        v[8 * i + 2 * j + 1] = num::f32_from_bits(w[j] & 0xffff0000u);  // element 2j+1: high half
-      }
-    }
-    float amax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kGemmBlock; ++i) amax = num::block_amax_step(amax, v[i]);
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int64_t blk = static_cast<int64_t>(blockIdx.x) * kQuantWarps + (threadIdx.x >> 5);
+  if (blk < p.k / kGemmBlock) {  // uniform per warp
+    const float v = num::f32_from_bf16(p.x[row * p.x_stride + blk * kGemmBlock + lane]);
+    const float amax = dev::warp_max(num::block_amax_step(0.0f, v));
     const int e = num::act_quant_scale_exp(amax);
-    const float s = num::pow2_f32(e);
-    uint32_t packed[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      packed[i] = static_cast<uint32_t>(num::act_quant_code(v[4 * i], s)) |
-                  (static_cast<uint32_t>(num::act_quant_code(v[4 * i + 1], s)) << 8) |
-                  (static_cast<uint32_t>(num::act_quant_code(v[4 * i + 2], s)) << 16) |
-                  (static_cast<uint32_t>(num::act_quant_code(v[4 * i + 3], s)) << 24);
-    }
-    uint4* dst = reinterpret_cast<uint4*>(p.q + row * p.q_stride + blk * kGemmBlock);
-    dst[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-    dst[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
-    p.scale[row * p.scale_stride + blk] = num::ue8m0_from_exp(e);
+    p.q[row * p.q_stride + blk * kGemmBlock + lane] = num::act_quant_code(v, num::pow2_f32(e));
+    if (lane == 0) p.scale[row * p.scale_stride + blk] = num::ue8m0_from_exp(e);
   }
   dev::pdl_launch_dependents();
 }
@@ -132,11 +111,9 @@ void run_act_quant_fp8(const ActQuantParams& p, cudaStream_t stream, bool pdl) {
   if (p.x_stride < p.k) fail("x_stride < k");
   if (p.q_stride < p.k) fail("q_stride < k");
   if (p.scale_stride < p.k / kGemmBlock) fail("scale_stride < k/32");
-  if (reinterpret_cast<uintptr_t>(p.x) % 16 != 0 || p.x_stride % 8 != 0) fail("x must be 16-byte aligned with x_stride % 8 == 0");
-  if (reinterpret_cast<uintptr_t>(p.q) % 16 != 0 || p.q_stride % 16 != 0) fail("q must be 16-byte aligned with q_stride % 16 == 0");
   LaunchConfig cfg;
   const int64_t blocks = p.k / kGemmBlock;
-  cfg.grid = dim3(static_cast<unsigned>((blocks + kSimpleThreads - 1) / kSimpleThreads), static_cast<unsigned>(p.m));
+  cfg.grid = dim3(static_cast<unsigned>((blocks + kQuantWarps - 1) / kQuantWarps), static_cast<unsigned>(p.m));
   cfg.block = dim3(kSimpleThreads);
   cfg.stream = stream;
   cfg.pdl = pdl;

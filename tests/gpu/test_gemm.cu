@@ -498,7 +498,8 @@ TEST(GpuGemm, ActQuantMatchesReferenceBytes) {
   uint64_t seed = 1;
   for (int64_t k : {32, 96, 1280, 5120, 8192})
     for (int m : kAllM) {
-      const int64_t x_stride = k + 24, q_stride = k + 16, s_stride = k / 32 + 5;
+      // Odd strides for k = 96: the act quant has no alignment requirement.
+      const int64_t x_stride = k + (k == 96 ? 3 : 24), q_stride = k + (k == 96 ? 5 : 16), s_stride = k / 32 + 5;
       const std::vector<bf16_t> x = make_x(m, k, x_stride, Data::kRealistic, ++seed);
       const ref::ActQuant want = ref::act_quant(x.data(), m, k, x_stride);
       const DeviceBuffer<bf16_t> dx = to_device(x);
@@ -887,7 +888,10 @@ TEST(GpuGemm, RefusesBadArguments) {
     q.k = 48;
     EXPECT_THROW(run_act_quant_fp8(q, nullptr, false), std::invalid_argument);
     q = p;
-    q.q_stride = 72;
+    q.q_stride = 48;  // < k
+    EXPECT_THROW(run_act_quant_fp8(q, nullptr, false), std::invalid_argument);
+    q = p;
+    q.x_stride = 63;  // < k
     EXPECT_THROW(run_act_quant_fp8(q, nullptr, false), std::invalid_argument);
     q = p;
     q.scale = nullptr;

@@ -64,8 +64,8 @@ const char* gemm_version_name(GemmVersion v);
 
 // ---- FP8 act quant ----------------------------------------------------------------------------
 // Per row and per block of 32 along K: amax -> ue8m0 scale, e4m3 codes (numerics.h act quant),
-// byte-identical to ref::act_quant. Alignment: x, q 16-byte aligned; x_stride % 8 == 0;
-// q_stride % 16 == 0.
+// byte-identical to ref::act_quant. No alignment requirement (but run_gemm_fp8 wants q 16-byte
+// aligned with q_stride % 16 == 0).
 struct ActQuantParams {
   const bf16_t* x = nullptr;  // [m, k] bf16; row r at x + r * x_stride
   int64_t x_stride = 0;       // elements, >= k
