@@ -18,7 +18,9 @@
 // with a cold L2 (the row stays in L2 after the first pass in a real step).
 //
 // Versions: scores "auto" (the launcher's tile choice) and "s1", "s2", "s4" (32-position steps per
-// warp per CTA, i.e. 128 / 256 / 512 positions per CTA); the others "v1".
+// warp per CTA, i.e. 128 / 256 / 512 positions per CTA) on narrow scales (each vector's 4 block
+// scales within 2^1, like real quantized activations: the kernel's fused path), and "wide" (auto
+// tiles, independent block scales: the per-block path); the others "v1".
 //
 // Usage: bench_indexer [--T 1,6,8,48,64] [--clen 4096,65536] [--shape decode,verify] [--reps 100]
 //                      [--json FILE]
@@ -102,7 +104,15 @@ struct Problem {
   int64_t visible_positions = 0;   // sum over rows of clen
 };
 
-Problem make_problem(const std::string& shape, int T, int64_t clen) {
+// Scale bytes of one vector (4 blocks): "narrow" = within 2^1 of a base (real quantized
+// activations: the scores kernel's fused path), "wide" = independent per block (its per-block path).
+void vector_scales(uint8_t* s4, bool wide) {
+  const uint32_t base = 118 + static_cast<uint32_t>(rng()() % 13);
+  for (int b = 0; b < 4; ++b)
+    s4[b] = static_cast<uint8_t>(wide ? 118 + rng()() % 17 : base + rng()() % 2);
+}
+
+Problem make_problem(const std::string& shape, int T, int64_t clen, bool wide) {
   Problem pb;
   pb.shape = shape;
   pb.T = T;
@@ -143,15 +153,14 @@ Problem make_problem(const std::string& shape, int T, int64_t clen) {
     const uint64_t v = rng()();
     std::memcpy(pb.cache.data() + i, &v, std::min<size_t>(8, pb.cache.size() - i));
   }
-  for (int64_t s = 0; s < pb.n_slots; ++s)
-    for (int b = 0; b < 4; ++b) pb.cache[pb.layout.scale_offset(s) + b] = static_cast<uint8_t>(118 + rng()() % 17);
+  for (int64_t s = 0; s < pb.n_slots; ++s) vector_scales(pb.cache.data() + pb.layout.scale_offset(s), wide);
 
   pb.q.T = T;
   pb.q.heads = kHeads;
   pb.q.codes.resize(static_cast<size_t>(T) * kHeads * 64);
   pb.q.scales.resize(static_cast<size_t>(T) * kHeads * 4);
   for (auto& b : pb.q.codes) b = static_cast<uint8_t>(rng()());
-  for (auto& s : pb.q.scales) s = static_cast<uint8_t>(118 + rng()() % 17);
+  for (size_t v = 0; v < pb.q.scales.size(); v += 4) vector_scales(pb.q.scales.data() + v, wide);
   std::normal_distribution<float> nd(0.0f, 2.0f);
   std::vector<bf16_t> wproj(static_cast<size_t>(T) * kHeads);
   for (auto& x : wproj) x = num::bf16_from_f32(nd(rng()));
@@ -345,16 +354,31 @@ int main(int argc, char** argv) {
       for (const auto& shape : shapes)
         for (int T : Ts) {
           if (shape == "verify" && T < 6) continue;  // a verify block is 6 rows
-          Problem pb = make_problem(shape, T, clen);
+          auto scores_bytes = [&](const Problem& pb) {
+            return pb.distinct_positions * (kn::kIndexerCodeBytes + kn::kIndexerScaleBytes) +
+                   pb.distinct_positions * 4 + int64_t{pb.T} * pb.stride * 4 + int64_t{pb.T} * kHeads * (64 + 4 + 4);
+          };
+          {  // wide scales: the per-block path (auto tiles)
+            Problem wide = make_problem(shape, T, clen, /*wide=*/true);
+            V4_CUDA_CHECK(cudaDeviceSynchronize());
+            const auto p = scores_params(wide, 0);
+            Row r;
+            r.kernel = "scores";
+            r.version = "wide";
+            r.shape = shape;
+            r.T = T;
+            r.clen = clen;
+            r.bytes = scores_bytes(wide);
+            r.valid = validate_scores(wide, stream);
+            r.median_us = median_us([&](cudaStream_t s) { kn::run_indexer_scores(p, s, false); }, reps, flush, stream);
+            report(r);
+          }
+          Problem pb = make_problem(shape, T, clen, /*wide=*/false);
           V4_CUDA_CHECK(cudaDeviceSynchronize());
           const bool scores_ok = validate_scores(pb, stream);
           bool mask_ok = false;
           const bool topk_ok = validate_topk_and_mask(pb, stream, mask_ok);
-
-          const int64_t scores_bytes = pb.distinct_positions * (kn::kIndexerCodeBytes + kn::kIndexerScaleBytes) +
-                                       pb.distinct_positions * 4 + int64_t{pb.T} * pb.stride * 4 +
-                                       int64_t{pb.T} * kHeads * (64 + 4 + 4);
-          for (int steps : {0, 1, 2, 4}) {
+          for (int steps : {0, 1, 2, 4}) {  // narrow scales: the fused path
             const auto p = scores_params(pb, steps);
             Row r;
             r.kernel = "scores";
@@ -362,7 +386,7 @@ int main(int argc, char** argv) {
             r.shape = shape;
             r.T = T;
             r.clen = clen;
-            r.bytes = scores_bytes;
+            r.bytes = scores_bytes(pb);
             r.valid = scores_ok;
             r.median_us = median_us([&](cudaStream_t s) { kn::run_indexer_scores(p, s, false); }, reps, flush, stream);
             report(r);

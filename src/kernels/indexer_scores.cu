@@ -25,9 +25,22 @@
 // codes + 4 B scales each) are copied with cp.async (16-byte chunks) into a 3-stage per-warp
 // ring; the slot table entries are loaded one step ahead. The A operand (m = position, two
 // m-tiles of 16) is decoded from shared memory (e2m1 nibbles -> int8 with two PRMTs). Each lane
-// then combines its 4 block sums per (position, head) exactly like the reference, applies relu
-// and w, and writes the 8 head terms of a position to a shared buffer; lane l finally adds the
-// 32 terms of position l in head order and stores the score (one coalesced 128-byte store).
+// then forms relu(dot) * w for its (position, head) pairs and writes the 8 head terms of a
+// position to a shared buffer; lane l finally adds the 32 terms of position l in head order and
+// stores the score (one coalesced 128-byte store).
+//
+// Two exact ways to form dot, chosen per warp and m-tile (warp vote):
+//  - per-block path (any scales): one MMA per block into a fresh accumulator, each block sum
+//    scaled by its own power of two, ((b0 + b1) + b2) + b3 in fp32 exactly like the reference.
+//    ~16 fp32 ops per (position, head).
+//  - fused path, when every q head of the row and both K slots of the lane have their 4 block
+//    scale exponents within 3 of their minimum (and within [-60, 50]): the int8 operands carry
+//    the 2^(e_b - e_min) factors (shifted PRMT tables, |values| <= 96), the four k-steps chain
+//    into one accumulator, and one power-of-two product gives dot. Equal to the reference because
+//    its block sums and partial sums are then all exact (see the proof at the path). ~4 fp32 ops.
+//  Vectors whose block amaxes are within ~8x of each other take the fused path (whether real q
+//  heads do, RoPE half vs nope half, is to be measured); the per-block path keeps every input
+//  exact.
 //
 // Bytes per visible position: 68 (index K) + 4 (slot table); per stride slot: 4 (score write).
 //
@@ -76,13 +89,16 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
 // holds the magnitude of the positive codes (0 for negative ones) and `neg`, with bit 3 flipped,
 // the magnitude of the negative codes; (128 + pos - neg) per byte never borrows, and xor 0x80
 // turns the biased byte into the two's complement of pos - neg.
-__device__ __forceinline__ uint32_t e2m1x4_to_s8_twice(uint32_t sel) {
-  constexpr uint32_t kLo = 0x03020100u;  // codes 0..3 -> 0, 1, 2, 3   (twice 0, .5, 1, 1.5)
-  constexpr uint32_t kHi = 0x0C080604u;  // codes 4..7 -> 4, 6, 8, 12  (twice 2, 3, 4, 6)
-  const uint32_t pos = prmt(kLo, kHi, sel);
-  const uint32_t neg = prmt(kLo, kHi, sel ^ 0x8888u);
+// With the table shifted left by s (s <= 3: every byte stays < 128, no carry between bytes) the
+// same two PRMTs give twice the value times 2^s (|.| <= 96, still int8 and still borrow-free).
+constexpr uint32_t kTwiceLo = 0x03020100u;  // codes 0..3 -> 0, 1, 2, 3   (twice 0, .5, 1, 1.5)
+constexpr uint32_t kTwiceHi = 0x0C080604u;  // codes 4..7 -> 4, 6, 8, 12  (twice 2, 3, 4, 6)
+__device__ __forceinline__ uint32_t e2m1x4_to_s8(uint32_t sel, uint32_t lo, uint32_t hi) {
+  const uint32_t pos = prmt(lo, hi, sel);
+  const uint32_t neg = prmt(lo, hi, sel ^ 0x8888u);
   return ((pos | 0x80808080u) - neg) ^ 0x80808080u;
 }
+__device__ __forceinline__ uint32_t e2m1x4_to_s8_twice(uint32_t sel) { return e2m1x4_to_s8(sel, kTwiceLo, kTwiceHi); }
 
 // D = A * B + C, int8 x int8 -> int32, m16n8k32 (exact; no saturation needed: |D| < 2^31).
 __device__ __forceinline__ void mma_s8_m16n8k32(int (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], int c) {
@@ -91,6 +107,29 @@ __device__ __forceinline__ void mma_s8_m16n8k32(int (&d)[4], const uint32_t (&a)
       "{%10, %10, %10, %10};\n"
       : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(c));
+}
+// D += A * B.
+__device__ __forceinline__ void mma_s8_m16n8k32_acc(int (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// The fused path (below) needs the 4 block scale bytes of a vector within a span of 3 (so the
+// int8 operands can absorb 2^(e_b - e_min)) and in a range where every partial sum is an exact
+// fp32 number: exponents in [-60, 50] (byte - 127).
+constexpr int kFusedSpan = 3;
+constexpr uint32_t kFusedMinByte = 127 - 60, kFusedMaxByte = 127 + 50;
+__device__ __forceinline__ uint32_t byte_of(uint32_t w, int b) { return (w >> (8 * b)) & 0xffu; }
+__device__ __forceinline__ uint32_t min_byte(uint32_t w) {
+  return min(min(byte_of(w, 0), byte_of(w, 1)), min(byte_of(w, 2), byte_of(w, 3)));
+}
+__device__ __forceinline__ bool fused_ok(uint32_t w) {
+  const uint32_t lo = min_byte(w);
+  const uint32_t hi = max(max(byte_of(w, 0), byte_of(w, 1)), max(byte_of(w, 2), byte_of(w, 3)));
+  return hi - lo <= kFusedSpan && lo >= kFusedMinByte && hi <= kFusedMaxByte;
 }
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -146,30 +185,45 @@ __global__ void __launch_bounds__(kThreads, 3)
   const bool tile_has_work = tile_base < c;  // CTA-uniform
 
   // ---- q of this row: B fragments (decoded once), scales and weights of this lane's 8 heads ----
+  // q_shifted (CTA-uniform: every thread reads all 32 heads' scale words): every head's 4 block
+  // scales fit the fused path; then block b's int8 values carry 2^(eq_b - eq_min) and the head's
+  // scale is 2^eq_min for every block (sq[hl][b] = sq_min), which both paths use: the per-block
+  // path's block sums are unchanged (isum * 2^(eq_b - eq_min) * 2^eq_min), the fused path needs it.
   uint32_t bq[4][kBlocks][2];
   float sq[8][kBlocks];
   float wt[8];
+  bool q_shifted = false;
   if (tile_has_work) {
+    const uint32_t* qs_row = reinterpret_cast<const uint32_t*>(p.q_scales + t * (kIndexerHeads * kIndexerScaleBytes));
+    q_shifted = true;
+#pragma unroll
+    for (int v = 0; v < kIndexerHeads / 4; ++v) {
+      const uint4 w4 = reinterpret_cast<const uint4*>(qs_row)[v];
+      q_shifted = q_shifted && fused_ok(w4.x) && fused_ok(w4.y) && fused_ok(w4.z) && fused_ok(w4.w);
+    }
     const uint8_t* qrow = p.q_codes + t * (kIndexerHeads * kIndexerCodeBytes);
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
       const int head = 8 * (g >> 1) + 2 * n + (g & 1);  // MMA column g of n-tile n
+      const uint32_t hs = qs_row[head];
+      const uint32_t hmin = min_byte(hs);
 #pragma unroll
       for (int b = 0; b < kBlocks; ++b) {
+        const uint32_t shift = q_shifted ? byte_of(hs, b) - hmin : 0u;
+        const uint32_t lo = kTwiceLo << shift, hi = kTwiceHi << shift;
         const uint32_t w = *reinterpret_cast<const uint32_t*>(qrow + head * kIndexerCodeBytes + 16 * b + 4 * tq);
-        bq[n][b][0] = e2m1x4_to_s8_twice(w);        // elements 8tq..8tq+3 -> k-slots 4tq..4tq+3
-        bq[n][b][1] = e2m1x4_to_s8_twice(w >> 16);  // elements 8tq+4..8tq+7 -> k-slots 16+4tq..
+        bq[n][b][0] = e2m1x4_to_s8(w, lo, hi);        // elements 8tq..8tq+3 -> k-slots 4tq..4tq+3
+        bq[n][b][1] = e2m1x4_to_s8(w >> 16, lo, hi);  // elements 8tq+4..8tq+7 -> k-slots 16+4tq..
       }
     }
     // Accumulator column 2tq + e of n-tile n is head 8tq + 2n + e =: 8tq + hl.
-    const uint4* qs = reinterpret_cast<const uint4*>(p.q_scales + t * (kIndexerHeads * kIndexerScaleBytes) +
-                                                     8 * tq * kIndexerScaleBytes);
-    const uint4 s01 = qs[0], s23 = qs[1];
-    const uint32_t sw[8] = {s01.x, s01.y, s01.z, s01.w, s23.x, s23.y, s23.z, s23.w};
 #pragma unroll
     for (int hl = 0; hl < 8; ++hl) {
+      const uint32_t hs = qs_row[8 * tq + hl];
+      const uint32_t hmin = min_byte(hs);
 #pragma unroll
-      for (int b = 0; b < kBlocks; ++b) sq[hl][b] = num::f32_from_ue8m0(static_cast<uint8_t>(sw[hl] >> (8 * b)));
+      for (int b = 0; b < kBlocks; ++b)
+        sq[hl][b] = num::f32_from_ue8m0(static_cast<uint8_t>(q_shifted ? hmin : byte_of(hs, b)));
       wt[hl] = p.weights[t * kIndexerHeads + 8 * tq + hl];
     }
   }
@@ -236,49 +290,91 @@ __global__ void __launch_bounds__(kThreads, 3)
     const uint32_t* ks = sm.kscale[warp][stage];
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
-      uint32_t kw[2][kBlocks];
-      float sk4[2][kBlocks];
+      uint32_t kw[2][kBlocks], sc[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int pp = 16 * mt + g + 8 * r;  // position of MMA rows g (r = 0) and g + 8 (r = 1)
 #pragma unroll
         for (int b = 0; b < kBlocks; ++b) kw[r][b] = kd[pp * 16 + ((b ^ chunk_swizzle(pp)) * 4) + tq];
-        const uint32_t sc = ks[pp];
-#pragma unroll
-        for (int b = 0; b < kBlocks; ++b)
-          sk4[r][b] = num::mul_rn(num::f32_from_ue8m0(static_cast<uint8_t>(sc >> (8 * b))), 0.25f);
+        sc[r] = ks[pp];
       }
-      float dot[2][8];
+      float term[2][8];
+      if (__all_sync(kFullMask, q_shifted && fused_ok(sc[0]) && fused_ok(sc[1]))) {
+        // Fused path: K's int8 values carry 2^(ek_b - ek_min), q's 2^(eq_b - eq_min), so the four
+        // k-steps accumulate I = sum_b isum_b * 2^(eq_b + ek_b - eq_min - ek_min) in one int32.
+        // Each block sum and every partial sum of ((b0 + b1) + b2) + b3 is an integer multiple of
+        // 2^Emin (Emin = eq_min + ek_min - 2) below 2^21 * 2^Emin (|isum_b| <= 4608, shifts <= 6),
+        // hence an exact fp32 number: the reference's rounded sums are exact here and equal
+        // I * 2^Emin, which the magic conversion and one power-of-two product give exactly.
+        uint32_t kmin[2];
+        float sk4min[2];
 #pragma unroll
-      for (int b = 0; b < kBlocks; ++b) {
-        const uint32_t a[4] = {e2m1x4_to_s8_twice(kw[0][b]), e2m1x4_to_s8_twice(kw[1][b]),
-                               e2m1x4_to_s8_twice(kw[0][b] >> 16), e2m1x4_to_s8_twice(kw[1][b] >> 16)};
+        for (int r = 0; r < 2; ++r) {
+          kmin[r] = min_byte(sc[r]);
+          sk4min[r] = num::mul_rn(num::f32_from_ue8m0(static_cast<uint8_t>(kmin[r])), 0.25f);
+        }
+        int acc[4][4];
 #pragma unroll
-        for (int n = 0; n < 4; ++n) {
-          int acc[4];
-          mma_s8_m16n8k32(acc, a, bq[n][b], kMagicBits);
+        for (int b = 0; b < kBlocks; ++b) {
+          const uint32_t s0 = byte_of(sc[0], b) - kmin[0], s1 = byte_of(sc[1], b) - kmin[1];
+          const uint32_t lo0 = kTwiceLo << s0, hi0 = kTwiceHi << s0, lo1 = kTwiceLo << s1, hi1 = kTwiceHi << s1;
+          const uint32_t a[4] = {e2m1x4_to_s8(kw[0][b], lo0, hi0), e2m1x4_to_s8(kw[1][b], lo1, hi1),
+                                 e2m1x4_to_s8(kw[0][b] >> 16, lo0, hi0), e2m1x4_to_s8(kw[1][b] >> 16, lo1, hi1)};
+#pragma unroll
+          for (int n = 0; n < 4; ++n) {
+            if (b == 0) mma_s8_m16n8k32(acc[n], a, bq[n][0], kMagicBits);
+            else mma_s8_m16n8k32_acc(acc[n], a, bq[n][b]);
+          }
+        }
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
 #pragma unroll
           for (int r = 0; r < 2; ++r)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
               const int hl = 2 * n + e;
-              const float isum = num::sub_rn(__int_as_float(acc[2 * r + e]), kMagicFloat);  // exact
-              const float block_sum = num::mul_rn(isum, num::mul_rn(sq[hl][b], sk4[r][b]));
-              dot[r][hl] = b == 0 ? block_sum : num::add_rn(dot[r][hl], block_sum);
+              const float isum = num::sub_rn(__int_as_float(acc[n][2 * r + e]), kMagicFloat);  // exact
+              const float dot = num::mul_rn(isum, num::mul_rn(sq[hl][0], sk4min[r]));
+              term[r][hl] = num::mul_rn(dot > 0.0f ? dot : 0.0f, wt[hl]);
             }
+      } else {
+        // Per-block path (any scales): four exact block sums, combined like the reference.
+        float sk4[2][kBlocks];
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+          for (int b = 0; b < kBlocks; ++b)
+            sk4[r][b] = num::mul_rn(num::f32_from_ue8m0(static_cast<uint8_t>(byte_of(sc[r], b))), 0.25f);
+        float dot[2][8];
+#pragma unroll
+        for (int b = 0; b < kBlocks; ++b) {
+          const uint32_t a[4] = {e2m1x4_to_s8_twice(kw[0][b]), e2m1x4_to_s8_twice(kw[1][b]),
+                                 e2m1x4_to_s8_twice(kw[0][b] >> 16), e2m1x4_to_s8_twice(kw[1][b] >> 16)};
+#pragma unroll
+          for (int n = 0; n < 4; ++n) {
+            int acc[4];
+            mma_s8_m16n8k32(acc, a, bq[n][b], kMagicBits);
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const int hl = 2 * n + e;
+                const float isum = num::sub_rn(__int_as_float(acc[2 * r + e]), kMagicFloat);  // exact
+                const float block_sum = num::mul_rn(isum, num::mul_rn(sq[hl][b], sk4[r][b]));
+                dot[r][hl] = b == 0 ? block_sum : num::add_rn(dot[r][hl], block_sum);
+              }
+          }
         }
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+          for (int hl = 0; hl < 8; ++hl) term[r][hl] = num::mul_rn(dot[r][hl] > 0.0f ? dot[r][hl] : 0.0f, wt[hl]);
       }
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        float term[8];
-#pragma unroll
-        for (int hl = 0; hl < 8; ++hl) {
-          const float relu = dot[r][hl] > 0.0f ? dot[r][hl] : 0.0f;
-          term[hl] = num::mul_rn(relu, wt[hl]);
-        }
         float4* dst = reinterpret_cast<float4*>(terms + (16 * mt + g + 8 * r) * kTransStride + 8 * tq);
-        dst[0] = make_float4(term[0], term[1], term[2], term[3]);
-        dst[1] = make_float4(term[4], term[5], term[6], term[7]);
+        dst[0] = make_float4(term[r][0], term[r][1], term[r][2], term[r][3]);
+        dst[1] = make_float4(term[r][4], term[r][5], term[r][6], term[r][7]);
       }
     }
     __syncwarp();

@@ -99,16 +99,32 @@ std::vector<bf16_t> random_bf16(size_t n, std::mt19937_64& rng, float sigma = 1.
   return v;
 }
 
-// Indexer queries: random codes (every nibble value), realistic scale bytes (2^-11 .. 2^9), and one
-// all-zero head block per row (the reference's floor scale path).
-ref::IndexerQ random_q(int64_t T, std::mt19937_64& rng) {
+// Scale mixes. The scores kernel has two exact paths: a fused one when every 4 block scales of a
+// q head (all heads of the row) and of a K slot (all 16 slots of an MMA tile) lie within 2^3 of
+// each other, and a per-block one otherwise. kWide feeds the per-block path only, kNarrow the
+// fused path only, kMixed both (even rows narrow, odd rows wide; 98% of the K slots narrow).
+enum class ScaleMix { kWide, kNarrow, kMixed };
+const char* mix_name(ScaleMix m) { return m == ScaleMix::kWide ? "wide" : (m == ScaleMix::kNarrow ? "narrow" : "mixed"); }
+
+// 4 scale bytes of one vector: a base in 2^-11 .. 2^-1 plus 0..span per block.
+void vector_scales(uint8_t* s4, int span, std::mt19937_64& rng) {
+  const int base = 116 + static_cast<int>(rng() % 11);
+  for (int b = 0; b < 4; ++b) s4[b] = static_cast<uint8_t>(base + static_cast<int>(rng() % (span + 1)));
+}
+
+// Indexer queries: random codes (every nibble value), realistic scale bytes, and one all-zero head
+// block per row (the reference's floor scale path).
+ref::IndexerQ random_q(int64_t T, std::mt19937_64& rng, ScaleMix mix = ScaleMix::kMixed) {
   ref::IndexerQ q;
   q.T = T;
   q.heads = kernels::kIndexerHeads;
   q.codes.resize(static_cast<size_t>(T) * q.heads * 64);
   q.scales.resize(static_cast<size_t>(T) * q.heads * 4);
   for (auto& b : q.codes) b = static_cast<uint8_t>(rng());
-  for (auto& s : q.scales) s = static_cast<uint8_t>(116 + rng() % 21);
+  for (int64_t t = 0; t < T; ++t) {
+    const bool narrow = mix == ScaleMix::kNarrow || (mix == ScaleMix::kMixed && t % 2 == 0);
+    for (int h = 0; h < q.heads; ++h) vector_scales(&q.scales[(t * q.heads + h) * 4], narrow ? 3 : 20, rng);
+  }
   for (int64_t t = 0; t < T; ++t) {
     const int h = static_cast<int>(rng() % q.heads), b = static_cast<int>(rng() % 4);
     std::fill_n(q.codes.begin() + (t * q.heads + h) * 64 + 16 * b, 16, uint8_t{0});
@@ -126,14 +142,16 @@ struct IndexKPool {
   int64_t n_slots = 0;
   std::vector<uint8_t> bytes;
 };
-IndexKPool random_pool(int64_t n_slots, int page, std::mt19937_64& rng) {
+IndexKPool random_pool(int64_t n_slots, int page, std::mt19937_64& rng, ScaleMix mix = ScaleMix::kMixed) {
   IndexKPool pool;
   pool.layout = cache_layout(CacheKind::kIndexK, page);
   pool.n_slots = n_slots;
   pool.bytes.resize(static_cast<size_t>(pool.layout.pool_bytes(n_slots)));
   for (auto& b : pool.bytes) b = static_cast<uint8_t>(rng());
-  for (int64_t s = 0; s < n_slots; ++s)
-    for (int b = 0; b < 4; ++b) pool.bytes[pool.layout.scale_offset(s) + b] = static_cast<uint8_t>(116 + rng() % 21);
+  for (int64_t s = 0; s < n_slots; ++s) {
+    const bool narrow = mix == ScaleMix::kNarrow || (mix == ScaleMix::kMixed && rng() % 100 < 98);
+    vector_scales(&pool.bytes[pool.layout.scale_offset(s)], narrow ? 3 : 12, rng);
+  }
   return pool;
 }
 
@@ -168,13 +186,14 @@ struct ScoresProblem {
 };
 
 ScoresProblem make_scores_problem(const std::vector<int32_t>& req, const std::vector<int32_t>& clen, int64_t n_req,
-                                  int64_t score_stride, std::mt19937_64& rng, int page = kDefaultPageSize) {
+                                  int64_t score_stride, std::mt19937_64& rng, ScaleMix mix = ScaleMix::kMixed,
+                                  int page = kDefaultPageSize) {
   ScoresProblem pb;
   const int64_t T = static_cast<int64_t>(req.size());
-  pb.q = random_q(T, rng);
+  pb.q = random_q(T, rng, mix);
   pb.w = random_weights(T, rng);
   const int64_t max_clen = std::max<int64_t>(1, *std::max_element(clen.begin(), clen.end()));
-  pb.pool = random_pool(max_clen + 37, page, rng);
+  pb.pool = random_pool(max_clen + 37, page, rng, mix);
   pb.table = shuffled_table(n_req, max_clen, pb.pool.n_slots, rng);
   pb.req = req;
   pb.clen = clen;
@@ -522,8 +541,10 @@ TEST(GpuIndexerScores, EdgeLengthsMatchReferenceBitForBit) {
   V4_REQUIRE_GPU();
   std::mt19937_64 rng(0x5eed0101);
   // clen 0, 1, 63, 64, 1000, 5000 on six rows of six requests; the stride leaves -inf tails.
-  const auto pb = make_scores_problem({0, 1, 2, 3, 4, 5}, {0, 1, 63, 64, 1000, 5000}, 6, 5056, rng);
-  check_scores(pb, "edge lengths");
+  for (ScaleMix mix : {ScaleMix::kWide, ScaleMix::kNarrow, ScaleMix::kMixed}) {
+    const auto pb = make_scores_problem({0, 1, 2, 3, 4, 5}, {0, 1, 63, 64, 1000, 5000}, 6, 5056, rng, mix);
+    check_scores(pb, std::string("edge lengths, ") + mix_name(mix) + " scales");
+  }
 }
 
 TEST(GpuIndexerScores, TileSizesAndPdlGiveTheSameBits) {
@@ -541,7 +562,7 @@ TEST(GpuIndexerScores, TileSizesAndPdlGiveTheSameBits) {
 TEST(GpuIndexerScores, FullContext65536MatchesReference) {
   V4_REQUIRE_GPU();
   std::mt19937_64 rng(0x5eed0103);
-  const auto pb = make_scores_problem({0}, {65536}, 1, 65536, rng);
+  const auto pb = make_scores_problem({0}, {65536}, 1, 65536, rng, ScaleMix::kMixed);  // row 0: fused q
   check_scores(pb, "clen 65536");
 }
 
@@ -580,7 +601,7 @@ TEST(GpuIndexerScores, VerifyBatchWithPaddedRowsAndSmallPages) {
     clen.push_back(0);
   }
   for (int page : {64, 16}) {
-    const auto pb = make_scores_problem(req, clen, 4, 2112, rng, page);
+    const auto pb = make_scores_problem(req, clen, 4, 2112, rng, page == 64 ? ScaleMix::kNarrow : ScaleMix::kMixed, page);
     check_scores(pb, "verify, page " + std::to_string(page));
   }
 }
