@@ -22,7 +22,8 @@
 // floor / median. Split-K partial sums are not counted (they are overhead, mostly in L2).
 //
 // Usage: bench_gemm [--m 1,6,8,24,48,64] [--shapes wq_b,wo_b,...] [--reps 50] [--no-v0]
-//                   [--no-peer] [--json FILE]
+//                   [--no-peer] [--splits S] [--mtiles 1|2] [--json FILE]
+// --splits / --mtiles override v1's automatic plan (tuning; the note column shows the plan used).
 #include <CLI/CLI.hpp>
 #include <cublasLt.h>
 
@@ -221,6 +222,7 @@ class LtMatmul {
 
 struct Env {
   int reps = 50;
+  int force_splits = 0, force_mtiles = 0;  // v1 plan overrides (0 = automatic)
   bool run_v0 = true, run_peer = true;
   cudaStream_t stream = nullptr;
   DeviceBuffer<uint8_t>* flush = nullptr;
@@ -239,9 +241,13 @@ Row make_row(const Shape& sh, const char* version, int m, int64_t bytes) {
   return r;
 }
 
+// The shared split-K workspace, grown (and zeroed) when a plan needs more.
 kn::GemmWorkspace workspace(Env& env, int m, int64_t n, int64_t k, int groups) {
-  const size_t need = kn::plan_gemm_tc(m, n, k, groups).workspace_bytes;
-  if (need > env.gemm_ws->bytes()) throw std::runtime_error("bench workspace too small");
+  const size_t need = kn::plan_gemm_tc(m, n, k, groups, env.force_splits, env.force_mtiles).workspace_bytes;
+  if (need > env.gemm_ws->bytes()) {
+    env.gemm_ws->resize(need);
+    env.gemm_ws->fill_bytes(0, env.stream);
+  }
   return kn::GemmWorkspace{env.gemm_ws->get(), env.gemm_ws->bytes()};
 }
 
@@ -300,6 +306,8 @@ void bench_fp8(const Shape& sh, const std::vector<int>& ms, Env& env, std::vecto
     gp.m = m;
     gp.n = n;
     gp.k = k;
+    gp.force_splits = env.force_splits;
+    gp.force_mtiles = env.force_mtiles;
     const kn::GemmWorkspace ws = workspace(env, m, n, k, 1);
     kn::init_gemm_workspace(ws, env.stream);
 
@@ -324,7 +332,7 @@ void bench_fp8(const Shape& sh, const std::vector<int>& ms, Env& env, std::vecto
       Row r = make_row(sh, v == kn::GemmVersion::kSimple ? "v0" : "v1", m, gemm_bytes);
       r.valid = quant_ok && (v == kn::GemmVersion::kSimple ? differ == 0 : ulps <= 1);
       if (v == kn::GemmVersion::kTensorCore) {
-        const kn::GemmPlan plan = kn::plan_gemm_tc(m, n, k, 1);
+        const kn::GemmPlan plan = kn::plan_gemm_tc(m, n, k, 1, env.force_splits, env.force_mtiles);
         char note[96];
         std::snprintf(note, sizeof(note), "%.3f%% differ; MT %d S %d", 100.0 * static_cast<double>(differ) / static_cast<double>(want.size()),
                       plan.warp_mtiles, plan.splits);
@@ -356,6 +364,8 @@ void bench_fp8(const Shape& sh, const std::vector<int>& ms, Env& env, std::vecto
       bp.m = m;
       bp.n = n;
       bp.k = k;
+      bp.force_splits = env.force_splits;
+      bp.force_mtiles = env.force_mtiles;
       kn::run_gemm_bf16(bp, workspace(env, m, n, k, 1), kn::GemmVersion::kTensorCore, env.stream, false);
       const LtMatmul lt(CUDA_R_16BF, m, n, k, 1, k, n, env.lt, env.lt_ws->get(), env.lt_ws->bytes());
       lt.run(dw_bf16.get(), dx.get(), out_peer.get(), env.stream);
@@ -410,6 +420,8 @@ void bench_bf16(const Shape& sh, const std::vector<int>& ms, Env& env, std::vect
     p.x_group_stride = k;
     p.w_group_stride = n * k;
     p.out_group_stride = n;
+    p.force_splits = env.force_splits;
+    p.force_mtiles = env.force_mtiles;
     const kn::GemmWorkspace ws = workspace(env, m, n, k, groups);
     kn::init_gemm_workspace(ws, env.stream);
     const int64_t bytes = groups * (n * k * 2 + m * k * 2 + m * n * 2);
@@ -422,7 +434,7 @@ void bench_bf16(const Shape& sh, const std::vector<int>& ms, Env& env, std::vect
       Row r = make_row(sh, v == kn::GemmVersion::kSimple ? "v0" : "v1", m, bytes);
       r.valid = v == kn::GemmVersion::kSimple ? differ == 0 : ulps <= 1;
       if (v == kn::GemmVersion::kTensorCore) {
-        const kn::GemmPlan plan = kn::plan_gemm_tc(m, n, k, groups);
+        const kn::GemmPlan plan = kn::plan_gemm_tc(m, n, k, groups, env.force_splits, env.force_mtiles);
         char note[96];
         std::snprintf(note, sizeof(note), "%.3f%% differ; MT %d S %d", 100.0 * static_cast<double>(differ) / static_cast<double>(want.size()),
                       plan.warp_mtiles, plan.splits);
@@ -535,6 +547,8 @@ int main(int argc, char** argv) {
   app.add_option("--shapes", shapes, "shapes to run (default all): " + shape_names)->delimiter(',');
   app.add_option("--reps", env.reps, "timed launches per case (>= 50)")->check(CLI::Range(50, 100000));
   app.add_flag("--no-v0", no_v0, "skip the (slow) v0 baseline");
+  app.add_option("--splits", env.force_splits, "v1 (fp8/bf16): force S K-splits (0 = automatic plan)")->check(CLI::Range(0, 4096));
+  app.add_option("--mtiles", env.force_mtiles, "v1 (fp8/bf16): force 1 or 2 m16 tiles per warp (0 = automatic)")->check(CLI::Range(0, 2));
   app.add_flag("--no-peer", no_peer, "skip the cuBLASLt peers");
   app.add_option("--json", json_path, "also write the rows to this JSON file");
   CLI11_PARSE(app, argc, argv);
