@@ -106,8 +106,9 @@ size_t gemm_workspace_bytes(int m_max, int64_t n, int64_t k, int groups = 1);
 
 // ---- FP8 block-scaled GEMM --------------------------------------------------------------------
 // out[m, n] = bf16( sum over K blocks b in order of blocksum(b) * sa[m, b] * sw[n/32, b] ).
-// Requirements: n % 32 == 0, k % 32 == 0, 1 <= groups; v1: m <= 64. Alignment (both versions):
-// a_q, w 16-byte aligned, a_stride % 16 == 0, a_group_stride % 16 == 0.
+// Requirements: n % 32 == 0, k % 32 == 0, 1 <= groups; v1: m <= 64 and a workspace when its plan
+// splits K. Alignment (both versions): a_q, w 16-byte aligned; a_stride, a_group_stride and
+// w_group_stride multiples of 16.
 struct Fp8GemmParams {
   const uint8_t* a_q = nullptr;      // [m, k] e4m3 codes (run_act_quant_fp8 output); row r at a_q + r * a_stride
   int64_t a_stride = 0;              // bytes, >= k
@@ -131,7 +132,7 @@ void run_gemm_fp8(const Fp8GemmParams& p, const GemmWorkspace& ws, GemmVersion v
 
 // ---- bf16 GEMM --------------------------------------------------------------------------------
 // out[m, n] = bf16( sum_k x[m, k] * w[n, k] ), fp32 accumulation. Requirements as for fp8;
-// alignment: x, w 16-byte aligned, x_stride % 8 == 0, x_group_stride % 8 == 0.
+// alignment: x, w 16-byte aligned; x_stride, x_group_stride and w_group_stride multiples of 8.
 struct Bf16GemmParams {
   const bf16_t* x = nullptr;  // [m, k]; row r at x + r * x_stride
   int64_t x_stride = 0;       // elements, >= k
