@@ -244,11 +244,17 @@ void issue_layer_in_order(PrepareStreams& lanes, Schedule schedule, const LayerI
     forked[static_cast<int>(lane)] = true;
   };
 
-  if (has_cmp && cmp_lane != Lane::kMain) side(cmp_lane, layer.cmp);  // after x
+  using SFork = LayerIssue::SFork;
+  const bool three = schedule == Schedule::kThreeLane;
+  const bool cmp_late = three && layer.s_fork == SFork::kAfterQNorm;
+  const Lane idx_side =
+      three && layer.s_fork == SFork::kIdxOnKWithoutCmp && !has_cmp && idx_lane != Lane::kMain ? Lane::kK : idx_lane;
+  if (has_cmp && cmp_lane != Lane::kMain && !cmp_late) side(cmp_lane, layer.cmp);  // after x
   lanes.on_main(layer.qa);
   if (kv_lane != Lane::kMain) side(kv_lane, layer.kv);  // after QA's GEMM (the kv part)
   if (layer.q_norm) lanes.on_main(layer.q_norm);
-  if (has_idx && idx_lane != Lane::kMain) side(idx_lane, layer.idx);  // S': after qr
+  if (has_cmp && cmp_lane != Lane::kMain && cmp_late) side(cmp_lane, layer.cmp);  // after qr
+  if (has_idx && idx_lane != Lane::kMain) side(idx_side, layer.idx);  // S': after qr
   lanes.on_main(layer.qb);
   if (kv_lane == Lane::kMain) lanes.on_main(layer.kv);
   if (has_cmp && cmp_lane == Lane::kMain) lanes.on_main(layer.cmp);

@@ -156,6 +156,12 @@ struct LayerIssue {
   IssueFn kv;         // window K: kv_norm + RoPE + fp8 quant + paged store (reads QA's kv part)
   IssueFn cmp;        // compressor (+ index-K store); reads x; required iff work has kWorkCMP
   IssueFn idx;        // indexer; reads x, qr and the index-K cache; required iff kWorkIDX
+  // Where the three-lane schedule forks the S block (experiment knob, measured by the CUPTI test;
+  // see docs/perf.md): kAtLayerStart: CMP right after x, IDX joins it after q_norm (two parents);
+  // kAfterQNorm: the whole S block (CMP then IDX) forks after q_norm (one parent);
+  // kIdxOnKWithoutCmp: like kAtLayerStart, but a layer with IDX and no CMP runs IDX on lane K
+  // after KV.
+  enum class SFork { kAtLayerStart, kAfterQNorm, kIdxOnKWithoutCmp } s_fork = SFork::kAtLayerStart;
 };
 
 // Issues one layer's prepare on `lanes` in the documented order; returns with every side block
