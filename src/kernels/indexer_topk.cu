@@ -7,19 +7,27 @@
 // compares floats and -0.0 == +0.0), or 0 for an element that can never be selected (value not
 // > -inf: -inf, NaN, masked). Valid keys are >= 0x00800000, so 0 is free. The reference order is
 // (value descending, index ascending); its top k is {key > K*} plus the lowest-index k_eq
-// elements with key == K*, where K* is the key of the k-th element. K* is found by a radix select
-// over the keys (digits of 11, 11 and 10 bits from the top; one pass over the source each, with
-// a shared-memory histogram and a block scan to find the digit holding the k-th element). When
-// every valid element fits (n_valid <= k) no radix pass is needed: K* = 0, k_eq = 0.
-// Output stage, in chunks of 65536 elements (in index order): per 32-element word a warp ballot
-// gives the bitmaps {key > K*} and {key == K*}; a block scan over the words' tie counts keeps the
-// first k_eq ties; a second scan over the selected counts gives each word's output offset. Each
-// thread owns 2 consecutive words, so the output is in index order by construction (the sort by
-// position of the reference comes for free).
+// elements with key == K*, where K* is the key of the k-th element. K* comes from a radix select
+// over the keys: digits of 12, 10 and 10 bits from the top, each a shared-memory histogram
+// (warp-aggregated atomics) and a block scan that finds the digit holding the k-th element.
+// When every valid element fits (n_valid <= k) there is no select: K* = 0, k_eq = 0.
 //
-// Bytes (top-k, per row): the clen scores are read 4 times when clen > topk (3 radix passes + the
-// output pass; the row is L2-resident after the first) and once when clen <= topk; plus k slot
-// table entries read and out_stride ints written.
+// Output: bitmaps over the elements, {key > K*} and {key == K*}, one 32-bit word per 32 elements,
+// in chunks of 65536 elements; a block scan over the words' tie counts keeps the first k_eq ties,
+// a second scan over the selected counts gives each word's output offset. Each thread owns 2
+// consecutive words, so the output comes in index order by construction (the reference's sort by
+// position for free).
+//
+// Two ways through (chosen per row, uniformly):
+//  - short path (n <= 65536 and at most 4096 elements share the top-12-bit digit of the k-th):
+//    pass 1 reads the row for the first histogram; pass 2 reads it again, writes the bitmap of
+//    {digit above} and appends the elements of the threshold digit (key, index) to a shared list;
+//    the last two digits and the tie bits come from that list. 2 reads of the row.
+//  - general path: 3 histogram passes + 1 bitmap pass over the row (4 reads), chunked, any n.
+//
+// Bytes (top-k, per row): the clen scores are read twice (short path) or 4 times (general path)
+// when clen > topk, once when clen <= topk (the row is L2-resident after its first read); plus k
+// slot table entries and out_stride ints written.
 //
 // PDL: clen and req are read before dev::pdl_wait(); scores and the mask after it. The trigger
 // follows the CTA's last store.
@@ -37,20 +45,32 @@ namespace {
 
 constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
-constexpr int kRadixBins = 2048;             // 11-bit digits
-constexpr int kChunkWords = 2 * kThreads;    // bitmap words per output chunk
+constexpr int kDigit1Bits = 12, kDigit2Bits = 10, kDigit3Bits = 10;  // 32 bits from the top
+constexpr int kShift1 = 32 - kDigit1Bits, kShift2 = kShift1 - kDigit2Bits;  // 20, 10
+constexpr int kHistBins = 1 << kDigit1Bits;   // 4096
+constexpr int kChunkWords = 2 * kThreads;     // bitmap words per output chunk
 constexpr int64_t kChunkElems = 32 * int64_t{kChunkWords};  // 65536
+constexpr int kCandCap = 4096;                // short path: threshold-digit list capacity
 constexpr uint32_t kFullMask = 0xffffffffu;
 constexpr uint32_t kKeyNone = 0xffffffffu;  // threshold that selects nothing (with k_eq = 0)
 
 struct SelectSmem {
-  int hist[kRadixBins];
+  int hist[kHistBins];
   uint32_t bm_gt[kChunkWords];
   uint32_t bm_eq[kChunkWords];
+  uint32_t cand_key[kCandCap];
+  int32_t cand_idx[kCandCap];
   int warp_total[kWarps];
   int found_bin;
   int found_above;
+  int cand_count;
 };
+constexpr size_t kSelectSmemBytes = sizeof(SelectSmem);  // ~80 KB: dynamic shared memory
+
+__device__ __forceinline__ SelectSmem& select_smem() {
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  return *reinterpret_cast<SelectSmem*>(smem_raw);
+}
 
 __device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
 
@@ -118,17 +138,21 @@ __device__ __forceinline__ int block_scan_inclusive(int v, int& total, SelectSme
   return result;
 }
 
-// Histogram of the digit (key >> shift) & (2^digit_bits - 1) over valid keys whose bits from
-// prefix_shift up equal `prefix` (all valid keys when prefix_shift == 32; prefix_shift is always
-// shift + digit_bits). Warp-aggregated shared atomics: equal digits inside a warp (ties) cost one
-// atomic.
+__device__ __forceinline__ void zero_hist(int bins, SelectSmem& sm) {
+  for (int i = threadIdx.x; i < bins; i += kThreads) sm.hist[i] = 0;
+  __syncthreads();
+}
+
+// Histogram (over the row, from global memory) of the digit (key >> shift) & (2^digit_bits - 1)
+// of valid keys whose bits from shift + digit_bits up equal `prefix` (all valid keys when
+// shift + digit_bits == 32). Warp-aggregated shared atomics: equal digits in a warp (ties) cost
+// one atomic.
 template <class Keys>
 __device__ void histogram_pass(const Keys& keys, int64_t n, int shift, int digit_bits, uint32_t prefix,
                                SelectSmem& sm) {
   const int prefix_shift = shift + digit_bits;
   const uint32_t digit_mask = (1u << digit_bits) - 1u;
-  for (int i = threadIdx.x; i < kRadixBins; i += kThreads) sm.hist[i] = 0;
-  __syncthreads();
+  zero_hist(1 << digit_bits, sm);
   const int64_t n_round = (n + kThreads - 1) / kThreads * kThreads;  // every lane of a warp iterates alike
   for (int64_t j = threadIdx.x; j < n_round; j += kThreads) {
     const uint32_t k = j < n ? keys.key(j) : 0u;
@@ -143,59 +167,37 @@ __device__ void histogram_pass(const Keys& keys, int64_t n, int shift, int digit
   __syncthreads();
 }
 
-// After a histogram: the digit holding the k_rem-th largest element (1-based) and the number of
-// elements in higher digits. Precondition: the histogram total >= k_rem >= 1.
+// After a histogram of `bins` (<= 4096) bins: the digit holding the k_rem-th largest element
+// (1-based) and the number of elements in higher digits. Precondition: total >= k_rem >= 1.
 __device__ void find_digit(int k_rem, int bins, int& digit, int& above, SelectSmem& sm) {
-  // Thread i owns the descending bins 2i and 2i+1 (bins - 1 - 2i, bins - 2 - 2i).
-  const int d0 = bins - 1 - 2 * static_cast<int>(threadIdx.x), d1 = d0 - 1;
-  const int h0 = d0 >= 0 ? sm.hist[d0] : 0, h1 = d1 >= 0 ? sm.hist[d1] : 0;
+  // Thread i owns the `per` descending bins bins-1-per*i, ..., bins-per*(i+1).
+  const int per = (bins + kThreads - 1) / kThreads;
+  const int top = bins - 1 - per * static_cast<int>(threadIdx.x);
+  int h[kHistBins / kThreads];
+  int sum = 0;
+#pragma unroll
+  for (int q = 0; q < kHistBins / kThreads; ++q) {
+    h[q] = (q < per && top - q >= 0) ? sm.hist[top - q] : 0;
+    sum += h[q];
+  }
   int total;
-  const int incl = block_scan_inclusive(h0 + h1, total, sm);
-  const int excl = incl - h0 - h1;
-  if (excl < k_rem && k_rem <= incl) {
-    if (excl + h0 >= k_rem) {
-      sm.found_bin = d0;
-      sm.found_above = excl;
-    } else {
-      sm.found_bin = d1;
-      sm.found_above = excl + h0;
+  const int incl = block_scan_inclusive(sum, total, sm);
+  int acc = incl - sum;
+  if (acc < k_rem && k_rem <= incl) {
+#pragma unroll
+    for (int q = 0; q < kHistBins / kThreads; ++q) {
+      if (q < per && acc + h[q] >= k_rem) {
+        sm.found_bin = top - q;
+        sm.found_above = acc;
+        break;
+      }
+      acc += h[q];
     }
   }
   __syncthreads();
   digit = sm.found_bin;
   above = sm.found_above;
   __syncthreads();
-}
-
-// Threshold of the top k (k >= 1) of the n keys: select {key > thr} + first k_eq with key == thr.
-// When all valid keys fit: thr = 0, k_eq = 0 (selects exactly the valid keys).
-template <class Keys>
-__device__ void radix_select(const Keys& keys, int64_t n, int k, uint32_t& thr, int& k_eq, SelectSmem& sm) {
-  histogram_pass(keys, n, 21, 11, 0u, sm);  // bits 31..21
-  int n_valid;
-  {
-    int v = 0;
-    for (int i = threadIdx.x; i < kRadixBins; i += kThreads) v += sm.hist[i];
-    block_scan_inclusive(v, n_valid, sm);
-  }
-  if (n_valid <= k) {
-    thr = 0u;
-    k_eq = 0;
-    return;
-  }
-  int k_rem = k, digit, above;
-  find_digit(k_rem, kRadixBins, digit, above, sm);
-  uint32_t prefix = static_cast<uint32_t>(digit);  // bits 31..21
-  k_rem -= above;
-  histogram_pass(keys, n, 10, 11, prefix, sm);  // bits 20..10
-  find_digit(k_rem, kRadixBins, digit, above, sm);
-  prefix = (prefix << 11) | static_cast<uint32_t>(digit);  // bits 31..10
-  k_rem -= above;
-  histogram_pass(keys, n, 0, 10, prefix, sm);  // bits 9..0
-  find_digit(k_rem, kRadixBins / 2, digit, above, sm);
-  thr = (prefix << 10) | static_cast<uint32_t>(digit);
-  k_rem -= above;
-  k_eq = k_rem;  // >= 1: elements equal to thr taken in index order
 }
 
 // The lowest n set bits of m.
@@ -210,19 +212,42 @@ __device__ __forceinline__ uint32_t lowest_set_bits(uint32_t m, int n) {
   return r;
 }
 
-// Output stage over elements [0, n): calls emit(word_index_global, selected_bits, out_offset) for
-// this thread's two words of each chunk, in index order; returns the number selected.
+// Output of one chunk whose bitmaps are in shared memory: keeps the first (k_eq - eq_seen) tie
+// bits in index order, then calls emit(first_index, selected_bits, out_offset) for this thread's
+// two words (elements base + 64*tid .. +64). Updates eq_seen and out_count (CTA-uniform).
+template <class Emit>
+__device__ void compact_and_emit(int64_t base, int k_eq, int& eq_seen, int& out_count, SelectSmem& sm,
+                                 const Emit& emit) {
+  const int w0 = 2 * static_cast<int>(threadIdx.x), w1 = w0 + 1;
+  const uint32_t eq0 = sm.bm_eq[w0], eq1 = sm.bm_eq[w1];
+  const uint32_t gt0 = sm.bm_gt[w0], gt1 = sm.bm_gt[w1];
+  const int e0 = __popc(eq0), e1 = __popc(eq1);
+  int eq_total;
+  const int eq_incl = block_scan_inclusive(e0 + e1, eq_total, sm);
+  const int before0 = eq_seen + eq_incl - e0 - e1, before1 = before0 + e0;
+  const uint32_t sel0 = gt0 | lowest_set_bits(eq0, max(0, min(e0, k_eq - before0)));
+  const uint32_t sel1 = gt1 | lowest_set_bits(eq1, max(0, min(e1, k_eq - before1)));
+  const int cnt = __popc(sel0) + __popc(sel1);
+  int sel_total;
+  const int sel_incl = block_scan_inclusive(cnt, sel_total, sm);  // ends with __syncthreads
+  const int off = out_count + sel_incl - cnt;
+  emit(base + 32 * int64_t{w0}, sel0, off);
+  emit(base + 32 * int64_t{w1}, sel1, off + __popc(sel0));
+  eq_seen += eq_total;
+  out_count += sel_total;
+}
+
+// General output stage over elements [0, n_out) (keys exist below n_keyed <= n_out): per chunk,
+// the bitmaps from a warp ballot per word, then compact_and_emit. Returns the number selected.
 template <class Keys, class Emit>
-__device__ int select_and_emit(const Keys& keys, int64_t n, int64_t n_keyed, uint32_t thr, int k_eq, SelectSmem& sm,
-                               const Emit& emit) {
+__device__ int select_and_emit(const Keys& keys, int64_t n_out, int64_t n_keyed, uint32_t thr, int k_eq,
+                               SelectSmem& sm, const Emit& emit) {
   const int lane = static_cast<int>(threadIdx.x) % 32, wid = static_cast<int>(threadIdx.x) / 32;
   int eq_seen = 0, out_count = 0;
-  for (int64_t base = 0; base < n; base += kChunkElems) {
-    const int64_t chunk_n = min(kChunkElems, n - base);
-    const int words = static_cast<int>((chunk_n + 31) / 32);
+  for (int64_t base = 0; base < n_out; base += kChunkElems) {
     for (int w = wid; w < kChunkWords; w += kWarps) {
       const int64_t j = base + 32 * int64_t{w} + lane;
-      const uint32_t k = (w < words && j < n_keyed) ? keys.key(j) : 0u;
+      const uint32_t k = j < n_keyed ? keys.key(j) : 0u;
       const uint32_t gt = __ballot_sync(kFullMask, k != 0u && k > thr);
       const uint32_t eq = __ballot_sync(kFullMask, k != 0u && k == thr);
       if (lane == 0) {
@@ -231,25 +256,106 @@ __device__ int select_and_emit(const Keys& keys, int64_t n, int64_t n_keyed, uin
       }
     }
     __syncthreads();
-    const int w0 = 2 * static_cast<int>(threadIdx.x), w1 = w0 + 1;
-    const uint32_t eq0 = sm.bm_eq[w0], eq1 = sm.bm_eq[w1];
-    const int e0 = __popc(eq0), e1 = __popc(eq1);
-    int eq_total;
-    const int eq_incl = block_scan_inclusive(e0 + e1, eq_total, sm);
-    const int before0 = eq_seen + eq_incl - e0 - e1, before1 = before0 + e0;
-    const uint32_t sel0 = sm.bm_gt[w0] | lowest_set_bits(eq0, max(0, min(e0, k_eq - before0)));
-    const uint32_t sel1 = sm.bm_gt[w1] | lowest_set_bits(eq1, max(0, min(e1, k_eq - before1)));
-    const int cnt = __popc(sel0) + __popc(sel1);
-    int sel_total;
-    const int sel_incl = block_scan_inclusive(cnt, sel_total, sm);
-    const int off = out_count + sel_incl - cnt;
-    emit(base + 32 * int64_t{w0}, sel0, off);
-    emit(base + 32 * int64_t{w1}, sel1, off + __popc(sel0));
-    eq_seen += eq_total;
-    out_count += sel_total;
-    // block_scan_inclusive ends with __syncthreads: the bitmaps are free for the next chunk.
+    compact_and_emit(base, k_eq, eq_seen, out_count, sm, emit);  // its last scan syncs: bitmaps free
   }
   return out_count;
+}
+
+// Selects the top k of the n keyed elements (index order output over [0, n_out), n_out >= n) and
+// emits them; returns the number selected (min(k, valid elements)). k <= 0 selects nothing (but
+// still emits every word, so a mask gets its zeros).
+template <class Keys, class Emit>
+__device__ int select_topk(const Keys& keys, int64_t n, int64_t n_out, int k, SelectSmem& sm, const Emit& emit) {
+  if (k <= 0) return select_and_emit(keys, n_out, n, kKeyNone, 0, sm, emit);
+  if (n <= k) return select_and_emit(keys, n_out, n, 0u, 0, sm, emit);  // every valid element
+
+  // Digit 1 (bits 31..20) over the row; its total is the number of valid elements.
+  histogram_pass(keys, n, kShift1, kDigit1Bits, 0u, sm);
+  int n_valid;
+  {
+    int v = 0;
+    for (int i = threadIdx.x; i < kHistBins; i += kThreads) v += sm.hist[i];
+    block_scan_inclusive(v, n_valid, sm);
+  }
+  if (n_valid <= k) return select_and_emit(keys, n_out, n, 0u, 0, sm, emit);
+  int d1, above;
+  find_digit(k, kHistBins, d1, above, sm);
+  int k_rem = k - above;
+  const int in_d1 = sm.hist[d1];
+  __syncthreads();  // everyone has read hist[d1] before it is zeroed
+
+  if (n_out <= kChunkElems && in_d1 <= kCandCap) {
+    // ---- short path: one more read of the row gives {digit > d1} and the list of digit d1 ----
+    const int lane = static_cast<int>(threadIdx.x) % 32, wid = static_cast<int>(threadIdx.x) / 32;
+    if (threadIdx.x == 0) sm.cand_count = 0;
+    __syncthreads();
+    for (int w = wid; w < kChunkWords; w += kWarps) {
+      const int64_t j = 32 * int64_t{w} + lane;
+      const uint32_t key = j < n ? keys.key(j) : 0u;
+      const uint32_t digit = key >> kShift1;
+      const uint32_t gt = __ballot_sync(kFullMask, key != 0u && digit > static_cast<uint32_t>(d1));
+      const bool is_cand = key != 0u && digit == static_cast<uint32_t>(d1);
+      const uint32_t cand = __ballot_sync(kFullMask, is_cand);
+      if (lane == 0) {
+        sm.bm_gt[w] = gt;
+        sm.bm_eq[w] = 0u;
+      }
+      if (cand != 0u) {  // warp-uniform
+        int slot0 = 0;
+        if (lane == 0) slot0 = atomicAdd(&sm.cand_count, __popc(cand));
+        slot0 = __shfl_sync(kFullMask, slot0, 0);
+        if (is_cand) {
+          const int slot = slot0 + __popc(cand & ((1u << lane) - 1u));
+          sm.cand_key[slot] = key;
+          sm.cand_idx[slot] = static_cast<int32_t>(j);
+        }
+      }
+    }
+    __syncthreads();
+    const int nc = in_d1;  // == cand_count
+    // Digit 2 (bits 19..10) and digit 3 (bits 9..0) over the list (all of digit d1).
+    zero_hist(1 << kDigit2Bits, sm);
+    for (int i = threadIdx.x; i < nc; i += kThreads)
+      atomicAdd(&sm.hist[(sm.cand_key[i] >> kShift2) & ((1u << kDigit2Bits) - 1u)], 1);
+    __syncthreads();
+    int d2;
+    find_digit(k_rem, 1 << kDigit2Bits, d2, above, sm);
+    k_rem -= above;
+    const uint32_t prefix = (static_cast<uint32_t>(d1) << kDigit2Bits) | static_cast<uint32_t>(d2);
+    zero_hist(1 << kDigit3Bits, sm);
+    for (int i = threadIdx.x; i < nc; i += kThreads) {
+      const uint32_t key = sm.cand_key[i];
+      if ((key >> kShift2) == prefix) atomicAdd(&sm.hist[key & ((1u << kDigit3Bits) - 1u)], 1);
+    }
+    __syncthreads();
+    int d3;
+    find_digit(k_rem, 1 << kDigit3Bits, d3, above, sm);
+    k_rem -= above;
+    const uint32_t thr = (prefix << kDigit3Bits) | static_cast<uint32_t>(d3);
+    for (int i = threadIdx.x; i < nc; i += kThreads) {
+      const uint32_t key = sm.cand_key[i];
+      const int32_t j = sm.cand_idx[i];
+      if (key > thr) atomicOr(&sm.bm_gt[j >> 5], 1u << (j & 31));
+      else if (key == thr) atomicOr(&sm.bm_eq[j >> 5], 1u << (j & 31));
+    }
+    __syncthreads();
+    int eq_seen = 0, out_count = 0;
+    compact_and_emit(0, k_rem, eq_seen, out_count, sm, emit);
+    return out_count;
+  }
+
+  // ---- general path: digits 2 and 3 over the row, then the chunked output ----
+  histogram_pass(keys, n, kShift2, kDigit2Bits, static_cast<uint32_t>(d1), sm);
+  int d2;
+  find_digit(k_rem, 1 << kDigit2Bits, d2, above, sm);
+  k_rem -= above;
+  const uint32_t prefix = (static_cast<uint32_t>(d1) << kDigit2Bits) | static_cast<uint32_t>(d2);
+  histogram_pass(keys, n, 0, kDigit3Bits, prefix, sm);
+  int d3;
+  find_digit(k_rem, 1 << kDigit3Bits, d3, above, sm);
+  k_rem -= above;
+  const uint32_t thr = (prefix << kDigit3Bits) | static_cast<uint32_t>(d3);
+  return select_and_emit(keys, n_out, n, thr, k_rem, sm, emit);
 }
 
 // Row metadata shared by top-k: clamps like the reference refuses, counts once per row.
@@ -272,7 +378,7 @@ __device__ __forceinline__ int64_t clamp_row(int32_t req, int64_t c, const Index
 // ---- top-k -> slots ---------------------------------------------------------------------------
 // Grid T, block 1024: one CTA per row.
 __global__ void __launch_bounds__(kThreads) indexer_topk_kernel(const __grid_constant__ IndexerTopkParams p) {
-  __shared__ SelectSmem sm;
+  SelectSmem& sm = select_smem();
   const int64_t t = blockIdx.x;
   const int32_t req = p.req[t];
   bool err;
@@ -287,12 +393,9 @@ __global__ void __launch_bounds__(kThreads) indexer_topk_kernel(const __grid_con
   if (k > 0) {
     const ScoreKeys keys{p.scores + t * p.score_stride,
                          p.candidate_mask != nullptr ? p.candidate_mask + t * p.mask_stride : nullptr, p.mask_block};
-    uint32_t thr = 0u;
-    int k_eq = 0;
-    if (c > k) radix_select(keys, c, k, thr, k_eq, sm);  // else every valid position is selected
     const int32_t* table = p.comp_slot_table + static_cast<int64_t>(req) * p.comp_table_stride;
     const int64_t out_stride = p.out_stride;
-    n_out = select_and_emit(keys, c, c, thr, k_eq, sm, [&](int64_t first, uint32_t bits, int off) {
+    n_out = select_topk(keys, c, c, k, sm, [&](int64_t first, uint32_t bits, int off) {
       while (bits != 0u) {
         const int b = __ffs(bits) - 1;
         bits &= bits - 1u;
@@ -309,7 +412,7 @@ __global__ void __launch_bounds__(kThreads) indexer_topk_kernel(const __grid_con
 // ---- candidate mask ---------------------------------------------------------------------------
 // Grid T, block 1024: one CTA per row; elements are the row's blocks of `block` positions.
 __global__ void __launch_bounds__(kThreads) candidate_mask_kernel(const __grid_constant__ CandidateMaskParams p) {
-  __shared__ SelectSmem sm;
+  SelectSmem& sm = select_smem();
   const int64_t t = blockIdx.x;
   int64_t c = p.clen[t];
   if (c < 0 || c > p.score_stride) {
@@ -322,15 +425,9 @@ __global__ void __launch_bounds__(kThreads) candidate_mask_kernel(const __grid_c
 
   const BlockKeys keys{p.scores + t * p.score_stride, c, p.block, n_blocks - 1};
   const int k = static_cast<int>(min(static_cast<int64_t>(p.topk_blocks), n_blocks));
-  uint32_t thr = kKeyNone;
-  int k_eq = 0;
-  if (k > 0) {
-    thr = 0u;
-    if (n_blocks > k) radix_select(keys, n_blocks, k, thr, k_eq, sm);
-  }
   uint8_t* mask = p.mask + t * p.mask_stride;
   // Every byte of [0, mask_stride) is written: blocks >= n_blocks have key 0 (never selected).
-  select_and_emit(keys, p.mask_stride, n_blocks, thr, k_eq, sm, [&](int64_t first, uint32_t bits, int) {
+  select_topk(keys, n_blocks, p.mask_stride, k, sm, [&](int64_t first, uint32_t bits, int) {
     const int64_t end = min(first + 32, p.mask_stride);
     for (int64_t i = first; i < end; ++i) mask[i] = static_cast<uint8_t>((bits >> (i - first)) & 1u);
   });
@@ -391,6 +488,7 @@ void run_indexer_topk(const IndexerTopkParams& p, cudaStream_t stream, bool pdl)
   LaunchConfig cfg;
   cfg.grid = dim3(static_cast<unsigned>(p.T), 1, 1);
   cfg.block = dim3(kThreads, 1, 1);
+  cfg.smem_bytes = kSelectSmemBytes;
   cfg.stream = stream;
   cfg.pdl = pdl;
   launch_kernel("indexer_topk", indexer_topk_kernel, cfg, p);
@@ -411,6 +509,7 @@ void run_candidate_mask(const CandidateMaskParams& p, cudaStream_t stream, bool 
   LaunchConfig cfg;
   cfg.grid = dim3(static_cast<unsigned>(p.T), 1, 1);
   cfg.block = dim3(kThreads, 1, 1);
+  cfg.smem_bytes = kSelectSmemBytes;
   cfg.stream = stream;
   cfg.pdl = pdl;
   launch_kernel("candidate_mask", candidate_mask_kernel, cfg, p);

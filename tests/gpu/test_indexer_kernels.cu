@@ -699,6 +699,17 @@ TEST(GpuIndexerTopk, OtherKAndWidths) {
   }
 }
 
+TEST(GpuIndexerTopk, RowsLongerThanOneOutputChunk) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5eed0207);
+  // > 65536 positions: the general path with several 65536-position output chunks.
+  for (bool ties : {false, true}) {
+    const auto pb = make_topk_problem({65537, 70000, 131072}, 131072, 512, 512, rng, ties);
+    expect_same_bytes(gpu_topk(pb), reference_topk(pb), std::string("long rows, ties ") + (ties ? "on" : "off"),
+                      pb.out_stride);
+  }
+}
+
 TEST(GpuIndexerTopk, FusedCandidateMaskEqualsApplyThenTopk) {
   V4_REQUIRE_GPU();
   std::mt19937_64 rng(0x5eed0205);
@@ -753,6 +764,22 @@ TEST(GpuIndexerCandidateMask, MatchesReference) {
       for (int64_t j = 800; j < std::min<int64_t>(clen[t], 880); ++j) pb.scores[t * pb.stride + j] = -kInf;
     expect_same_bytes(gpu_mask(pb), reference_mask(pb), std::string("mask, ties ") + (ties ? "on" : "off"),
                       pb.mask_stride);
+  }
+}
+
+TEST(GpuIndexerCandidateMask, MaskWiderThanOneOutputChunk) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5eed0304);
+  // 600000 positions = 75000 blocks > 65536: the chunked output, and more blocks than the budget.
+  MaskProblem pb;
+  pb.clen = {600000, 70001, 0};
+  pb.T = 3;
+  pb.stride = 600064;
+  pb.mask_stride = 75008 + 16;
+  pb.scores = random_scores(pb.T, pb.stride, pb.clen, rng);
+  for (int budget : {2048, 70000}) {
+    pb.topk_blocks = budget;
+    expect_same_bytes(gpu_mask(pb), reference_mask(pb), "wide mask, budget " + std::to_string(budget), pb.mask_stride);
   }
 }
 
