@@ -15,7 +15,9 @@
 #include <vector>
 
 #include "gpu_test_util.h"
+#include "kernels/device_common.cuh"
 #include "runtime/cuda_utils.h"
+#include "runtime/launch.h"
 #include "v4attn/cache_layout.h"
 #include "v4attn/kernels/indexer_kernels.h"
 #include "v4attn/numerics.h"
@@ -73,6 +75,57 @@ struct ErrorCount {
     return v;
   }
 };
+
+// ---- launch modes -------------------------------------------------------------------------------
+// kPlain: no PDL. kPdl: launched with PDL after a finished predecessor. kPdlLate: the kernel's
+// input (one buffer per test) is written by a "late producer" that lets its dependents launch at
+// once, spins ~25 us and only then copies the input in; a kernel that reads it before
+// griddepcontrol.wait sees poison and fails the comparison.
+enum class Launch { kPlain, kPdl, kPdlLate };
+
+__global__ void late_copy_kernel(const uint4* src, uint4* dst, long long n16, long long spin_cycles) {
+  dev::pdl_launch_dependents();
+  const long long t0 = clock64();
+  while (clock64() - t0 < spin_cycles) {
+  }
+  for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < n16;
+       i += static_cast<long long>(gridDim.x) * blockDim.x)
+    dst[i] = src[i];
+}
+
+// A non-blocking stream per call; everything queued on the legacy stream before is finished.
+struct TestStream {
+  cudaStream_t s = nullptr;
+  TestStream() {
+    V4_CUDA_CHECK(cudaDeviceSynchronize());
+    V4_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  }
+  ~TestStream() {
+    cudaStreamSynchronize(s);
+    cudaStreamDestroy(s);
+  }
+  TestStream(const TestStream&) = delete;
+  TestStream& operator=(const TestStream&) = delete;
+};
+
+// kPdlLate: moves `input`'s content to a staging copy, poisons `input`, and queues the late
+// producer that restores it. Call right before the kernel launch on the same stream.
+template <class T>
+void late_feed(Launch mode, DeviceBuffer<T>& input, DeviceBuffer<T>& staging, cudaStream_t s) {
+  if (mode != Launch::kPdlLate) return;
+  ASSERT_EQ(input.bytes() % 16, 0u) << "late inputs are copied in 16-byte units";
+  staging.resize(input.size());
+  V4_CUDA_CHECK(cudaMemcpyAsync(staging.get(), input.get(), input.bytes(), cudaMemcpyDeviceToDevice, s));
+  V4_CUDA_CHECK(cudaMemsetAsync(input.get(), kPoison, input.bytes(), s));
+  LaunchConfig cfg;
+  cfg.grid = dim3(8, 1, 1);
+  cfg.block = dim3(256, 1, 1);
+  cfg.stream = s;
+  launch_kernel("late_copy", late_copy_kernel, cfg, reinterpret_cast<const uint4*>(staging.get()),
+                reinterpret_cast<uint4*>(input.get()), static_cast<long long>(input.bytes() / 16), 50000LL);
+}
+bool pdl_of(Launch m) { return m != Launch::kPlain; }
+const char* launch_name(Launch m) { return m == Launch::kPlain ? "plain" : (m == Launch::kPdl ? "pdl" : "pdl-late"); }
 
 // Byte-identical arrays; on failure reports the first differing element.
 template <class T>
@@ -212,8 +265,11 @@ struct GpuScores {
   std::vector<float> scores;
   unsigned long long errors = 0;
 };
+// Which scores input the late producer writes in Launch::kPdlLate.
+enum class LateScoresInput { kQCodes, kCache };
+
 GpuScores gpu_scores(const ScoresProblem& pb, const std::vector<int32_t>& table_override = {}, int steps = 0,
-                     bool pdl = false) {
+                     Launch mode = Launch::kPlain, LateScoresInput late = LateScoresInput::kQCodes) {
   const int64_t T = pb.T();
   auto d_codes = to_device(pb.q.codes);
   auto d_scales = to_device(pb.q.scales);
@@ -241,15 +297,20 @@ GpuScores gpu_scores(const ScoresProblem& pb, const std::vector<int32_t>& table_
   p.T = T;
   p.err_count = err.get();
   p.steps_per_warp = steps;
-  kernels::run_indexer_scores(p, nullptr, pdl);
-  V4_CUDA_CHECK_LAUNCH();
-  V4_CUDA_CHECK(cudaDeviceSynchronize());
+  {
+    TestStream stream;
+    DeviceBuffer<uint8_t> staging;
+    late_feed(mode, late == LateScoresInput::kQCodes ? d_codes : d_cache, staging, stream.s);
+    kernels::run_indexer_scores(p, stream.s, pdl_of(mode));
+    V4_CUDA_CHECK_LAUNCH();
+    V4_CUDA_CHECK(cudaStreamSynchronize(stream.s));
+  }
   return {out.download_checked(), err.read()};
 }
 
-void check_scores(const ScoresProblem& pb, const std::string& what, int steps = 0, bool pdl = false) {
+void check_scores(const ScoresProblem& pb, const std::string& what, int steps = 0, Launch mode = Launch::kPlain) {
   const auto want = reference_scores(pb);
-  const auto got = gpu_scores(pb, {}, steps, pdl);
+  const auto got = gpu_scores(pb, {}, steps, mode);
   EXPECT_EQ(got.errors, 0u) << what;
   expect_same_bytes(got.scores, want, what, pb.score_stride);
 }
@@ -308,7 +369,7 @@ std::vector<int32_t> reference_topk(const TopkProblem& pb) {
   return out;
 }
 
-std::vector<int32_t> gpu_topk(const TopkProblem& pb, unsigned long long* errors = nullptr, bool pdl = false) {
+std::vector<int32_t> gpu_topk(const TopkProblem& pb, unsigned long long* errors = nullptr, Launch mode = Launch::kPlain) {
   auto d_scores = to_device(pb.scores);
   auto d_req = to_device(pb.req);
   auto d_clen = to_device(pb.clen);
@@ -334,9 +395,14 @@ std::vector<int32_t> gpu_topk(const TopkProblem& pb, unsigned long long* errors 
   p.out = out.get();
   p.out_stride = pb.out_stride;
   p.err_count = err.get();
-  kernels::run_indexer_topk(p, nullptr, pdl);
-  V4_CUDA_CHECK_LAUNCH();
-  V4_CUDA_CHECK(cudaDeviceSynchronize());
+  {
+    TestStream stream;
+    DeviceBuffer<float> staging;
+    late_feed(mode, d_scores, staging, stream.s);
+    kernels::run_indexer_topk(p, stream.s, pdl_of(mode));
+    V4_CUDA_CHECK_LAUNCH();
+    V4_CUDA_CHECK(cudaStreamSynchronize(stream.s));
+  }
   auto got = out.download_checked();
   const auto e = err.read();
   if (errors != nullptr) *errors = e;
@@ -375,7 +441,7 @@ std::vector<uint8_t> reference_mask(const MaskProblem& pb) {
   return m;
 }
 
-std::vector<uint8_t> gpu_mask(const MaskProblem& pb) {
+std::vector<uint8_t> gpu_mask(const MaskProblem& pb, Launch mode = Launch::kPlain) {
   auto d_scores = to_device(pb.scores);
   auto d_clen = to_device(pb.clen);
   PoisonedOutput<uint8_t> out(static_cast<size_t>(pb.T * pb.mask_stride));
@@ -390,9 +456,14 @@ std::vector<uint8_t> gpu_mask(const MaskProblem& pb) {
   p.mask = out.get();
   p.mask_stride = pb.mask_stride;
   p.err_count = err.get();
-  kernels::run_candidate_mask(p, nullptr, false);
-  V4_CUDA_CHECK_LAUNCH();
-  V4_CUDA_CHECK(cudaDeviceSynchronize());
+  {
+    TestStream stream;
+    DeviceBuffer<float> staging;
+    late_feed(mode, d_scores, staging, stream.s);
+    kernels::run_candidate_mask(p, stream.s, pdl_of(mode));
+    V4_CUDA_CHECK_LAUNCH();
+    V4_CUDA_CHECK(cudaStreamSynchronize(stream.s));
+  }
   EXPECT_EQ(err.read(), 0u);
   return out.download_checked();
 }
@@ -453,7 +524,7 @@ struct QPackOut {
   std::vector<float> weights;
   unsigned long long errors = 0;
 };
-QPackOut gpu_qpack(const QPackInputs& in, bool pdl) {
+QPackOut gpu_qpack(const QPackInputs& in, Launch mode) {
   auto d_qi = to_device(in.qi_strided);
   auto d_w = to_device(in.wproj_strided);
   auto d_pos = to_device(in.pos);
@@ -476,9 +547,14 @@ QPackOut gpu_qpack(const QPackInputs& in, bool pdl) {
   p.q_scales = scales.get();
   p.weights = weights.get();
   p.err_count = err.get();
-  kernels::run_indexer_q_pack(p, nullptr, pdl);
-  V4_CUDA_CHECK_LAUNCH();
-  V4_CUDA_CHECK(cudaDeviceSynchronize());
+  {
+    TestStream stream;
+    DeviceBuffer<bf16_t> staging;
+    late_feed(mode, d_qi, staging, stream.s);
+    kernels::run_indexer_q_pack(p, stream.s, pdl_of(mode));
+    V4_CUDA_CHECK_LAUNCH();
+    V4_CUDA_CHECK(cudaStreamSynchronize(stream.s));
+  }
   return {codes.download_checked(), scales.download_checked(), weights.download_checked(), err.read()};
 }
 
@@ -491,8 +567,9 @@ TEST(GpuIndexerQPack, BytesMatchReference) {
     const auto want = ref::indexer_q_pack(in.qi.data(), T, kernels::kIndexerHeads, in.pos.data(), in.table.data(),
                                           in.max_pos);
     const auto want_w = ref::indexer_weights(in.wproj.data(), T, kernels::kIndexerHeads, kernels::kIndexerHeads);
-    const auto got = gpu_qpack(in, /*pdl=*/T == 8);
-    const std::string what = "T=" + std::to_string(T);
+    const Launch mode = T == 8 ? Launch::kPdlLate : (T == 6 ? Launch::kPdl : Launch::kPlain);
+    const auto got = gpu_qpack(in, mode);
+    const std::string what = "T=" + std::to_string(T) + " " + launch_name(mode);
     EXPECT_EQ(got.errors, 0u) << what;
     expect_same_bytes(got.codes, want.codes, what + " codes", 32 * 64);
     expect_same_bytes(got.scales, want.scales, what + " scales", 32 * 4);
@@ -512,7 +589,7 @@ TEST(GpuIndexerQPack, PositionOutsideTableSkipsRowAndCounts) {
   const auto want = ref::indexer_q_pack(in.qi.data(), 6, 32, in.pos.data(), in.table.data(), in.max_pos);
   in.pos[2] = static_cast<int32_t>(in.max_pos);  // one past the table
   in.pos[4] = -1;
-  const auto got = gpu_qpack(in, false);
+  const auto got = gpu_qpack(in, Launch::kPlain);
   EXPECT_EQ(got.errors, 2u);
   for (int64_t t = 0; t < 6; ++t) {
     const bool skipped = t == 2 || t == 4;
@@ -553,9 +630,16 @@ TEST(GpuIndexerScores, TileSizesAndPdlGiveTheSameBits) {
   const auto pb = make_scores_problem({1, 0, 1}, {1500, 700, 1537}, 2, 1600, rng);
   const auto want = reference_scores(pb);
   for (int steps : {1, 2, 3, 4}) {
-    const auto got = gpu_scores(pb, {}, steps, /*pdl=*/steps == 3);
+    const auto got = gpu_scores(pb, {}, steps, steps == 3 ? Launch::kPdl : Launch::kPlain);
     EXPECT_EQ(got.errors, 0u);
     expect_same_bytes(got.scores, want, "steps " + std::to_string(steps), pb.score_stride);
+  }
+  // PDL with late inputs: q (from the q-pack kernel) and the index-K cache (from the index-K
+  // store) are only read after griddepcontrol.wait.
+  for (LateScoresInput late : {LateScoresInput::kQCodes, LateScoresInput::kCache}) {
+    const auto got = gpu_scores(pb, {}, 0, Launch::kPdlLate, late);
+    EXPECT_EQ(got.errors, 0u);
+    expect_same_bytes(got.scores, want, late == LateScoresInput::kQCodes ? "late q" : "late K", pb.score_stride);
   }
 }
 
@@ -668,8 +752,9 @@ TEST(GpuIndexerTopk, DecodeBatchesMatchReference) {
       pb.req[T - 1] = -1;  // padded rows (one with a stale clen) give all -1
       pb.clen[T - 2] = 0;
     }
-    expect_same_bytes(gpu_topk(pb, nullptr, /*pdl=*/T == 6), reference_topk(pb), "T=" + std::to_string(T),
-                      pb.out_stride);
+    const Launch mode = T == 6 ? Launch::kPdlLate : (T == 8 ? Launch::kPdl : Launch::kPlain);
+    expect_same_bytes(gpu_topk(pb, nullptr, mode), reference_topk(pb),
+                      "T=" + std::to_string(T) + " " + launch_name(mode), pb.out_stride);
   }
 }
 
@@ -762,8 +847,9 @@ TEST(GpuIndexerCandidateMask, MatchesReference) {
     // A few blocks of only -inf (never kept unless newest).
     for (int64_t t = 0; t < pb.T; ++t)
       for (int64_t j = 800; j < std::min<int64_t>(clen[t], 880); ++j) pb.scores[t * pb.stride + j] = -kInf;
-    expect_same_bytes(gpu_mask(pb), reference_mask(pb), std::string("mask, ties ") + (ties ? "on" : "off"),
-                      pb.mask_stride);
+    const Launch mode = ties ? Launch::kPdlLate : Launch::kPlain;
+    expect_same_bytes(gpu_mask(pb, mode), reference_mask(pb),
+                      std::string("mask, ties ") + (ties ? "on " : "off ") + launch_name(mode), pb.mask_stride);
   }
 }
 
