@@ -69,8 +69,8 @@ float indexer_weight_scale(int heads_total);
 // req >= comp_table_rows sees nothing, a clen outside [0, min(score_stride, comp_table_stride)] is
 // clamped into it (counted once per row).
 // Bit-exact against the reference (which uses ldexp) whenever the scale exponents of each
-// (q block, K block) pair satisfy -149 <= eq + ek - 2 <= 127 (the fp32 power of two sq * sk / 4
-// exists); real activations are far inside (|eq|, |ek| < ~20).
+// (q block, K block) pair satisfy -146 <= eq + ek - 2 <= 127 (the fp32 powers of two the kernel
+// forms exist; 3 of margin for the shifted-q form); real activations are far inside (|e| < ~20).
 struct IndexerScoresParams {
   const uint8_t* q_codes = nullptr;       // [T, 32, 64] (16-byte aligned)
   const uint8_t* q_scales = nullptr;      // [T, 32, 4]  (16-byte aligned)
