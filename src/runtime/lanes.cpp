@@ -195,6 +195,17 @@ void PrepareStreams::join(Lane side) {
   if (err != cudaSuccess) throw_cuda_error(err, "join: cudaEventRecord(side) / cudaStreamWaitEvent(main)", __FILE__, __LINE__);
 }
 
+void PrepareStreams::lane_prologue(void* scratch, const IssueFn& main_work) {
+  if (scratch == nullptr) throw std::invalid_argument("PrepareStreams::lane_prologue: scratch is null");
+  if (!main_work) throw std::invalid_argument("PrepareStreams::lane_prologue: empty main work");
+  auto* bytes = static_cast<unsigned char*>(scratch);
+  fork(Lane::kS).defer([bytes](cudaStream_t s) { V4_CUDA_CHECK(cudaMemsetAsync(bytes, 0, 4, s)); });
+  fork(Lane::kK).defer([bytes](cudaStream_t s) { V4_CUDA_CHECK(cudaMemsetAsync(bytes + 4, 0, 4, s)); });
+  on_main(main_work);
+  join(Lane::kK);
+  join(Lane::kS);
+}
+
 bool PrepareStreams::has_open_block(Lane side) const { return blocks_[side_index(side, "has_open_block")].open; }
 
 void PrepareStreams::require_all_joined() const {

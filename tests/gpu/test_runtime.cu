@@ -209,6 +209,7 @@ struct CycleOptions {
   bool pdl = true;           // q_rope_store with PDL
   bool split_q_norm = true;  // q_norm as its own callable (fork(K) before it) or inside QA
   LayerIssue::SFork s_fork = LayerIssue::SFork::kAtLayerStart;
+  bool lane_prologue = false;
 };
 
 // What the stack driver will do: per layer, callables per work item -> issue_layer, then
@@ -217,8 +218,10 @@ void issue_cycle(PrepareStreams& lanes, uint32_t* base, const CycleOptions& o) {
   // Like the real stack's step-metadata upload: main-stream work before the first fork. Without
   // it the first layer's CMP would be a root node of the graph, and a root replays on a lane of
   // its own (measured on the H200: one extra stream per cycle; docs/perf.md).
-  static DeviceBuffer<uint32_t> step_meta(1);
-  lanes.on_main([&](cudaStream_t s) { V4_CUDA_CHECK(cudaMemsetAsync(step_meta.get(), 0, sizeof(uint32_t), s)); });
+  static DeviceBuffer<uint32_t> step_meta(1), lane_scratch(2);
+  const IssueFn upload = [&](cudaStream_t s) { V4_CUDA_CHECK(cudaMemsetAsync(step_meta.get(), 0, sizeof(uint32_t), s)); };
+  if (o.lane_prologue) lanes.lane_prologue(lane_scratch.get(), upload);
+  else lanes.on_main(upload);
   for (int l = 0; l < kLayers; ++l) {
     NvtxRange range("layer", l);
     const LayerParams P = layer_params(base, l);
@@ -685,6 +688,7 @@ TEST(GpuRuntime, CuptiThreeLaneReplayKeepsTheQChainOnOneLane) {
     Schedule schedule;
     SideIssueOrder order;
     LayerIssue::SFork s_fork = LayerIssue::SFork::kAtLayerStart;
+    bool lane_prologue = false;
   };
   const std::vector<Config> configs = {
       {"serial", Schedule::kSerial, SideIssueOrder::kAtJoin},
@@ -693,6 +697,8 @@ TEST(GpuRuntime, CuptiThreeLaneReplayKeepsTheQChainOnOneLane) {
       {"three-lane early (anti-pattern)", Schedule::kThreeLane, SideIssueOrder::kEarlyForTestsOnly},
       {"three-lane S after q_norm", Schedule::kThreeLane, SideIssueOrder::kAtJoin, LayerIssue::SFork::kAfterQNorm},
       {"three-lane IDX-only on K", Schedule::kThreeLane, SideIssueOrder::kAtJoin, LayerIssue::SFork::kIdxOnKWithoutCmp},
+      {"three-lane + lane prologue", Schedule::kThreeLane, SideIssueOrder::kAtJoin, LayerIssue::SFork::kAtLayerStart, true},
+      {"sources-side + lane prologue", Schedule::kSourcesSide, SideIssueOrder::kAtJoin, LayerIssue::SFork::kAtLayerStart, true},
   };
   PrepareStreams lanes;
   const cudaStream_t main = lanes.main_stream();
@@ -707,7 +713,7 @@ TEST(GpuRuntime, CuptiThreeLaneReplayKeepsTheQChainOnOneLane) {
     lanes.set_side_issue_order(configs[c].order);
     GraphCache cache({}, {16});
     const CaptureFn capture = [&](cudaStream_t, int) {
-      issue_cycle(lanes, arena.base(), {configs[c].schedule, /*pdl=*/true, /*split_q_norm=*/true, configs[c].s_fork});
+      issue_cycle(lanes, arena.base(), {configs[c].schedule, /*pdl=*/true, /*split_q_norm=*/true, configs[c].s_fork, configs[c].lane_prologue});
     };
     cache.launch(StepKind::kVerify, 16, main, capture);  // capture + an untimed warm-up replay
     V4_CUDA_CHECK(cudaStreamSynchronize(main));
@@ -761,7 +767,7 @@ TEST(GpuRuntime, CuptiThreeLaneReplayKeepsTheQChainOnOneLane) {
             << " (expected " << configs.size() * (kTimedReplays + 1) << ")\n";
 
   // The claims of prepare-schedule.md for the three-lane schedule recorded by the rule.
-  for (const CycleStats& s : columns[2].cycles) {
+  for (const CycleStats& s : columns[6].cycles) {  // three-lane with the lane prologue
     EXPECT_LE(s.distinct_streams, 3);
     EXPECT_EQ(s.window_k_on_q_rope_lane, 0);
   }

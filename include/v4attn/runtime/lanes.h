@@ -106,6 +106,12 @@ class PrepareStreams {
   // Throws std::logic_error naming the lane if a side block is still open (call before ending a
   // capture; an unjoined side stream makes cudaStreamEndCapture fail).
   void require_all_joined() const;
+  // Cycle prologue: a tiny memset on each side lane (of `scratch`, >= 8 bytes of device memory the
+  // caller owns), forked from and joined back into main around `main_work`. Captured in a graph,
+  // it makes every lane exist, with a tail that is an ancestor of the first layer, before any
+  // layer forks; without it the first layer's CMP replayed on a stream of its own (one extra
+  // stream per cycle, measured; docs/perf.md).
+  void lane_prologue(void* scratch, const IssueFn& main_work);
   // Error paths only: drops open side blocks without issuing their deferred work (their fork
   // events return to the pool). A capture in progress is broken by then anyway.
   void abandon_open_blocks();
