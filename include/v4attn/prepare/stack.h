@@ -1,0 +1,247 @@
+// The GPU prepare stack: every backbone layer's decode / target-verify prepare (prepare-schedule.md
+// "Work items of one layer": QA, QB, KV, CMP, IDX) over the layers of a ModelPlan, issued under one
+// of the three schedules (runtime/schedule.h) eagerly or as a CUDA graph per batch bucket
+// (runtime/graph_cache.h), on the lanes of runtime/lanes.h (issue_layer: the recording rule).
+//
+// What one cycle does, per backbone layer L (ratio r, plan.layers[L]), on `rows` = the step's
+// bucket rows (live rows first, then padded rows):
+//   QA  act quant x[L] -> fp8 GEMM wqkv_a -> qkv_a [rows, q_lora_rank + 512]
+//   q_norm (issued separately, the three-lane diagram's "[q_norm]"): RMSNorm(qkv_a[:, :q_rank],
+//       q_norm) with the fused FP8 act quant -> qr (bf16) + qr codes / scales
+//   QB  fp8 GEMM wq_b on the qr codes -> q [rows, H*512] -> q_rope_store (PDL per options.pdl)
+//       -> q_pad[L] [rows, H_pad, 512]
+//   KV  window_k_store on qkv_a[:, q_rank:] (row stride q_rank + 512) -> window cache of L
+//   CMP (kv sources) ratio 1: bf16 GEMM wkv_c(x) -> c1_fused (store at c_out_loc[1]) -> bf16 GEMM
+//       wk(latent) -> index_k_store (g = pos, slot c_out_loc[1]);
+//       ratio 2: f32 GEMM [wkv; wgate](x) -> c2_fused (pair state) -> wk(latent) -> index_k_store
+//       (g = pos - 1 for rows completing a group, slot c_out_loc[2]; other rows store nothing)
+//   IDX (index sources) fp8 GEMM indexer.wq_b on the qr codes -> qi; bf16 GEMM weights_proj(x);
+//       indexer_q_pack (RoPE, FP4 quant, weights * 128^-0.5 * index_n_heads^-0.5); scores over the
+//       index-K cache of kv_src(L); candidate source: candidate mask of its scores (its own top-k
+//       is unmasked); index sources after it: top-k with the mask fused (= apply_candidate_mask
+//       then top-k); top-k -> compressed slots, topk[L] [rows, round_up(index_topk, 64)].
+// Reuse layers read the top-k of idx_src(L) and the caches of kv_src(L); nothing is copied.
+//
+// Buffers are static (allocated once, sized for options.max_rows), so one captured graph per
+// (step kind, bucket) replays any step of that bucket: set_step() rewrites the step metadata
+// (cudaMemcpyAsync on the main stream) and the per-layer inputs x[L] before the launch.
+//
+// Weights (options.weights):
+//  - kReference: make_synthetic_layer_weights(plan, L, seed) uploaded (tp 1 only): the bytes the
+//    CPU reference (ref::RefStack with the same seed) uses; tests compare against it.
+//  - kDeviceRandom: written on the device by hash kernels (for the full 40-layer config, where host
+//    generation takes minutes): fp8 codes e4m3(z * 100) of a discretised normal z with one ue8m0
+//    scale per 32x32 block near pow2ceil(3.3 / sqrt(K) / 448) (what quantising N(0,1)/sqrt(K) gives),
+//    bf16 / f32 weights z / sqrt(K), norm weights 1 +- 0.1 (bf16 values). Deterministic in
+//    (seed, layer, tensor).
+//
+// Inputs x[L] [rows, dim] bf16: from set_step's host_x callback (reference mode: the reference's
+// RefStack::synthetic_x) or, without one, generated on the device from (seed, layer, request,
+// position) for live rows and (seed, step, layer, row) for padded rows (values z ~ N(0, 1)).
+//
+// Caches (the V4.1 layouts of cache_layout.h, 64-slot pages): per backbone layer a window cache
+// (kWindowV41, n_requests * window_ring slots); per kv source a compressed-KV (kCompressedFp4) and
+// an index-K (kIndexK) pool of full_pool_slots / r + 1 slots (as ref::RefStack), and for ratio-2
+// sources the pair state fp32 [n_requests * pair_ring, 1024]. The request pool is
+// make_request_pool(n_requests, max_context, rows_per_request, window) (the reference's).
+// Filled by load_reference_caches() (bytes of a ref::RefStack after synthetic_prefill),
+// upload_caches(), or prefill_device_random() (see there).
+//
+// Indexer heads: the scores kernel is written for 32 heads. The stack runs the indexer with
+// index_heads() = index_n_heads heads at every tp (replicated, as engines run the V3.2/V4 indexer:
+// each rank needs the full scores for its top-k), not index_n_heads / tp. When index_heads() < 32
+// (reduced configs) the packed q is re-laid out to 32 heads with zero codes and zero weights in the
+// padding heads, which adds exactly +0 to every score (bit-identical to the reference's sum over
+// index_heads() heads). weights_proj is padded to a multiple of 32 output rows (zero rows) because
+// the GEMMs take n % 32 == 0.
+//
+// H_pad = local heads rounded up to a multiple of 8 (64 -> 64 at tp 1, 16 -> 16 at tp 4, 4 -> 8 for
+// the reduced config): the attention kernel's tile is 8 heads wide at least; padding heads are
+// never written (tests check they keep their poison).
+//
+// Not thread-safe; one stack per host thread. Errors: std::invalid_argument for bad options or
+// steps (nothing issued), CudaError for CUDA failures.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "v4attn/kernels/gemm.h"
+#include "v4attn/numerics.h"
+#include "v4attn/plan.h"
+#include "v4attn/reference/step.h"
+#include "v4attn/runtime/graph_cache.h"
+#include "v4attn/runtime/lanes.h"
+#include "v4attn/runtime/schedule.h"
+#include "v4attn/trace.h"
+
+namespace v4attn {
+namespace ref {
+class RefStack;
+}
+
+namespace prepare {
+
+enum class WeightSource : uint8_t { kReference, kDeviceRandom };
+const char* to_string(WeightSource w);
+
+struct GpuStackOptions {
+  int n_requests = 1;
+  int max_context = 0;       // positions per request (> 0); also the RoPE tables' max_pos
+  int rows_per_request = 0;  // most rows of one request in a step; 0: the config's verify rows.
+                             // Sizes the window ring and the pair ring (as ref::StackOptions).
+  int max_rows = 64;         // rows of the largest step (graph bucket max), 1..64
+  // Graph buckets (rows) per step kind; empty: defaults. Decode default: {1, 2, 4, 8, 16, 24, 32,
+  // 48, 64} below max_rows, plus max_rows; verify default: v * {1, 2, 3, 4, 6, 8, 10} below
+  // max_rows (v = verify rows per request), plus max_rows. Eager cycles use the same bucket rows,
+  // so eager and graph runs of a step do identical work.
+  std::vector<int> decode_buckets;
+  std::vector<int> verify_buckets;
+  Schedule schedule = Schedule::kThreeLane;
+  LayerIssue::SFork s_fork = LayerIssue::SFork::kAtLayerStart;  // three-lane S-fork knob (lanes.h)
+  bool pdl = true;  // programmatic dependent launch of q_rope_store behind the wq_b GEMM
+  kernels::GemmVersion gemm = kernels::GemmVersion::kTensorCore;  // every GEMM of the cycle
+  WeightSource weights = WeightSource::kDeviceRandom;
+  uint64_t seed = 1;  // weights (both sources) and device-generated inputs
+  std::function<void(const std::string&)> progress;  // optional progress lines (construction, prefill)
+};
+
+// Refuses (std::invalid_argument, naming the option) what the stack cannot run: bad sizes, tp > 1
+// with reference weights, index_n_heads > 32, buckets outside [1, max_rows]. No CUDA call.
+void validate_options(const ModelPlan& plan, const GpuStackOptions& options);
+
+// Host copies of every cache the stack owns (indexed by layer id; empty where a layer owns none).
+struct CacheState {
+  std::vector<std::vector<uint8_t>> window;   // backbone layers: window cache bytes
+  std::vector<std::vector<uint8_t>> comp;     // kv sources: compressed-KV pool bytes
+  std::vector<std::vector<uint8_t>> index_k;  // kv sources: index-K pool bytes
+  std::vector<std::vector<float>> pair_state; // ratio-2 kv sources: [pair rows, 1024] fp32
+};
+
+// Which bucket a step ran with.
+struct StepInfo {
+  StepKind kind = StepKind::kDecode;
+  int rows = 0;    // live + caller-padded rows of the batch
+  int bucket = 0;  // rows the cycle runs (padded rows up to it)
+  int64_t step = 0;  // index of this step in the stack's life
+};
+
+// The synthetic input rows of a layer for a step: [meta.rows, dim] bf16.
+using HostInputFn = std::function<std::vector<num::bf16_t>(int layer, const StepMeta& meta)>;
+
+class GpuPrepareStack {
+ public:
+  // Validates (validate_options), allocates every buffer, builds and uploads the RoPE tables and
+  // the slot tables, initialises the weights (options.weights) and zeroes the caches. Throws
+  // std::invalid_argument or CudaError (everything allocated so far is released).
+  GpuPrepareStack(const ModelPlan& plan, const GpuStackOptions& options);
+  ~GpuPrepareStack();
+  GpuPrepareStack(const GpuPrepareStack&) = delete;
+  GpuPrepareStack& operator=(const GpuPrepareStack&) = delete;
+
+  const ModelPlan& plan() const;
+  const GpuStackOptions& options() const;
+  const RequestPool& pool() const;
+  int n_layers() const;        // backbone layers the cycle runs (config.n_layers)
+  int local_heads() const;     // n_heads / tp
+  int h_pad() const;           // heads of q_pad (see the file comment)
+  int index_heads() const;     // heads of the indexer (replicated: index_n_heads)
+  int64_t max_pos() const;     // RoPE table rows (= max_context)
+  int64_t window_slots() const;
+  int64_t comp_slots(int kv_source) const;
+  int64_t pair_state_rows() const;
+  int64_t topk_width() const;              // round_up(index_topk, 64)
+  int64_t score_stride(int ratio) const;   // round_up(max_context / ratio, 64)
+  int64_t candidate_mask_stride() const;   // ceil(score stride of the candidate source / block); 0 without one
+  size_t device_bytes() const;             // everything this stack allocated
+  size_t weight_bytes() const;             // of which weights
+  cudaStream_t main_stream() const;        // the lanes' main stream (the cycle's stream)
+  GraphCache& graphs();
+  int bucket_for(StepKind kind, int rows) const;
+
+  // Schedule / PDL / GEMM version of the next cycles. A change drops the captured graphs (after
+  // waiting for the main stream).
+  void set_schedule(Schedule s);
+  void set_pdl(bool pdl);
+  void set_gemm_version(kernels::GemmVersion v);
+  void set_s_fork(LayerIssue::SFork f);
+
+  // --- caches ------------------------------------------------------------------------------------
+  // Device-side synthetic prefill (the full config at 64K would take minutes on the host): as if
+  // positions 0 .. context[q]-1 of request q had been processed. Zeroes every cache, then writes:
+  //  - window caches of every backbone layer: the last min(context, window) positions of each
+  //    request at their ring slots, each a valid V41 entry (512 e4m3 codes e4m3(z * 128), z a
+  //    discretised normal, with 16 ue8m0 scales 2^-7: what the window store gives a normed kv);
+  //  - per kv source, every completed group (context / r per request) at its compressed slot
+  //    (the slot table's req_to_token[q][j*r] / r): a V41_FP4 entry (e2m1 codes of a quantised
+  //    normal, 32 e4m3 scales in [0.25, 1]) and an index-K entry (e2m1 codes, 4 ue8m0 scales
+  //    2^-2..2^0);
+  //  - ratio-2 pair state: every row initialised (kv 0, score -inf); when context is odd, the row
+  //    of position context-1 holds a parked (kv, score) of normal values, so the next step at
+  //    position context completes the group (context-1, context).
+  // The entries are not what the real compressor would store for some input, but they decode like
+  // real ones (the attention and indexer kernels see realistic magnitudes). Deterministic in seed.
+  // context: one entry per request, each in [0, max_context]. Waits for completion.
+  void prefill_device_random(const std::vector<int32_t>& context);
+  // Bytes of a CPU reference's caches (same plan, pool sizes and rows_per_request; refused
+  // otherwise): window caches of the backbone layers, compressed KV, index K, pair state.
+  void load_reference_caches(ref::RefStack& reference);
+  CacheState download_caches();                  // waits for the main stream
+  void upload_caches(const CacheState& state);   // sizes must match; stream-ordered on main
+
+  // --- steps -------------------------------------------------------------------------------------
+  // Sets the step the next cycles run: pads the batch to bucket_for(kind, rows) with padded rows
+  // (req -1: out_cache_loc 0, swa_loc -1, state rows -1), builds the metadata (build_step_meta:
+  // unknown requests, positions past max_context are refused), checks that no request has more
+  // than rows_per_request rows, copies the metadata into the static device buffers and writes
+  // x[L] for every backbone layer (host_x when given, else the device generator), all on the main
+  // stream after whatever was issued before. rows in [1, max_rows].
+  StepInfo set_step(StepKind kind, const BatchDesc& batch, const HostInputFn& host_x = nullptr);
+  const StepMeta& step_meta() const;  // of the current step (bucket rows)
+  const StepInfo& step_info() const;
+
+  // One cycle of the current step: eagerly (kernels issued now on main_stream() and the side
+  // lanes), or as a replay of the graph of the step's (kind, bucket) (captured on first use).
+  // Both return once issued; nothing is synchronised.
+  void run_eager();
+  void run_graph();
+  void run(bool graph) { graph ? run_graph() : run_eager(); }
+  void synchronize();  // waits for the main stream (the side lanes join it within every layer)
+
+  // --- outputs (wait for the main stream, then copy to the host) ---------------------------------
+  std::vector<num::bf16_t> q_pad(int layer);   // [max_rows, h_pad, 512]; rows >= bucket untouched
+  std::vector<int32_t> topk(int index_source); // [max_rows, topk_width]
+  std::vector<uint8_t> candidate_mask();       // [max_rows, candidate_mask_stride]
+  // Fills q_pad of every layer, every top-k buffer and the candidate mask with `byte` (tests:
+  // unwritten elements then show). Stream-ordered on main.
+  void poison_outputs(uint8_t byte);
+  // Skipped-row count of every kernel since the last reset (DeviceErrorCounter); 0 when healthy.
+  unsigned long long error_count();
+  void reset_error_count();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// --- CUPTI roles of the stack's kernels ------------------------------------------------------------
+// Classifier for the trace report (trace.h) of this stack's cycles, built from the records it
+// will classify. Kernel names are not unique per role (wqkv_a, wq_b and the indexer's wq_b are
+// one fp8 GEMM kernel), so the wq_b GEMM is found by order: for every q_rope_store record, the
+// nearest earlier-starting fp8 GEMM kernel on the same stream (with no other q_rope_store in
+// between) is that layer's wq_b GEMM (QB issues exactly "GEMM, q_rope_store" back to back on the
+// main lane). Names matched (substring of the demangled name):
+//   q_rope_store  "q_rope_store_kernel"
+//   window-K      "window_k_store_kernel"
+//   fp8 GEMM      "gemm_tc_kernel<true" / "gemm_tc_kernel<(bool)1" (v1) or "gemm_fp8_simple_kernel" (v0)
+// Records are identified by (stream, start, end, correlation id, graph node id).
+KernelClassifier make_stack_classifier(const std::vector<TraceRecord>& records);
+
+}  // namespace prepare
+}  // namespace v4attn

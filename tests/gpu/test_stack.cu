@@ -1,0 +1,640 @@
+// Tests of the GPU prepare stack (include/v4attn/prepare/stack.h).
+//
+//  - GpuStackReference: the reduced config with the reference's synthetic weights, the v0 GEMMs
+//    (byte-identical to the CPU GEMMs by construction) and the reference's caches (synthetic
+//    prefill, real path) against ref::RefStack (prepare_only) over two consecutive steps of decode
+//    and verify batches (with padded rows): per layer q_pad (vs an independent ref::q_chain, and
+//    the reference's q checksum), every cache byte (window, compressed KV, index K, pair state),
+//    the top-k of every index source and the candidate mask. Outputs are poisoned before each
+//    step, so an unwritten element fails; padding heads and rows past the bucket must keep the
+//    poison.
+//  - GpuStackSchedules: tensor-core GEMMs, device-random weights and prefill; the three
+//    schedules x {eager, graph} x {PDL on, off} give byte-identical outputs and caches over two
+//    steps (state carried, the second step replays the graph captured for the first with new
+//    positions and inputs).
+//  - GpuStackFull: the real V4.1-Flash config (tp 1 and tp 4), device-random weights and prefill:
+//    schedules and execution modes agree, top-k sizes are what the clen says, no kernel skipped
+//    anything.
+//  - GpuStack: device prefill layout, refusals of bad steps and options.
+//  - GpuStackHost (no GPU needed): option validation, the CUPTI role classifier.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include "gpu_test_util.h"
+#include "v4attn/config.h"
+#include "v4attn/plan.h"
+#include "v4attn/prepare/stack.h"
+#include "v4attn/reference/layer.h"
+#include "v4attn/reference/stack.h"
+#include "v4attn/reference/step.h"
+
+namespace v4attn {
+namespace {
+
+using num::bf16_t;
+using prepare::CacheState;
+using prepare::GpuPrepareStack;
+using prepare::GpuStackOptions;
+using prepare::WeightSource;
+
+constexpr uint8_t kPoison = 0xAB;
+constexpr bf16_t kPoisonBf16 = 0xABAB;
+constexpr int32_t kPoisonI32 = static_cast<int32_t>(0xABABABABu);
+
+// Index of the first differing element, -1 when equal (sizes must match: -2 when they differ).
+template <class T>
+int64_t first_diff(const std::vector<T>& a, const std::vector<T>& b) {
+  if (a.size() != b.size()) return -2;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (std::memcmp(&a[i], &b[i], sizeof(T)) != 0) return static_cast<int64_t>(i);
+  return -1;
+}
+
+std::vector<int32_t> contexts(int bs) {
+  // Odd and even contexts: ratio-2 rows at odd positions read the pair state (prefill parked the
+  // even partner), others pair inside the batch.
+  static const int32_t base[] = {301, 290, 333, 257, 300, 311, 275, 288, 263, 318};
+  std::vector<int32_t> c;
+  for (int q = 0; q < bs; ++q) c.push_back(base[q % 10] + 13 * (q / 10));
+  return c;
+}
+
+BatchDesc make_batch(StepKind kind, const std::vector<int32_t>& pos0, int v, int pad_to) {
+  return kind == StepKind::kDecode ? make_decode_batch(pos0, pad_to) : make_verify_batch(pos0, v, pad_to);
+}
+
+std::vector<int32_t> advanced(const std::vector<int32_t>& ctx, int by) {
+  std::vector<int32_t> p = ctx;
+  for (int32_t& x : p) x += by;
+  return p;
+}
+
+// Everything a cycle writes: q_pad of every layer, top-k of every index source, candidate mask,
+// the caches.
+struct Snapshot {
+  std::vector<std::vector<bf16_t>> q_pad;
+  std::vector<std::vector<int32_t>> topk;  // by layer id (empty: not an index source)
+  std::vector<uint8_t> mask;
+  CacheState caches;
+};
+
+Snapshot take_snapshot(GpuPrepareStack& s) {
+  Snapshot snap;
+  for (int L = 0; L < s.n_layers(); ++L) snap.q_pad.push_back(s.q_pad(L));
+  snap.topk.resize(static_cast<size_t>(s.n_layers()));
+  for (int L : s.plan().config.index_source_layers) snap.topk[static_cast<size_t>(L)] = s.topk(L);
+  snap.mask = s.candidate_mask();
+  snap.caches = s.download_caches();
+  return snap;
+}
+
+// live_rows >= 0: compare q_pad and top-k of the first live_rows rows only (the padded rows' inputs
+// depend on the stack's step counter).
+void expect_same(const Snapshot& want, const Snapshot& got, const GpuPrepareStack& s, int live_rows, const std::string& what) {
+  const size_t q_row = static_cast<size_t>(s.h_pad()) * 512;
+  const size_t k_row = static_cast<size_t>(s.topk_width());
+  const auto prefix = [&](auto v, size_t row) {
+    if (live_rows >= 0) v.resize(std::min(v.size(), row * static_cast<size_t>(live_rows)));
+    return v;
+  };
+  for (size_t L = 0; L < want.q_pad.size(); ++L)
+    EXPECT_EQ(first_diff(prefix(want.q_pad[L], q_row), prefix(got.q_pad[L], q_row)), -1) << what << ": q_pad of layer " << L;
+  for (size_t L = 0; L < want.topk.size(); ++L)
+    EXPECT_EQ(first_diff(prefix(want.topk[L], k_row), prefix(got.topk[L], k_row)), -1) << what << ": top-k of layer " << L;
+  if (live_rows < 0) EXPECT_EQ(first_diff(want.mask, got.mask), -1) << what << ": candidate mask";
+  for (size_t L = 0; L < want.caches.window.size(); ++L)
+    EXPECT_EQ(first_diff(want.caches.window[L], got.caches.window[L]), -1) << what << ": window cache of layer " << L;
+  for (size_t L = 0; L < want.caches.comp.size(); ++L) {
+    EXPECT_EQ(first_diff(want.caches.comp[L], got.caches.comp[L]), -1) << what << ": compressed cache of " << L;
+    EXPECT_EQ(first_diff(want.caches.index_k[L], got.caches.index_k[L]), -1) << what << ": index-K cache of " << L;
+    EXPECT_EQ(first_diff(want.caches.pair_state[L], got.caches.pair_state[L]), -1) << what << ": pair state of " << L;
+  }
+}
+
+// ================================ host-only (no GPU) ===================================================
+
+TEST(GpuStackHost, ValidateOptionsRefusesWhatTheStackCannotRun) {
+  const ModelPlan plan = build_plan(reduced_config(), 1);
+  GpuStackOptions ok;
+  ok.max_context = 64;
+  EXPECT_NO_THROW(prepare::validate_options(plan, ok));
+  const auto refused = [&](const std::function<void(GpuStackOptions&)>& edit, const char* needle) {
+    GpuStackOptions o = ok;
+    edit(o);
+    try {
+      prepare::validate_options(plan, o);
+      ADD_FAILURE() << "accepted; expected a refusal mentioning \"" << needle << "\"";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  refused([](GpuStackOptions& o) { o.n_requests = 0; }, "n_requests");
+  refused([](GpuStackOptions& o) { o.max_context = 1; }, "max_context");
+  refused([](GpuStackOptions& o) { o.rows_per_request = -1; }, "rows_per_request");
+  refused([](GpuStackOptions& o) { o.max_rows = 0; }, "max_rows");
+  refused([](GpuStackOptions& o) { o.max_rows = 65; }, "max_rows");
+  refused([](GpuStackOptions& o) { o.decode_buckets = {1, 0}; }, "decode bucket 0");
+  refused([](GpuStackOptions& o) { o.verify_buckets = {6, 65}; }, "verify bucket 65");
+  const ModelPlan tp2 = build_plan(reduced_config(), 2);
+  GpuStackOptions ref_tp2 = ok;
+  ref_tp2.weights = WeightSource::kReference;
+  EXPECT_THROW(prepare::validate_options(tp2, ref_tp2), std::invalid_argument);
+  ref_tp2.weights = WeightSource::kDeviceRandom;
+  EXPECT_NO_THROW(prepare::validate_options(tp2, ref_tp2));  // device weights: any tp
+  ModelConfig many_heads = reduced_config();
+  many_heads.index_n_heads = 64;
+  EXPECT_THROW(prepare::validate_options(build_plan(many_heads, 1), ok), std::invalid_argument);
+}
+
+TraceRecord kernel(const char* name, uint32_t stream, uint64_t start, uint64_t end, uint32_t corr = 1) {
+  TraceRecord r;
+  r.kind = TraceKind::kKernel;
+  r.name = name;
+  r.stream_id = stream;
+  r.start_ns = start;
+  r.end_ns = end;
+  r.correlation_id = corr;
+  r.graph_node_id = start;  // distinct per record
+  return r;
+}
+
+TEST(GpuStackHost, ClassifierFindsTheWqbGemmByStreamOrder) {
+  const char* fp8 = "v4attn::kernels::detail::(anonymous namespace)::gemm_tc_kernel<true, 1, 1>(v4attn::kernels::detail::TcParams)";
+  const char* bf16 = "v4attn::kernels::detail::(anonymous namespace)::gemm_tc_kernel<false, 1, 1>(v4attn::kernels::detail::TcParams)";
+  const char* qrope = "v4attn::kernels::(anonymous namespace)::q_rope_store_kernel(v4attn::kernels::QRopeStoreParams)";
+  const char* wk = "v4attn::kernels::(anonymous namespace)::window_k_store_kernel(v4attn::kernels::WindowKStoreParams)";
+  const char* norm = "v4attn::kernels::(anonymous namespace)::rmsnorm_kernel(v4attn::kernels::RmsNormParams)";
+  // Two layers on main (7): act quant, wqkv_a GEMM, q_norm, wq_b GEMM, q_rope_store (PDL: starts
+  // before the GEMM ends in layer 1), then the indexer's fp8 GEMM (serial-like). Window-K on 9;
+  // an fp8 GEMM on the side stream 8 started between (must not count).
+  std::vector<TraceRecord> recs = {
+      kernel("act_quant_fp8_kernel", 7, 100, 110),  kernel(fp8, 7, 110, 200),   kernel(norm, 7, 200, 210),
+      kernel(fp8, 7, 210, 300),                     kernel(qrope, 7, 305, 320),  kernel(fp8, 8, 301, 330),
+      kernel(wk, 9, 230, 240),                      kernel(fp8, 7, 320, 360),    kernel(bf16, 7, 360, 370),
+      kernel("act_quant_fp8_kernel", 7, 400, 410),  kernel(fp8, 7, 410, 500),   kernel(norm, 7, 500, 510),
+      kernel(fp8, 7, 510, 600),                     kernel(qrope, 7, 590, 610),  kernel(wk, 9, 530, 540),
+  };
+  const KernelClassifier classify = prepare::make_stack_classifier(recs);
+  EXPECT_EQ(classify(recs[3]), KernelRole::kWqbGemm);
+  EXPECT_EQ(classify(recs[12]), KernelRole::kWqbGemm);
+  for (size_t i : {1u, 5u, 7u, 10u}) EXPECT_EQ(classify(recs[i]), KernelRole::kOther) << i;
+  EXPECT_EQ(classify(recs[4]), KernelRole::kQRopeStore);
+  EXPECT_EQ(classify(recs[6]), KernelRole::kWindowKWrite);
+  const CycleStats st = analyze_cycle(recs, classify);
+  EXPECT_EQ(st.q_rope_count, 2);
+  EXPECT_EQ(st.wqb_gemm_count, 2);
+  EXPECT_EQ(st.window_k_count, 2);
+  EXPECT_EQ(st.gap_samples, 2);
+  EXPECT_EQ(st.early_launches, 1);  // layer 1: q_rope_store at 590, its GEMM ended at 600
+  EXPECT_EQ(st.window_k_on_q_rope_lane, 0);
+  EXPECT_EQ(st.distinct_streams, 3);
+
+  // A q_rope_store whose GEMM ran on another stream gets no wq_b GEMM (no false match across layers).
+  std::vector<TraceRecord> split = {kernel(fp8, 7, 0, 10), kernel(qrope, 7, 20, 30), kernel(fp8, 8, 40, 50),
+                                    kernel(qrope, 7, 60, 70)};
+  const KernelClassifier c2 = prepare::make_stack_classifier(split);
+  EXPECT_EQ(c2(split[0]), KernelRole::kWqbGemm);
+  EXPECT_EQ(c2(split[2]), KernelRole::kOther);
+}
+
+// ================================ against the CPU reference ============================================
+
+struct RefCase {
+  const char* name;
+  StepKind kind;
+  int bs;
+  std::vector<int> buckets;  // of `kind`
+  int expect_bucket;         // bucket of the batch (padded rows = bucket - bs * v)
+  Schedule schedule;
+  bool graph;
+  bool pdl;
+};
+
+class GpuStackReference : public ::testing::TestWithParam<RefCase> {};
+
+TEST_P(GpuStackReference, MatchesRefStackOverTwoSteps) {
+  V4_REQUIRE_GPU();
+  const RefCase& tc = GetParam();
+  const ModelPlan plan = build_plan(reduced_config(), 1);
+  const ModelConfig& cfg = plan.config;
+  const int v = tc.kind == StepKind::kVerify ? cfg.verify_rows_per_request() : 1;
+  const std::vector<int32_t> ctx = contexts(tc.bs);
+  const int max_context = *std::max_element(ctx.begin(), ctx.end()) + 2 * v + 2;
+  constexpr uint64_t kSeed = 7;
+
+  ref::StackOptions so;
+  so.n_requests = tc.bs;
+  so.max_context = max_context;
+  so.seed = kSeed;
+  ref::RefStack ref(plan, so);
+  ref::PrefillOptions po;
+  po.path = ref::PrefillPath::kReal;
+  ref::synthetic_prefill(ref, ctx, po);
+
+  GpuStackOptions go;
+  go.n_requests = tc.bs;
+  go.max_context = max_context;
+  go.max_rows = 32;
+  (tc.kind == StepKind::kDecode ? go.decode_buckets : go.verify_buckets) = tc.buckets;
+  go.schedule = tc.schedule;
+  go.pdl = tc.pdl;
+  go.gemm = kernels::GemmVersion::kSimple;  // byte-identical to the reference GEMMs
+  go.weights = WeightSource::kReference;
+  go.seed = kSeed;
+  GpuPrepareStack gpu(plan, go);
+  gpu.load_reference_caches(ref);
+  ASSERT_EQ(gpu.local_heads(), cfg.n_heads);
+  ASSERT_EQ(gpu.h_pad(), 8);  // 4 heads padded to 8: the padding heads must never be written
+
+  const int H = gpu.local_heads(), HP = gpu.h_pad(), R = go.max_rows;
+  for (int step = 0; step < 2; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    const std::vector<int32_t> pos0 = advanced(ctx, step * v);
+    const int rows = tc.bs * v;
+    const int bucket = gpu.bucket_for(tc.kind, rows);
+    ASSERT_EQ(bucket, tc.expect_bucket);
+    const BatchDesc batch = make_batch(tc.kind, pos0, v, bucket);
+    const int64_t ref_step = ref.steps_run();
+    gpu.poison_outputs(kPoison);
+    gpu.reset_error_count();
+    // The un-padded batch: the stack pads it to the same bucket, with the same padded rows.
+    const prepare::StepInfo info = gpu.set_step(tc.kind, make_batch(tc.kind, pos0, v, 0),
+                                                [&](int L, const StepMeta& m) { return ref.synthetic_x(L, m, ref_step); });
+    ASSERT_EQ(info.bucket, bucket);
+    ASSERT_EQ(info.rows, rows);
+    gpu.run(tc.graph);
+    gpu.synchronize();
+
+    ref::StepOptions opt;
+    opt.prepare_only = true;
+    const ref::StepResult res = ref.run_step(batch, opt);
+    ASSERT_EQ(res.meta.rows, bucket);
+    ASSERT_EQ(res.meta.pos, gpu.step_meta().pos);
+    ASSERT_EQ(res.meta.req, gpu.step_meta().req);
+    EXPECT_EQ(gpu.error_count(), 0u);
+
+    // Q per layer: an independent q_chain on the same weights and inputs.
+    const StepMeta& meta = res.meta;
+    for (int L = 0; L < cfg.n_layers; ++L) {
+      SCOPED_TRACE("layer " + std::to_string(L));
+      const int r = plan.layers[static_cast<size_t>(L)].ratio;
+      const std::vector<bf16_t> x = ref.synthetic_x(L, meta, ref_step);
+      const ref::QChainOut qc = ref::q_chain(ref.weights(L), x.data(), bucket, meta.pos.data(), ref.rope_table(r).data(),
+                                             ref.max_pos(), H, H, cfg.norm_eps);
+      const std::vector<bf16_t> got = gpu.q_pad(L);
+      ASSERT_EQ(got.size(), static_cast<size_t>(R) * HP * 512);
+      int64_t bad = 0, unpoisoned = 0;
+      std::vector<bf16_t> live;
+      for (int t = 0; t < R; ++t)
+        for (int h = 0; h < HP; ++h)
+          for (int d = 0; d < 512; ++d) {
+            const bf16_t g = got[(static_cast<size_t>(t) * HP + h) * 512 + d];
+            if (t < bucket && h < H) {
+              live.push_back(g);
+              if (g != qc.q_pad[(static_cast<size_t>(t) * H + h) * 512 + d]) ++bad;
+            } else if (g != kPoisonBf16) {
+              ++unpoisoned;
+            }
+          }
+      EXPECT_EQ(bad, 0) << "q_pad elements differing from ref::q_chain";
+      EXPECT_EQ(unpoisoned, 0) << "padding heads / rows past the bucket were written";
+      EXPECT_EQ(ref::fnv1a64(live.data(), live.size() * sizeof(bf16_t)), res.layers[static_cast<size_t>(L)].q_checksum);
+      EXPECT_EQ(res.layers[static_cast<size_t>(L)].skipped, 0);
+    }
+
+    // Every cache byte.
+    const CacheState st = gpu.download_caches();
+    for (int L = 0; L < cfg.n_layers; ++L)
+      EXPECT_EQ(first_diff(st.window[static_cast<size_t>(L)], ref.window_cache(L)), -1) << "window cache of layer " << L;
+    for (int s : cfg.kv_source_layers) {
+      EXPECT_EQ(first_diff(st.comp[static_cast<size_t>(s)], ref.comp_cache(s)), -1) << "compressed cache of " << s;
+      EXPECT_EQ(first_diff(st.index_k[static_cast<size_t>(s)], ref.index_k_cache(s)), -1) << "index-K cache of " << s;
+      EXPECT_EQ(first_diff(st.pair_state[static_cast<size_t>(s)], ref.pair_state(s)), -1) << "pair state of " << s;
+    }
+
+    // Top-k of every index source; rows past the bucket keep the poison.
+    const int64_t width = gpu.topk_width();
+    ASSERT_EQ(width, ref.topk_width());
+    for (int s : cfg.index_source_layers) {
+      const std::vector<int32_t> got = gpu.topk(s);
+      const std::vector<int32_t>& want = ref.topk(s);
+      ASSERT_EQ(want.size(), static_cast<size_t>(bucket * width));
+      EXPECT_EQ(first_diff(std::vector<int32_t>(got.begin(), got.begin() + bucket * width), want), -1) << "top-k of " << s;
+      EXPECT_TRUE(std::all_of(got.begin() + bucket * width, got.end(), [](int32_t v) { return v == kPoisonI32; }))
+          << "top-k rows past the bucket written, layer " << s;
+      int64_t valid = 0;
+      for (int32_t v2 : want) valid += v2 >= 0;
+      EXPECT_GT(valid, 0) << "layer " << s << " selected nothing: the comparison would be vacuous";
+    }
+
+    // Candidate mask: the reference's row width is ceil(max clen / block); the GPU's is static and
+    // zero past the blocks the row has.
+    const std::vector<uint8_t> mask = gpu.candidate_mask();
+    const std::vector<uint8_t>& want_mask = ref.candidate_mask();
+    const int64_t ms = gpu.candidate_mask_stride(), rs = ref.candidate_mask_stride();
+    ASSERT_GE(ms, rs);
+    int64_t mask_bad = 0, kept = 0;
+    for (int t = 0; t < R; ++t)
+      for (int64_t b = 0; b < ms; ++b) {
+        const uint8_t g = mask[static_cast<size_t>(t * ms + b)];
+        if (t >= bucket) {
+          mask_bad += g != kPoison;
+        } else if (b < rs) {
+          mask_bad += g != want_mask[static_cast<size_t>(t * rs + b)];
+          kept += g == 1;
+        } else {
+          mask_bad += g != 0;
+        }
+      }
+    EXPECT_EQ(mask_bad, 0) << "candidate mask bytes";
+    EXPECT_GT(kept, 0);
+  }
+  EXPECT_EQ(gpu.graphs().captures(), tc.graph ? 1u : 0u) << "the second step must replay the first step's graph";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, GpuStackReference,
+    ::testing::Values(RefCase{"decode_bs1_serial_eager", StepKind::kDecode, 1, {1, 8}, 1, Schedule::kSerial, false, false},
+                      RefCase{"decode_bs8_three_lane_graph", StepKind::kDecode, 8, {1, 8}, 8, Schedule::kThreeLane, true, true},
+                      RefCase{"verify_bs1_padded_sources_side_graph", StepKind::kVerify, 1, {8, 32}, 8,
+                              Schedule::kSourcesSide, true, false},
+                      RefCase{"verify_bs4_padded_three_lane_graph", StepKind::kVerify, 4, {8, 32}, 32, Schedule::kThreeLane,
+                              true, true},
+                      RefCase{"verify_bs4_exact_three_lane_eager", StepKind::kVerify, 4, {24}, 24, Schedule::kThreeLane,
+                              false, true}),
+    [](const ::testing::TestParamInfo<RefCase>& i) { return std::string(i.param.name); });
+
+// ================================ schedules x execution x PDL ==========================================
+
+struct ShapeCase {
+  const char* name;
+  StepKind kind;
+  int bs;
+  std::vector<int> buckets;
+};
+
+class GpuStackSchedules : public ::testing::TestWithParam<ShapeCase> {};
+
+TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
+  V4_REQUIRE_GPU();
+  const ShapeCase& sc = GetParam();
+  const ModelPlan plan = build_plan(reduced_config(), 1);
+  const int v = sc.kind == StepKind::kVerify ? plan.config.verify_rows_per_request() : 1;
+  const std::vector<int32_t> ctx = contexts(sc.bs);
+  GpuStackOptions go;
+  go.n_requests = sc.bs;
+  go.max_context = *std::max_element(ctx.begin(), ctx.end()) + 2 * v + 2;
+  go.max_rows = 32;
+  (sc.kind == StepKind::kDecode ? go.decode_buckets : go.verify_buckets) = sc.buckets;
+  go.weights = WeightSource::kDeviceRandom;
+  go.gemm = kernels::GemmVersion::kTensorCore;
+  go.seed = 11;
+
+  std::vector<Snapshot> first;  // per step, of the first configuration
+  std::string first_name;
+  int n_configs = 0;
+  for (Schedule sched : kAllSchedules)
+    for (bool graph : {false, true})
+      for (bool pdl : {false, true}) {
+        const std::string name = std::string(to_string(sched)) + (graph ? " graph" : " eager") + (pdl ? " pdl" : " no-pdl");
+        SCOPED_TRACE(name);
+        // A fresh stack per configuration: the device inputs of padded rows depend on the step count.
+        go.schedule = sched;
+        go.pdl = pdl;
+        GpuPrepareStack gpu(plan, go);
+        gpu.prefill_device_random(ctx);
+        for (int step = 0; step < 2; ++step) {
+          gpu.poison_outputs(kPoison);
+          const prepare::StepInfo info = gpu.set_step(sc.kind, make_batch(sc.kind, advanced(ctx, step * v), v, 0));
+          ASSERT_GE(info.bucket, info.rows);
+          gpu.run(graph);
+          Snapshot snap = take_snapshot(gpu);
+          if (n_configs == 0) {
+            first.push_back(std::move(snap));
+            first_name = name;
+          } else {
+            expect_same(first[static_cast<size_t>(step)], snap, gpu, -1, name + " vs " + first_name + ", step " + std::to_string(step));
+          }
+        }
+        EXPECT_EQ(gpu.error_count(), 0u);
+        EXPECT_EQ(gpu.graphs().captures(), graph ? 1u : 0u);
+        ++n_configs;
+      }
+  ASSERT_EQ(n_configs, 12);
+  // Not vacuous: the steps produced top-k entries and changed the caches between the two steps.
+  int64_t valid = 0;
+  for (const auto& t : first[1].topk)
+    for (int32_t s : t) valid += s >= 0 && s != kPoisonI32;
+  EXPECT_GT(valid, 0);
+  EXPECT_NE(first_diff(first[0].caches.window[0], first[1].caches.window[0]), -1);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, GpuStackSchedules,
+                         ::testing::Values(ShapeCase{"decode_bs1", StepKind::kDecode, 1, {1, 8}},
+                                           ShapeCase{"decode_bs8", StepKind::kDecode, 8, {1, 8}},
+                                           ShapeCase{"verify_bs1_padded", StepKind::kVerify, 1, {8, 32}},
+                                           ShapeCase{"verify_bs4", StepKind::kVerify, 4, {24}},
+                                           ShapeCase{"verify_bs4_padded", StepKind::kVerify, 4, {32}}),
+                         [](const ::testing::TestParamInfo<ShapeCase>& i) { return std::string(i.param.name); });
+
+// ================================ the real config ======================================================
+
+void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
+  const ModelPlan plan = build_plan(load_config(""), tp);
+  const ModelConfig& cfg = plan.config;
+  const int v = kind == StepKind::kVerify ? cfg.verify_rows_per_request() : 1;
+  std::vector<int32_t> ctx;
+  for (int q = 0; q < bs; ++q) ctx.push_back(q % 2 == 0 ? 3001 + 10 * q : 2500 + 10 * q);  // odd and even
+  GpuStackOptions go;
+  go.n_requests = bs;
+  go.max_context = 3200;
+  go.max_rows = 16;
+  (kind == StepKind::kDecode ? go.decode_buckets : go.verify_buckets) = std::move(buckets);
+  go.weights = WeightSource::kDeviceRandom;
+  go.seed = 5;
+  GpuPrepareStack gpu(plan, go);
+  EXPECT_EQ(gpu.local_heads(), cfg.n_heads / tp);
+  EXPECT_EQ(gpu.h_pad(), cfg.n_heads / tp);  // 64 and 16 are multiples of 8: no padding heads
+  EXPECT_EQ(gpu.index_heads(), 32);         // replicated indexer
+  gpu.prefill_device_random(ctx);
+  const CacheState initial = gpu.download_caches();
+
+  struct Config {
+    Schedule schedule;
+    bool graph;
+    bool pdl;
+  };
+  const Config configs[] = {{Schedule::kSerial, false, false},
+                            {Schedule::kThreeLane, true, true},
+                            {Schedule::kSourcesSide, true, false},
+                            {Schedule::kThreeLane, false, true}};
+  std::vector<Snapshot> first;
+  const int rows = bs * v;
+  for (size_t c = 0; c < std::size(configs); ++c) {
+    const std::string name = std::string(to_string(configs[c].schedule)) + (configs[c].graph ? " graph" : " eager");
+    SCOPED_TRACE(name);
+    gpu.upload_caches(initial);
+    gpu.set_schedule(configs[c].schedule);
+    gpu.set_pdl(configs[c].pdl);
+    gpu.reset_error_count();
+    for (int step = 0; step < 2; ++step) {
+      gpu.poison_outputs(kPoison);
+      const std::vector<int32_t> pos0 = advanced(ctx, step * v);
+      gpu.set_step(kind, make_batch(kind, pos0, v, 0));
+      gpu.run(configs[c].graph);
+      Snapshot snap = take_snapshot(gpu);
+      if (c == 0) {
+        // Top-k sizes: clen <= 2048 blocks of 8, so the candidate mask keeps everything and every
+        // live row of an index source selects min(index_topk, clen) positions.
+        for (int s : cfg.index_source_layers) {
+          const int r = plan.layers[static_cast<size_t>(s)].ratio;
+          for (int t = 0; t < rows; ++t) {
+            const int q = t / v;
+            const int pos = pos0[static_cast<size_t>(q)] + t % v;
+            const int64_t want = std::min<int64_t>(cfg.index_topk, (pos + 1) / r);
+            const auto row = snap.topk[static_cast<size_t>(s)].begin() + static_cast<int64_t>(t) * gpu.topk_width();
+            const int64_t got = std::count_if(row, row + gpu.topk_width(), [](int32_t x) { return x >= 0; });
+            EXPECT_EQ(got, want) << "index source " << s << " row " << t;
+          }
+        }
+        first.push_back(std::move(snap));
+      } else {
+        expect_same(first[static_cast<size_t>(step)], snap, gpu, rows, name + ", step " + std::to_string(step));
+      }
+    }
+    EXPECT_EQ(gpu.error_count(), 0u);
+  }
+}
+
+TEST(GpuStackFull, V41FlashTp1VerifyAgreesAcrossSchedules) {
+  V4_REQUIRE_GPU();
+  run_full_config(1, StepKind::kVerify, 2, {16});  // 12 live rows, 4 padded
+}
+
+TEST(GpuStackFull, V41FlashTp4DecodeAgreesAcrossSchedules) {
+  V4_REQUIRE_GPU();
+  run_full_config(4, StepKind::kDecode, 3, {4});  // 3 live rows, 1 padded
+}
+
+// ================================ prefill and refusals =================================================
+
+TEST(GpuStack, DevicePrefillWritesExactlyTheContext) {
+  V4_REQUIRE_GPU();
+  const ModelPlan plan = build_plan(reduced_config(), 1);
+  const ModelConfig& cfg = plan.config;
+  const std::vector<int32_t> ctx = {5, 130, 257, 0};
+  GpuStackOptions go;
+  go.n_requests = 4;
+  go.max_context = 300;
+  go.max_rows = 24;
+  GpuPrepareStack gpu(plan, go);
+  gpu.prefill_device_random(ctx);
+  const CacheState st = gpu.download_caches();
+  const RequestPool& pool = gpu.pool();
+  const CacheLayout wl = cache_layout(CacheKind::kWindowV41);
+  for (int L = 0; L < cfg.n_layers; ++L) {
+    const std::vector<uint8_t>& w = st.window[static_cast<size_t>(L)];
+    for (int q = 0; q < 4; ++q)
+      for (int slot = 0; slot < pool.window_ring; ++slot) {
+        // Which position (if any) of the last `window` ones maps to this ring slot.
+        bool written = false;
+        for (int p = std::max(0, ctx[static_cast<size_t>(q)] - cfg.window_size); p < ctx[static_cast<size_t>(q)]; ++p)
+          written = written || p % pool.window_ring == slot;
+        const int64_t loc = static_cast<int64_t>(q) * pool.window_ring + slot;
+        const uint8_t scale0 = w[static_cast<size_t>(wl.scale_offset(loc))];
+        EXPECT_EQ(scale0, written ? 120 : 0) << "layer " << L << " request " << q << " ring slot " << slot;
+      }
+  }
+  const CacheLayout cl = cache_layout(CacheKind::kCompressedFp4), il = cache_layout(CacheKind::kIndexK);
+  for (int s : cfg.kv_source_layers) {
+    const int r = plan.layers[static_cast<size_t>(s)].ratio;
+    int64_t written = 0, want = 0;
+    for (int64_t loc = 0; loc < gpu.comp_slots(s); ++loc) {
+      const uint8_t cs = st.comp[static_cast<size_t>(s)][static_cast<size_t>(cl.scale_offset(loc))];
+      const uint8_t is = st.index_k[static_cast<size_t>(s)][static_cast<size_t>(il.scale_offset(loc))];
+      EXPECT_EQ(cs != 0, is != 0) << "slot " << loc;
+      written += cs != 0;
+    }
+    for (int q = 0; q < 4; ++q) {
+      want += ctx[static_cast<size_t>(q)] / r;
+      for (int j = 0; j < ctx[static_cast<size_t>(q)] / r; ++j) {
+        const int64_t loc = pool.full_slot(q, j * r) / r;
+        EXPECT_GE(st.comp[static_cast<size_t>(s)][static_cast<size_t>(cl.scale_offset(loc))], 0x28) << "group " << j;
+      }
+    }
+    EXPECT_EQ(written, want) << "kv source " << s;
+    if (r == 2) {
+      const std::vector<float>& ps = st.pair_state[static_cast<size_t>(s)];
+      for (int q = 0; q < 4; ++q)
+        for (int slot = 0; slot < pool.pair_ring; ++slot) {
+          const float* row = ps.data() + (static_cast<size_t>(q) * pool.pair_ring + slot) * 1024;
+          const bool parked = ctx[static_cast<size_t>(q)] % 2 == 1 && slot == (ctx[static_cast<size_t>(q)] - 1) % pool.pair_ring;
+          EXPECT_EQ(std::isinf(row[512]) && row[512] < 0, !parked) << "request " << q << " slot " << slot;
+        }
+    }
+  }
+  // A verify step on it: nothing skipped, unmasked index sources select min(topk, clen).
+  gpu.set_step(StepKind::kVerify, make_verify_batch({5, 130, 257}, 6));
+  gpu.run_graph();
+  EXPECT_EQ(gpu.error_count(), 0u);
+  for (int s : {2, 6}) {  // kv + index sources (no candidate mask applied to their own top-k)
+    ASSERT_TRUE(plan.layers[static_cast<size_t>(s)].is_kv_source);
+    const int r = plan.layers[static_cast<size_t>(s)].ratio;
+    const std::vector<int32_t> tk = gpu.topk(s);
+    for (int t = 0; t < 18; ++t) {
+      const int pos = std::vector<int>{5, 130, 257}[static_cast<size_t>(t / 6)] + t % 6;
+      const int64_t got = std::count_if(tk.begin() + t * gpu.topk_width(), tk.begin() + (t + 1) * gpu.topk_width(),
+                                        [](int32_t x) { return x >= 0; });
+      EXPECT_EQ(got, std::min(cfg.index_topk, (pos + 1) / r)) << "layer " << s << " row " << t;
+    }
+  }
+}
+
+TEST(GpuStack, RefusesBadStepsAndMismatchedState) {
+  V4_REQUIRE_GPU();
+  const ModelPlan plan = build_plan(reduced_config(), 1);
+  GpuStackOptions go;
+  go.n_requests = 2;
+  go.max_context = 200;
+  go.max_rows = 12;
+  GpuPrepareStack gpu(plan, go);
+  EXPECT_THROW(gpu.run_eager(), std::invalid_argument);  // no step yet
+  EXPECT_THROW(gpu.run_graph(), std::invalid_argument);
+  BatchDesc too_many = make_verify_batch({10, 20}, 6);
+  too_many.req.push_back(0);
+  too_many.pos.push_back(16);
+  EXPECT_THROW(gpu.set_step(StepKind::kVerify, too_many), std::exception);  // 13 rows > max_rows
+  EXPECT_THROW(gpu.set_step(StepKind::kDecode, make_decode_batch({10, 20, 30})), std::invalid_argument);  // request 2
+  EXPECT_THROW(gpu.set_step(StepKind::kDecode, make_decode_batch({10, 200})), std::invalid_argument);  // pos >= max_context
+  BatchDesc seven = make_verify_batch({10}, 7);  // 7 rows of one request > rows_per_request 6
+  EXPECT_THROW(gpu.set_step(StepKind::kVerify, seven), std::invalid_argument);
+  EXPECT_THROW(gpu.set_step(StepKind::kDecode, BatchDesc{}), std::invalid_argument);
+  EXPECT_THROW(gpu.prefill_device_random({10}), std::invalid_argument);
+  EXPECT_THROW(gpu.prefill_device_random({10, 201}), std::invalid_argument);
+  CacheState st = gpu.download_caches();
+  st.window[3].pop_back();
+  EXPECT_THROW(gpu.upload_caches(st), std::invalid_argument);
+  ref::StackOptions so;
+  so.n_requests = 3;
+  so.max_context = 200;
+  ref::RefStack other(plan, so);
+  EXPECT_THROW(gpu.load_reference_caches(other), std::invalid_argument);
+  EXPECT_THROW(gpu.topk(3), std::invalid_argument);  // a reuse layer has no top-k of its own
+  EXPECT_THROW(gpu.comp_slots(4), std::invalid_argument);  // a reindex layer owns no pool
+  // Still usable after the refusals.
+  gpu.set_step(StepKind::kDecode, make_decode_batch({10, 20}));
+  gpu.run_eager();
+  gpu.synchronize();
+  EXPECT_EQ(gpu.error_count(), 0u);
+}
+
+}  // namespace
+}  // namespace v4attn
