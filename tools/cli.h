@@ -44,5 +44,6 @@ void print_plan_summary(const ModelPlan& plan, std::ostream& out);
 // Subcommands (one file each).
 void register_plan_command(CLI::App& app, CommandResult& result);  // tools/cmd_plan.cpp
 void register_main_command(CLI::App& app, CommandResult& result);  // tools/cmd_main.cpp
+void register_bench_command(CLI::App& app, CommandResult& result);  // tools/cmd_bench.cpp
 
 }  // namespace v4attn::cli

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_runner.h"
 #include "cli.h"
 #include "runtime/cuda_utils.h"
 #include "v4attn/config.h"
@@ -41,14 +42,40 @@ struct MainOptions {
 
 constexpr int kCpuDefaultContext = 4096;
 
-// THE GPU HOOK. The GPU prepare stack (kernels, graphs, lanes) runs the same step as the CPU
-// path below and should print the same per-layer table. Until the lead wires it in, it declines
-// and `main` falls back to the CPU reference. Return true when the GPU ran the step.
+// THE GPU HOOK: the GPU prepare stack (src/prepare/) of the config (default: the full V4.1-Flash
+// config) with device-random weights and a device prefill runs the step (default: target-verify,
+// bs 1 = 6 rows, 64K context, CUDA graph, PDL) under the serial and the three-lane schedule, and
+// prints the bench table with one column per schedule (tools/cmd_bench.cpp, run_gpu_bench). The
+// CPU-only options (--dump, --dump-layers, --draft, --layers, --full-config) fall back to the CPU
+// reference. Returns true when the GPU ran the step; a failed check (skipped rows, schedules
+// disagreeing) throws (exit 1).
 bool run_main_gpu(const MainOptions& options, std::ostream& out) {
-  (void)options;
-  out << "GPU found: the GPU stack is run by `v4attn bench` for now (main's GPU path is not wired "
-         "in yet); falling back to the CPU reference.\n";
-  return false;
+  const MainOptions& o = options;
+  if (!o.dump_dir.empty() || !o.dump_layers.empty() || o.draft || o.layers > 0 || o.full_config) {
+    out << "GPU found, but --dump, --dump-layers, --draft, --layers and --full-config are CPU-path options: "
+           "running the CPU reference.\n";
+    return false;
+  }
+  BenchConfig c;
+  c.config.config_path = o.config_path;
+  c.schedules = {Schedule::kSerial, Schedule::kThreeLane};
+  c.verify = o.mode == "verify";
+  c.bs = o.bs;
+  c.context = o.context < 0 ? 65536 : o.context;
+  c.cycles = 10;  // a few cycles per schedule: the whole run stays around a minute
+  c.warmup = 3;
+  c.trace_cycles = 3;
+  c.graph = true;
+  c.pdl = true;
+  c.seed = o.seed;
+  c.json_path = o.json_path;
+  bench_rows(c, load_config(o.config_path));  // usage errors before anything runs
+  out << "GPU path: the prepare stack of every backbone layer on the GPU (device-random weights, device prefill), "
+      << (c.verify ? "target-verify" : "decode") << " bs " << c.bs << " at context " << c.context
+      << ", CUDA graph, PDL on; serial vs three-lane (--cpu runs the CPU reference instead)\n";
+  const int code = run_gpu_bench(c, out, std::cerr);
+  if (code != 0) throw std::runtime_error("GPU main: a check failed (see the lines above)");
+  return true;
 }
 
 // "2,6,8-10" or "all" -> layer ids (checked against the config).

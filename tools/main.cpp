@@ -23,6 +23,7 @@ using Registrar = void (*)(CLI::App&, CommandResult&);
 constexpr Registrar kCommands[] = {
     v4attn::cli::register_plan_command,
     v4attn::cli::register_main_command,
+    v4attn::cli::register_bench_command,
 };
 
 // The promise is one line on stderr per error; some library messages carry newlines.

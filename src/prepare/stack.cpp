@@ -172,6 +172,7 @@ struct GpuPrepareStack::Impl {
   int32_t* comp_table[3] = {nullptr, nullptr, nullptr};
   int32_t* meta = nullptr;   // [kMFields, max_rows]
   int32_t* ctx_dev = nullptr;  // [n_requests] (prefill)
+  uint32_t* cycle_scratch = nullptr;  // [4]: the cycle prologue's memset targets
   bf16_t* x_all = nullptr;   // [n_layers, max_rows, dim]
   int64_t x_layer_stride = 0;
   std::vector<LayerWeightsDev> w;
@@ -340,6 +341,7 @@ void GpuPrepareStack::Impl::init() {
   // Step metadata and inputs.
   meta = alloc<int32_t>(static_cast<size_t>(kMFields) * R);
   ctx_dev = alloc<int32_t>(static_cast<size_t>(o.n_requests));
+  cycle_scratch = alloc<uint32_t>(4);
   zero(ctx_dev, sizeof(int32_t) * o.n_requests);
   x_layer_stride = static_cast<int64_t>(R) * dim;
   x_all = alloc<bf16_t>(static_cast<size_t>(n_layers) * x_layer_stride);
@@ -549,6 +551,11 @@ void GpuPrepareStack::Impl::init_weights_device_random() {
 
 // ---- the cycle ---------------------------------------------------------------------------------------
 void GpuPrepareStack::Impl::issue_cycle(int T) {
+  // Main-stream work before the first fork (see GpuStackOptions::lane_prologue).
+  uint32_t* scratch = cycle_scratch;
+  const IssueFn anchor = [scratch](cudaStream_t s) { V4_CUDA_CHECK(cudaMemsetAsync(scratch, 0, sizeof(uint32_t), s)); };
+  if (o.lane_prologue) lanes.lane_prologue(scratch + 1, anchor);  // 8 bytes: one word per side lane
+  else lanes.on_main(anchor);
   for (int L = 0; L < n_layers; ++L) {
     NvtxRange range("layer", L);
     LayerIssue li;
@@ -933,6 +940,12 @@ void GpuPrepareStack::set_s_fork(LayerIssue::SFork f) {
   if (f == impl_->o.s_fork) return;
   impl_->invalidate_graphs();
   impl_->o.s_fork = f;
+}
+
+void GpuPrepareStack::set_lane_prologue(bool on) {
+  if (on == impl_->o.lane_prologue) return;
+  impl_->invalidate_graphs();
+  impl_->o.lane_prologue = on;
 }
 
 void GpuPrepareStack::prefill_device_random(const std::vector<int32_t>& context) {

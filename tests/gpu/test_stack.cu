@@ -398,37 +398,56 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
   go.gemm = kernels::GemmVersion::kTensorCore;
   go.seed = 11;
 
+  struct Config {
+    Schedule schedule;
+    bool graph;
+    bool pdl;
+    LayerIssue::SFork s_fork = LayerIssue::SFork::kAtLayerStart;
+    bool lane_prologue = false;
+  };
+  std::vector<Config> configs;
+  for (Schedule sched : kAllSchedules)
+    for (bool graph : {false, true})
+      for (bool pdl : {false, true}) configs.push_back({sched, graph, pdl});
+  // The lanes' experiment knobs must not change bytes either.
+  configs.push_back({Schedule::kThreeLane, true, true, LayerIssue::SFork::kAfterQNorm});
+  configs.push_back({Schedule::kThreeLane, true, true, LayerIssue::SFork::kIdxOnKWithoutCmp});
+  configs.push_back({Schedule::kThreeLane, true, true, LayerIssue::SFork::kAtLayerStart, true});
+  configs.push_back({Schedule::kSourcesSide, false, true, LayerIssue::SFork::kAtLayerStart, true});
+
   std::vector<Snapshot> first;  // per step, of the first configuration
   std::string first_name;
   int n_configs = 0;
-  for (Schedule sched : kAllSchedules)
-    for (bool graph : {false, true})
-      for (bool pdl : {false, true}) {
-        const std::string name = std::string(to_string(sched)) + (graph ? " graph" : " eager") + (pdl ? " pdl" : " no-pdl");
-        SCOPED_TRACE(name);
-        // A fresh stack per configuration: the device inputs of padded rows depend on the step count.
-        go.schedule = sched;
-        go.pdl = pdl;
-        GpuPrepareStack gpu(plan, go);
-        gpu.prefill_device_random(ctx);
-        for (int step = 0; step < 2; ++step) {
-          gpu.poison_outputs(kPoison);
-          const prepare::StepInfo info = gpu.set_step(sc.kind, make_batch(sc.kind, advanced(ctx, step * v), v, 0));
-          ASSERT_GE(info.bucket, info.rows);
-          gpu.run(graph);
-          Snapshot snap = take_snapshot(gpu);
-          if (n_configs == 0) {
-            first.push_back(std::move(snap));
-            first_name = name;
-          } else {
-            expect_same(first[static_cast<size_t>(step)], snap, gpu, -1, name + " vs " + first_name + ", step " + std::to_string(step));
-          }
-        }
-        EXPECT_EQ(gpu.error_count(), 0u);
-        EXPECT_EQ(gpu.graphs().captures(), graph ? 1u : 0u);
-        ++n_configs;
+  for (const Config& c : configs) {
+    const std::string name = std::string(to_string(c.schedule)) + (c.graph ? " graph" : " eager") +
+                             (c.pdl ? " pdl" : " no-pdl") + " s_fork " + std::to_string(static_cast<int>(c.s_fork)) +
+                             (c.lane_prologue ? " lane-prologue" : "");
+    SCOPED_TRACE(name);
+    // A fresh stack per configuration: the device inputs of padded rows depend on the step count.
+    go.schedule = c.schedule;
+    go.pdl = c.pdl;
+    go.s_fork = c.s_fork;
+    go.lane_prologue = c.lane_prologue;
+    GpuPrepareStack gpu(plan, go);
+    gpu.prefill_device_random(ctx);
+    for (int step = 0; step < 2; ++step) {
+      gpu.poison_outputs(kPoison);
+      const prepare::StepInfo info = gpu.set_step(sc.kind, make_batch(sc.kind, advanced(ctx, step * v), v, 0));
+      ASSERT_GE(info.bucket, info.rows);
+      gpu.run(c.graph);
+      Snapshot snap = take_snapshot(gpu);
+      if (n_configs == 0) {
+        first.push_back(std::move(snap));
+        first_name = name;
+      } else {
+        expect_same(first[static_cast<size_t>(step)], snap, gpu, -1, name + " vs " + first_name + ", step " + std::to_string(step));
       }
-  ASSERT_EQ(n_configs, 12);
+    }
+    EXPECT_EQ(gpu.error_count(), 0u);
+    EXPECT_EQ(gpu.graphs().captures(), c.graph ? 1u : 0u);
+    ++n_configs;
+  }
+  ASSERT_EQ(n_configs, static_cast<int>(configs.size()));
   // Not vacuous: the steps produced top-k entries and changed the caches between the two steps.
   int64_t valid = 0;
   for (const auto& t : first[1].topk)

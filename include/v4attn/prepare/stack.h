@@ -105,6 +105,11 @@ struct GpuStackOptions {
   std::vector<int> verify_buckets;
   Schedule schedule = Schedule::kThreeLane;
   LayerIssue::SFork s_fork = LayerIssue::SFork::kAtLayerStart;  // three-lane S-fork knob (lanes.h)
+  // Cycle prologue. Every cycle starts with a 4-byte memset on main (the step metadata is copied
+  // before the graph launch, outside the graph, so without it layer 0's side block would be a
+  // root of the graph, and a root replays on a stream of its own). lane_prologue: use
+  // PrepareStreams::lane_prologue instead (also anchors both side lanes; an experiment, lanes.h).
+  bool lane_prologue = false;
   bool pdl = true;  // programmatic dependent launch of q_rope_store behind the wq_b GEMM
   kernels::GemmVersion gemm = kernels::GemmVersion::kTensorCore;  // every GEMM of the cycle
   WeightSource weights = WeightSource::kDeviceRandom;
@@ -171,6 +176,7 @@ class GpuPrepareStack {
   void set_pdl(bool pdl);
   void set_gemm_version(kernels::GemmVersion v);
   void set_s_fork(LayerIssue::SFork f);
+  void set_lane_prologue(bool on);
 
   // --- caches ------------------------------------------------------------------------------------
   // Device-side synthetic prefill (the full config at 64K would take minutes on the host): as if

@@ -1,0 +1,462 @@
+// `v4attn bench`: the GPU prepare stack of the whole model (device-random weights, device prefill
+// at --context) per schedule: CUDA-event-timed cycles (graph replays or eager), then a few
+// CUPTI-traced cycles for the report table of include/v4attn/trace.h (distinct streams, kernels per
+// stream and on the q_rope_store lane, window-K writes on that lane, per-layer time, wq_b GEMM ->
+// q_rope_store gap, kernel counts), one column per schedule. Also the GPU path of `v4attn main`
+// (bench_runner.h).
+//
+// Checks made on the way (exit code 1 when one fails): no kernel skipped a row (the device error
+// counter), every schedule leaves byte-identical outputs and caches (FNV-1a digest after its
+// cycles: the step is replayed unchanged, and a replay of one step rewrites the same bytes), every
+// traced cycle shows one q_rope_store per layer.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "bench_runner.h"
+#include "cli.h"
+#include "runtime/cuda_utils.h"
+#include "v4attn/config.h"
+#include "v4attn/plan.h"
+#include "v4attn/prepare/stack.h"
+#include "v4attn/reference/stack.h"
+#include "v4attn/reference/step.h"
+#include "v4attn/runtime/cupti_trace.h"
+#include "v4attn/trace.h"
+
+namespace v4attn::cli {
+
+namespace {
+
+using prepare::GpuPrepareStack;
+using prepare::GpuStackOptions;
+
+// CUDA events for the timed cycles (start / stop per cycle), destroyed on every path.
+class CycleEvents {
+ public:
+  explicit CycleEvents(int cycles) {
+    events_.reserve(static_cast<size_t>(2 * cycles));
+    for (int i = 0; i < 2 * cycles; ++i) {
+      cudaEvent_t e = nullptr;
+      V4_CUDA_CHECK(cudaEventCreate(&e));
+      events_.push_back(e);
+    }
+  }
+  ~CycleEvents() {
+    for (cudaEvent_t e : events_) cudaEventDestroy(e);
+  }
+  CycleEvents(const CycleEvents&) = delete;
+  CycleEvents& operator=(const CycleEvents&) = delete;
+  cudaEvent_t start(int i) const { return events_[static_cast<size_t>(2 * i)]; }
+  cudaEvent_t stop(int i) const { return events_[static_cast<size_t>(2 * i + 1)]; }
+
+ private:
+  std::vector<cudaEvent_t> events_;
+};
+
+std::string fmt(const char* f, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, f, v);
+  return buf;
+}
+
+const char* s_fork_name(LayerIssue::SFork f) {
+  switch (f) {
+    case LayerIssue::SFork::kAtLayerStart: return "at-layer-start";
+    case LayerIssue::SFork::kAfterQNorm: return "after-q-norm";
+    case LayerIssue::SFork::kIdxOnKWithoutCmp: return "idx-on-k";
+  }
+  return "?";
+}
+
+// FNV-1a of everything a cycle writes (q_pad, top-k, candidate mask, every cache).
+uint64_t output_digest(GpuPrepareStack& stack) {
+  uint64_t h = ref::kFnvOffset;
+  for (int L = 0; L < stack.n_layers(); ++L) {
+    const std::vector<num::bf16_t> q = stack.q_pad(L);
+    h = ref::fnv1a64(q.data(), q.size() * sizeof(num::bf16_t), h);
+  }
+  for (int s : stack.plan().config.index_source_layers) {
+    const std::vector<int32_t> t = stack.topk(s);
+    h = ref::fnv1a64(t.data(), t.size() * sizeof(int32_t), h);
+  }
+  const std::vector<uint8_t> m = stack.candidate_mask();
+  h = ref::fnv1a64(m.data(), m.size(), h);
+  const prepare::CacheState st = stack.download_caches();
+  for (const auto& v : st.window) h = ref::fnv1a64(v.data(), v.size(), h);
+  for (size_t i = 0; i < st.comp.size(); ++i) {
+    h = ref::fnv1a64(st.comp[i].data(), st.comp[i].size(), h);
+    h = ref::fnv1a64(st.index_k[i].data(), st.index_k[i].size(), h);
+    h = ref::fnv1a64(st.pair_state[i].data(), st.pair_state[i].size() * sizeof(float), h);
+  }
+  return h;
+}
+
+struct ScheduleResult {
+  Schedule schedule = Schedule::kSerial;
+  std::vector<double> cycle_us;  // CUDA-event time per timed cycle
+  uint64_t digest = 0;
+  unsigned long long errors = 0;
+  bool traced = false;
+  std::string trace_note;             // why there is no trace, or what looked wrong
+  ReportColumn column;                // CUPTI cycles
+  std::vector<TraceRecord> first_cycle;
+  KernelClassifier classify;
+};
+
+double min_of(const std::vector<double>& v) { return v.empty() ? 0.0 : *std::min_element(v.begin(), v.end()); }
+double max_of(const std::vector<double>& v) { return v.empty() ? 0.0 : *std::max_element(v.begin(), v.end()); }
+
+// The timed and traced cycles of one schedule.
+ScheduleResult run_schedule(GpuPrepareStack& stack, Schedule schedule, const BenchConfig& c, std::ostream& progress) {
+  ScheduleResult res;
+  res.schedule = schedule;
+  res.column.label = to_string(schedule);
+  const std::string tag = std::string("[bench] ") + to_string(schedule) + ": ";
+  stack.set_schedule(schedule);
+  stack.reset_error_count();
+
+  progress << tag << c.warmup << " warm-up cycle" << (c.warmup == 1 ? "" : "s")
+           << (c.graph ? " (the first captures the graph)" : "") << std::endl;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < c.warmup; ++i) stack.run(c.graph);
+  stack.synchronize();
+  progress << tag << "warm-up done in "
+           << fmt("%.1f", std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count())
+           << " ms; timing " << c.cycles << " cycles" << std::endl;
+
+  const CycleEvents ev(c.cycles);
+  const cudaStream_t main = stack.main_stream();
+  for (int i = 0; i < c.cycles; ++i) {
+    V4_CUDA_CHECK(cudaEventRecord(ev.start(i), main));
+    stack.run(c.graph);
+    V4_CUDA_CHECK(cudaEventRecord(ev.stop(i), main));
+  }
+  stack.synchronize();
+  for (int i = 0; i < c.cycles; ++i) {
+    float ms = 0.0f;
+    V4_CUDA_CHECK(cudaEventElapsedTime(&ms, ev.start(i), ev.stop(i)));
+    res.cycle_us.push_back(1000.0 * ms);
+  }
+  res.errors = stack.error_count();
+  res.digest = output_digest(stack);
+
+  if (c.trace_cycles > 0) {
+    progress << tag << "tracing " << c.trace_cycles << " cycles with CUPTI" << std::endl;
+    try {
+      // Tracing starts before the capture (the graph is captured again under it): kernel records
+      // of graphs instantiated before tracing started are not guaranteed.
+      stack.synchronize();
+      stack.graphs().invalidate();
+      ScopedCuptiTrace trace;
+      stack.run(c.graph);  // capture (graph) + one untraced-in-the-report cycle
+      stack.synchronize();
+      std::vector<uint64_t> bounds{cupti_timestamp_ns()};
+      for (int i = 0; i < c.trace_cycles; ++i) {
+        stack.run(c.graph);
+        stack.synchronize();
+        bounds.push_back(cupti_timestamp_ns());
+      }
+      const std::vector<TraceRecord> records = trace.stop();
+      if (cupti_trace_dropped_records() != 0)
+        res.trace_note = std::to_string(cupti_trace_dropped_records()) + " CUPTI records dropped";
+      res.classify = prepare::make_stack_classifier(records);
+      const auto cycles = split_cycles_by_time(records, bounds);
+      for (const auto& cyc : cycles) {
+        const CycleStats st = analyze_cycle(cyc, res.classify);
+        if (st.q_rope_count != stack.n_layers())
+          res.trace_note += (res.trace_note.empty() ? "" : "; ") + std::string("a traced cycle has ") +
+                            std::to_string(st.q_rope_count) + " q_rope_store kernels for " +
+                            std::to_string(stack.n_layers()) + " layers";
+        res.column.cycles.push_back(st);
+      }
+      if (!cycles.empty()) res.first_cycle = cycles.front();
+      res.traced = !res.column.cycles.empty();
+      if (!res.traced && res.trace_note.empty()) res.trace_note = "CUPTI returned no records";
+    } catch (const std::exception& e) {
+      res.trace_note = std::string("no CUPTI trace: ") + e.what();
+      progress << tag << res.trace_note << std::endl;
+    }
+  }
+  return res;
+}
+
+struct BenchCliOptions {
+  ConfigOptions config;
+  std::string schedule = "all";
+  std::string mode = "verify";
+  int bs = 1;
+  int context = 65536;
+  int cycles = 20;
+  int warmup = 3;
+  int trace_cycles = 5;
+  bool graph = false;
+  bool eager = false;
+  std::string pdl = "on";
+  std::string gemm = "tc";
+  std::string s_fork = "at-layer-start";
+  bool lane_prologue = false;
+  uint64_t seed = 1;
+  std::string json_path;
+  std::string trace_path;
+};
+
+}  // namespace
+
+int bench_rows(const BenchConfig& c, const ModelConfig& cfg) {
+  const int v = c.verify ? cfg.verify_rows_per_request() : 1;
+  const int64_t rows = static_cast<int64_t>(c.bs) * v;
+  if (c.bs < 1) throw UsageError("--bs must be >= 1");
+  if (rows > kernels::kGemmMaxRows)
+    throw UsageError("--bs " + std::to_string(c.bs) + " gives " + std::to_string(rows) + " rows per step (" +
+                     (c.verify ? std::to_string(v) + " per request in verify" : std::string("decode")) +
+                     "); the prepare GEMMs take at most " + std::to_string(kernels::kGemmMaxRows));
+  return static_cast<int>(rows);
+}
+
+int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progress) {
+  const ModelPlan plan = plan_from_options(c.config);
+  const ModelConfig& cfg = plan.config;
+  const int rows = bench_rows(c, cfg);
+  const int v = c.verify ? cfg.verify_rows_per_request() : 1;
+  if (c.schedules.empty()) throw UsageError("no schedule to run");
+  if (c.cycles < 1) throw UsageError("--cycles must be >= 1");
+  if (c.warmup < 0 || c.trace_cycles < 0) throw UsageError("--warmup and --trace-cycles must be >= 0");
+  if (c.context < 0) throw UsageError("--context must be >= 0");
+  const StepKind kind = c.verify ? StepKind::kVerify : StepKind::kDecode;
+
+  GpuStackOptions so;
+  so.n_requests = c.bs;
+  so.max_context = std::max(c.context + v, 2);  // the step writes positions context .. context + v - 1
+  so.rows_per_request = v;
+  so.max_rows = rows;
+  so.decode_buckets = {rows};  // exactly the step's rows: no padded rows in the measurement
+  so.verify_buckets = {rows};
+  so.schedule = c.schedules.front();
+  so.s_fork = c.s_fork;
+  so.lane_prologue = c.lane_prologue;
+  so.pdl = c.pdl;
+  so.gemm = c.gemm;
+  so.weights = prepare::WeightSource::kDeviceRandom;
+  so.seed = c.seed;
+  so.progress = [&progress](const std::string& line) { progress << "[bench] " << line << std::endl; };
+
+  cudaDeviceProp prop{};
+  V4_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  const auto t0 = std::chrono::steady_clock::now();
+  GpuPrepareStack stack(plan, so);
+  const std::vector<int32_t> ctx(static_cast<size_t>(c.bs), c.context);
+  stack.prefill_device_random(ctx);
+  const BatchDesc batch = c.verify ? make_verify_batch(ctx, v) : make_decode_batch(ctx);
+  const prepare::StepInfo info = stack.set_step(kind, batch);
+  progress << "[bench] stack ready in "
+           << fmt("%.2f", std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()) << " s" << std::endl;
+
+  out << "v4attn bench: " << prop.name << ", config " << cfg.source << " (" << cfg.n_layers << " layers), tp "
+      << plan.parallel.tp << " (" << stack.local_heads() << " heads, " << stack.index_heads() << " index heads)\n";
+  out << (c.verify ? "verify" : "decode") << " step: bs " << c.bs << " x " << v << " row" << (v > 1 ? "s" : "") << " = "
+      << info.rows << " rows at context " << c.context << "; " << (c.graph ? "CUDA graph replay" : "eager launches")
+      << ", PDL " << (c.pdl ? "on" : "off") << ", GEMM " << kernels::gemm_version_name(c.gemm) << ", S fork "
+      << s_fork_name(c.s_fork) << (c.lane_prologue ? ", lane prologue" : "") << "\n";
+  out << "device memory: " << fmt("%.2f", static_cast<double>(stack.device_bytes()) / 1e9) << " GB ("
+      << fmt("%.2f", static_cast<double>(stack.weight_bytes()) / 1e9) << " GB weights, device-random)\n";
+
+  std::vector<ScheduleResult> results;
+  for (Schedule s : c.schedules) results.push_back(run_schedule(stack, s, c, progress));
+
+  // --- report -----------------------------------------------------------------------------------
+  std::vector<ReportColumn> columns;
+  for (const ScheduleResult& r : results)
+    if (r.traced) columns.push_back(r.column);
+  out << "\n";
+  if (!columns.empty()) {
+    out << "CUPTI, " << c.trace_cycles << " traced cycle" << (c.trace_cycles == 1 ? "" : "s")
+        << " per schedule (medians):\n"
+        << format_report_table(columns, /*with_kernel_counts=*/true);
+  } else {
+    out << "CUPTI: no trace (" << (c.trace_cycles == 0 ? "--trace-cycles 0" : results.front().trace_note) << ")\n";
+  }
+  out << "\ncycle time, CUDA events over " << c.cycles << " cycle" << (c.cycles == 1 ? "" : "s") << " ("
+      << (c.graph ? "graph replays" : "eager") << "):\n";
+  char line[256];
+  std::snprintf(line, sizeof line, "  %-14s %12s %12s %12s %14s\n", "schedule", "median us", "min us", "max us",
+                "us per layer");
+  out << line;
+  for (const ScheduleResult& r : results) {
+    const double med = median(r.cycle_us);
+    std::snprintf(line, sizeof line, "  %-14s %12.1f %12.1f %12.1f %14.2f\n", to_string(r.schedule), med,
+                  min_of(r.cycle_us), max_of(r.cycle_us), med / stack.n_layers());
+    out << line;
+  }
+
+  int code = 0;
+  bool identical = true;
+  for (const ScheduleResult& r : results) identical = identical && r.digest == results.front().digest;
+  out << "outputs and caches after the cycles: ";
+  if (identical) {
+    out << "byte-identical across schedules (digest " << ref::checksum_hex(results.front().digest) << ")\n";
+  } else {
+    out << "DIFFERENT:";
+    for (const ScheduleResult& r : results) out << " " << to_string(r.schedule) << "=" << ref::checksum_hex(r.digest);
+    out << "\n";
+    code = 1;
+  }
+  unsigned long long errors = 0;
+  for (const ScheduleResult& r : results) errors += r.errors;
+  if (errors != 0) {
+    out << "device error counter: " << errors << " rows skipped by the kernels (expected 0)\n";
+    code = 1;
+  }
+  for (const ScheduleResult& r : results)
+    if (!r.trace_note.empty()) out << "note (" << to_string(r.schedule) << "): " << r.trace_note << "\n";
+
+  // --- files ------------------------------------------------------------------------------------
+  if (!c.json_path.empty()) {
+    nlohmann::ordered_json j;
+    j["device"] = prop.name;
+    j["config"] = cfg.source;
+    j["tp"] = plan.parallel.tp;
+    j["mode"] = c.verify ? "verify" : "decode";
+    j["bs"] = c.bs;
+    j["rows"] = info.rows;
+    j["context"] = c.context;
+    j["graph"] = c.graph;
+    j["pdl"] = c.pdl;
+    j["gemm"] = kernels::gemm_version_name(c.gemm);
+    j["s_fork"] = s_fork_name(c.s_fork);
+    j["lane_prologue"] = c.lane_prologue;
+    j["seed"] = c.seed;
+    j["device_bytes"] = stack.device_bytes();
+    j["weight_bytes"] = stack.weight_bytes();
+    nlohmann::ordered_json sched = nlohmann::ordered_json::array();
+    for (const ScheduleResult& r : results) {
+      nlohmann::ordered_json js;
+      js["schedule"] = to_string(r.schedule);
+      js["cycle_us"] = {{"median", median(r.cycle_us)}, {"min", min_of(r.cycle_us)}, {"max", max_of(r.cycle_us)},
+                        {"samples", r.cycle_us}};
+      js["us_per_layer"] = median(r.cycle_us) / stack.n_layers();
+      js["digest"] = ref::checksum_hex(r.digest);
+      js["skipped_rows"] = r.errors;
+      js["traced"] = r.traced;
+      if (!r.trace_note.empty()) js["trace_note"] = r.trace_note;
+      sched.push_back(js);
+    }
+    j["schedules"] = sched;
+    j["outputs_identical"] = identical;
+    j["report"] = columns.empty() ? nlohmann::ordered_json() : nlohmann::ordered_json::parse(report_json(columns, -1));
+    if (c.json_path == "-") {
+      std::cout << j.dump(2) << "\n";
+    } else {
+      std::ofstream f(c.json_path, std::ios::trunc);
+      f << j.dump(2) << "\n";
+      f.close();
+      if (!f) throw std::runtime_error("cannot write " + c.json_path);
+      progress << "[bench] wrote " << c.json_path << std::endl;
+    }
+  }
+  if (!c.trace_path.empty()) {
+    const ScheduleResult* last = nullptr;
+    for (const ScheduleResult& r : results)
+      if (r.traced) last = &r;
+    if (last == nullptr) {
+      out << "no Chrome trace written: no schedule was traced\n";
+    } else {
+      std::ofstream f(c.trace_path, std::ios::trunc);
+      f << chrome_trace_json(last->first_cycle, last->classify);
+      f.close();
+      if (!f) throw std::runtime_error("cannot write " + c.trace_path);
+      progress << "[bench] wrote " << c.trace_path << " (one " << to_string(last->schedule)
+               << " cycle; open in ui.perfetto.dev)" << std::endl;
+    }
+  }
+  return code;
+}
+
+void register_bench_command(CLI::App& app, CommandResult& result) {
+  auto o = std::make_shared<BenchCliOptions>();
+  CLI::App* sub = app.add_subcommand(
+      "bench", "Benchmark the GPU prepare stack of the whole model (device-random weights, device prefill) per "
+               "schedule: CUDA-event cycle times and a CUPTI report (streams, lanes, per-layer time, PDL gap, "
+               "kernel counts) with one column per schedule. Needs an sm_90 GPU.");
+  add_config_options(*sub, o->config);
+  sub->add_option("--schedule", o->schedule, "serial, sources-side, three-lane or all (in that order)")
+      ->check(CLI::IsMember({"serial", "sources-side", "sources_side", "three-lane", "three_lane", "all"}))
+      ->capture_default_str();
+  sub->add_option("--mode", o->mode, "decode (one row per request) or verify (dspark_block_size + 1 rows per request)")
+      ->check(CLI::IsMember({"decode", "verify"}))
+      ->capture_default_str();
+  sub->add_option("--bs", o->bs, "Requests in the batch (rows per step <= 64)")->check(CLI::Range(1, 64))->capture_default_str();
+  sub->add_option("--context", o->context, "Prefilled positions per request")
+      ->type_name("N")
+      ->check(CLI::Range(0, 1 << 24))
+      ->capture_default_str();
+  sub->add_option("--cycles", o->cycles, "Timed cycles per schedule")->check(CLI::Range(1, 1000000))->capture_default_str();
+  sub->add_option("--warmup", o->warmup, "Untimed cycles per schedule before timing")
+      ->check(CLI::Range(0, 1000000))
+      ->capture_default_str();
+  sub->add_option("--trace-cycles", o->trace_cycles, "CUPTI-traced cycles per schedule (0: no CUPTI report)")
+      ->check(CLI::Range(0, 10000))
+      ->capture_default_str();
+  sub->add_flag("--graph", o->graph, "Replay a CUDA graph per cycle (the default)");
+  sub->add_flag("--eager", o->eager, "Launch every kernel per cycle instead of a graph replay");
+  sub->add_option("--pdl", o->pdl, "Programmatic dependent launch of q_rope_store: on or off")
+      ->check(CLI::IsMember({"on", "off"}))
+      ->capture_default_str();
+  sub->add_option("--gemm", o->gemm, "GEMM version: tc (tensor cores) or simple (reference order)")
+      ->check(CLI::IsMember({"tc", "simple"}))
+      ->capture_default_str();
+  sub->add_option("--s-fork", o->s_fork, "Three-lane S-fork placement (runtime/lanes.h experiment knob)")
+      ->check(CLI::IsMember({"at-layer-start", "after-q-norm", "idx-on-k"}))
+      ->capture_default_str();
+  sub->add_flag("--lane-prologue", o->lane_prologue, "Anchor both side lanes at the cycle start (lanes.h experiment)");
+  sub->add_option("--seed", o->seed, "Seed of the device-random weights and inputs")->capture_default_str();
+  sub->add_option("--json", o->json_path, "Write the results as JSON to FILE ('-': stdout, table to stderr)")
+      ->type_name("FILE");
+  sub->add_option("--trace", o->trace_path, "Write a Chrome / Perfetto trace of one cycle of the last schedule")
+      ->type_name("FILE");
+  sub->callback([o, &result] {
+    result.action = [o] {
+      if (o->graph && o->eager) throw UsageError("--graph and --eager exclude each other");
+      BenchConfig c;
+      c.config = o->config;
+      if (o->schedule == "all") c.schedules.assign(kAllSchedules.begin(), kAllSchedules.end());
+      else c.schedules = {parse_schedule(o->schedule)};
+      c.verify = o->mode == "verify";
+      c.bs = o->bs;
+      c.context = o->context;
+      c.cycles = o->cycles;
+      c.warmup = o->warmup;
+      c.trace_cycles = o->trace_cycles;
+      c.graph = !o->eager;
+      c.pdl = o->pdl == "on";
+      c.gemm = o->gemm == "simple" ? kernels::GemmVersion::kSimple : kernels::GemmVersion::kTensorCore;
+      c.s_fork = o->s_fork == "after-q-norm" ? LayerIssue::SFork::kAfterQNorm
+                 : o->s_fork == "idx-on-k"   ? LayerIssue::SFork::kIdxOnKWithoutCmp
+                                             : LayerIssue::SFork::kAtLayerStart;
+      c.lane_prologue = o->lane_prologue;
+      c.seed = o->seed;
+      c.json_path = o->json_path;
+      c.trace_path = o->trace_path;
+      // Usage and config errors first (exit 2 from main), then the GPU.
+      bench_rows(c, plan_from_options(c.config).config);
+      std::string reason;
+      if (!gpu_available(&reason)) {
+        std::cout.flush();
+        std::cerr << "v4attn bench: needs an sm_90 GPU (" << reason << ")" << std::endl;
+        return 2;
+      }
+      return run_gpu_bench(c, c.json_path == "-" ? std::cerr : std::cout, std::cerr);
+    };
+  });
+}
+
+}  // namespace v4attn::cli
