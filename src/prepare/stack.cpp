@@ -554,7 +554,8 @@ void GpuPrepareStack::Impl::issue_cycle(int T) {
   // Main-stream work before the first fork (see GpuStackOptions::lane_prologue).
   uint32_t* scratch = cycle_scratch;
   const IssueFn anchor = [scratch](cudaStream_t s) { V4_CUDA_CHECK(cudaMemsetAsync(scratch, 0, sizeof(uint32_t), s)); };
-  if (o.lane_prologue) lanes.lane_prologue(scratch + 1, anchor);  // 8 bytes: one word per side lane
+  if (o.lane_prologue && o.schedule != Schedule::kSerial)  // serial has no side lane to anchor
+    lanes.lane_prologue(scratch + 1, anchor);  // 8 bytes: one word per side lane
   else lanes.on_main(anchor);
   for (int L = 0; L < n_layers; ++L) {
     NvtxRange range("layer", L);

@@ -108,7 +108,8 @@ struct GpuStackOptions {
   // Cycle prologue. Every cycle starts with a 4-byte memset on main (the step metadata is copied
   // before the graph launch, outside the graph, so without it layer 0's side block would be a
   // root of the graph, and a root replays on a stream of its own). lane_prologue: use
-  // PrepareStreams::lane_prologue instead (also anchors both side lanes; an experiment, lanes.h).
+  // PrepareStreams::lane_prologue instead (also anchors both side lanes; an experiment, lanes.h;
+  // ignored by the serial schedule, which has no side lane).
   bool lane_prologue = false;
   bool pdl = true;  // programmatic dependent launch of q_rope_store behind the wq_b GEMM
   kernels::GemmVersion gemm = kernels::GemmVersion::kTensorCore;  // every GEMM of the cycle
