@@ -1,5 +1,6 @@
 // Public entry points of the GEMM family: validate once (std::invalid_argument, nothing launched),
-// then dispatch to v0 (gemm_simple.cu) or v1 (gemm_tc.cu, gemm_f32.cu).
+// then dispatch to v0 (gemm_simple.cu), v1 (gemm_tc.cu, gemm_f32.cu) or v2 (gemm_wgmma.cu).
+#include <algorithm>
 #include <string>
 
 #include "gemm/gemm_internal.h"
@@ -23,11 +24,17 @@ void check_rows_groups(const char* who, int m, int groups) {
   if (groups < 1 || groups > 65535) fail(who, "groups must be 1..65535");
 }
 
-// v1 needs m <= 64 and, when its plan splits K, a workspace large enough.
-GemmPlan check_tc(const char* who, int m, int64_t n, int64_t k, int groups, int force_splits, int force_mtiles,
-                  const GemmWorkspace& ws) {
-  if (m > kGemmMaxRows) fail(who, "tensor-core version takes m <= 64 (got " + std::to_string(m) + ")");
-  const GemmPlan plan = plan_gemm_tc(m, n, k, groups, force_splits, force_mtiles);
+// v1 / v2 need m <= 64 and, when the plan splits K, a workspace large enough; v2 needs the CTA's
+// K range to fit in shared memory.
+GemmPlan check_tc(const char* who, GemmVersion version, int m, int64_t n, int64_t k, int groups, int force_splits,
+                  int force_mtiles, const GemmWorkspace& ws, int force_stages = 0) {
+  if (m > kGemmMaxRows) fail(who, "tensor-core versions take m <= 64 (got " + std::to_string(m) + ")");
+  const GemmPlan plan = version == GemmVersion::kWgmma
+                            ? plan_gemm_wgmma(m, n, k, groups, force_splits, force_mtiles, force_stages)
+                            : plan_gemm(version, m, n, k, groups, force_splits, force_mtiles);
+  if (version == GemmVersion::kWgmma && plan.stages < 1)
+    fail(who, "v2: the K range of one CTA (" + std::to_string((k / kGemmBlock + plan.splits - 1) / plan.splits) +
+                  " blocks) does not fit in shared memory; use more splits");
   if (plan.tiles_n > 65535 * 64 || plan.splits > 65535) fail(who, "grid too large");
   if (plan.splits > 1) {
     if (ws.data == nullptr || ws.bytes < plan.workspace_bytes)
@@ -44,8 +51,31 @@ const char* gemm_version_name(GemmVersion v) {
   switch (v) {
     case GemmVersion::kSimple: return "v0 simple";
     case GemmVersion::kTensorCore: return "v1 tensor-core";
+    case GemmVersion::kWgmma: return "v2 wgmma";
   }
   return "?";
+}
+
+GemmVersion best_fp8_gemm_version(int m) { return m >= 1 && m <= kGemmMaxRows ? GemmVersion::kWgmma : GemmVersion::kSimple; }
+
+GemmPlan plan_gemm(GemmVersion version, int m, int64_t n, int64_t k, int groups, int force_splits, int force_mtiles) {
+  switch (version) {
+    case GemmVersion::kSimple: {
+      GemmPlan plan;
+      plan.block_n = static_cast<int>(n);
+      plan.tiles_n = 1;
+      return plan;
+    }
+    case GemmVersion::kTensorCore: return plan_gemm_tc(m, n, k, groups, force_splits, force_mtiles);
+    case GemmVersion::kWgmma: return plan_gemm_wgmma(m, n, k, groups, force_splits, force_mtiles);
+  }
+  throw std::invalid_argument("plan_gemm: unknown version");
+}
+
+size_t gemm_workspace_bytes(int m_max, int64_t n, int64_t k, int groups) {
+  const size_t v1 = plan_gemm_tc(m_max, n, k, groups).workspace_bytes;
+  const size_t v2 = plan_gemm_wgmma(std::clamp(m_max, 0, kGemmMaxRows), n, k, groups).workspace_bytes;
+  return std::max(v1, v2);
 }
 
 void run_gemm_fp8(const Fp8GemmParams& p, const GemmWorkspace& ws, GemmVersion version, cudaStream_t stream,
@@ -65,8 +95,15 @@ void run_gemm_fp8(const Fp8GemmParams& p, const GemmWorkspace& ws, GemmVersion v
   switch (version) {
     case GemmVersion::kSimple: detail::launch_gemm_fp8_simple(p, stream, pdl); return;
     case GemmVersion::kTensorCore: {
-      const GemmPlan plan = check_tc(who, p.m, p.n, p.k, p.groups, p.force_splits, p.force_mtiles, ws);
+      const GemmPlan plan = check_tc(who, version, p.m, p.n, p.k, p.groups, p.force_splits, p.force_mtiles, ws);
       detail::launch_gemm_fp8_tc(p, plan, ws, stream, pdl);
+      return;
+    }
+    case GemmVersion::kWgmma: {
+      if (p.force_stages < 0) fail(who, "force_stages < 0");
+      const GemmPlan plan =
+          check_tc(who, version, p.m, p.n, p.k, p.groups, p.force_splits, p.force_mtiles, ws, p.force_stages);
+      detail::launch_gemm_fp8_wgmma(p, plan, ws, stream, pdl);
       return;
     }
   }
@@ -88,8 +125,10 @@ void run_gemm_bf16(const Bf16GemmParams& p, const GemmWorkspace& ws, GemmVersion
   if (!aligned(p.w, 16) || p.w_group_stride % 8 != 0) fail(who, "w must be 16-byte aligned with w_group_stride % 8 == 0");
   switch (version) {
     case GemmVersion::kSimple: detail::launch_gemm_bf16_simple(p, stream, pdl); return;
-    case GemmVersion::kTensorCore: {
-      const GemmPlan plan = check_tc(who, p.m, p.n, p.k, p.groups, p.force_splits, p.force_mtiles, ws);
+    case GemmVersion::kTensorCore:
+    case GemmVersion::kWgmma: {  // no v2 of the bf16 GEMM: v1
+      const GemmPlan plan =
+          check_tc(who, GemmVersion::kTensorCore, p.m, p.n, p.k, p.groups, p.force_splits, p.force_mtiles, ws);
       detail::launch_gemm_bf16_tc(p, plan, ws, stream, pdl);
       return;
     }
@@ -112,7 +151,8 @@ void run_gemm_f32(const F32GemmParams& p, GemmVersion version, cudaStream_t stre
   if (!aligned(p.x, 8) || p.x_stride % 4 != 0) fail(who, "x must be 8-byte aligned with x_stride % 4 == 0");
   switch (version) {
     case GemmVersion::kSimple: detail::launch_gemm_f32_simple(p, stream, pdl); return;
-    case GemmVersion::kTensorCore: detail::launch_gemm_f32_warp(p, stream, pdl); return;
+    case GemmVersion::kTensorCore:
+    case GemmVersion::kWgmma: detail::launch_gemm_f32_warp(p, stream, pdl); return;  // no v2: v1
   }
   fail(who, "unknown version");
 }

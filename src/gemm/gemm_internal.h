@@ -9,6 +9,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "runtime/cuda_utils.h"
 #include "v4attn/kernels/gemm.h"
 
 namespace v4attn::kernels::detail {
@@ -24,8 +25,22 @@ void launch_gemm_fp8_tc(const Fp8GemmParams& p, const GemmPlan& plan, const Gemm
 void launch_gemm_bf16_tc(const Bf16GemmParams& p, const GemmPlan& plan, const GemmWorkspace& ws, cudaStream_t stream,
                          bool pdl);
 
+// v2: wgmma + TMA (gemm_wgmma.cu); `plan` comes from plan_gemm_wgmma with the params' overrides.
+void launch_gemm_fp8_wgmma(const Fp8GemmParams& p, const GemmPlan& plan, const GemmWorkspace& ws, cudaStream_t stream,
+                           bool pdl);
+
 // v1 of the fp32 GEMM: CUDA cores (gemm_f32.cu).
 void launch_gemm_f32_warp(const F32GemmParams& p, cudaStream_t stream, bool pdl);
+
+// Raises a kernel's dynamic shared-memory limit to `bytes` before its launch. Needed for any
+// dynamic size that, together with the kernel's static shared memory, exceeds the 48 KB default:
+// launch_kernel() raises it only above 48 KB of dynamic memory, so a kernel with static shared
+// memory and exactly 48 KB of dynamic memory would fail with cudaErrorInvalidValue.
+template <class... KArgs>
+void set_max_dynamic_smem(void (*kernel)(KArgs...), size_t bytes) {
+  if (bytes > 0)
+    V4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+}
 
 // Workspace layout of a split-K GEMM: [counters: groups * tiles_n uint32, padded to 256 B]
 // [partials: splits * groups * m * n fp32].

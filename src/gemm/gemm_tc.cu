@@ -423,6 +423,10 @@ void launch_tc(const TcParams& base, int groups, const GemmPlan& plan, const Gem
     throw std::invalid_argument(std::string(kFp8 ? "run_gemm_fp8" : "run_gemm_bf16") + ": k range per CTA too long (" +
                                 std::to_string(smem) + " B of shared memory); use more splits");
   const TcKernel kernel = plan.warp_mtiles == 2 ? pick_kernel<kFp8, 2>(nt) : pick_kernel<kFp8, 1>(nt);
+  // bf16 with 64 weight rows and 25..32 tokens asks for exactly 48 KB of dynamic shared memory,
+  // which with the kernel's static s_is_last is over the default limit (cudaErrorInvalidValue):
+  // always raise the limit to what this launch uses.
+  detail::set_max_dynamic_smem(kernel, smem);
   LaunchConfig cfg;
   cfg.grid = dim3(static_cast<unsigned>(plan.tiles_n), static_cast<unsigned>(plan.splits), static_cast<unsigned>(groups));
   cfg.block = dim3(kThreads);
@@ -457,10 +461,6 @@ GemmPlan plan_gemm_tc(int m, int64_t n, int64_t k, int groups, int force_splits,
                                                    static_cast<size_t>(m) * static_cast<size_t>(n) * sizeof(float)
                                          : 0;
   return plan;
-}
-
-size_t gemm_workspace_bytes(int m_max, int64_t n, int64_t k, int groups) {
-  return plan_gemm_tc(m_max, n, k, groups).workspace_bytes;
 }
 
 void init_gemm_workspace(const GemmWorkspace& ws, cudaStream_t stream) {

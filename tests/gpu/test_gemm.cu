@@ -5,9 +5,13 @@
 //    every order is exact, so v1 must equal the reference BYTE FOR BYTE whatever its summation
 //    order: any indexing, layout, split-K or fragment bug shows up as a mismatch;
 //  - realistic: wide-range random codes / values; v0 must be byte-identical to the reference (same
-//    order), v1 within 1 bf16 ulp (spec section 6) except where the terms cancel (then within
+//    order), v1 and v2 within 1 bf16 ulp (spec section 6) except where the terms cancel (then within
 //    2^-16 of the row's largest output; counted and bounded too), and the fraction of elements
 //    that differ is printed and bounded (<= 1%).
+// v2 (kWgmma, fp8 only) is checked on every real shape, on small shapes that reach every path
+// (every token padding NP = 8..64, one and two m64 tiles per warpgroup, partial tiles in n, forced
+// splits, partial last stages, TMA ring and f16 ring wrap-around, forced shallow rings, groups),
+// for determinism of its split-K reduction, and for refusing bad arguments.
 // Every output buffer has extra rows and a row stride > n, poisoned (0xAB) before each call;
 // everything outside [0, m) x [0, n) must still be poison afterwards.
 #include <algorithm>
@@ -224,6 +228,7 @@ struct Fp8Case {
   int64_t n = 0, k = 0;
   int groups = 1;
   int force_splits = 0, force_mtiles = 0;
+  int force_stages = 0;  // v2 only
 };
 
 // One fp8 problem: weights (per group, stacked in one device buffer) and activations (act codes
@@ -337,18 +342,24 @@ Fp8GemmParams fp8_params(const Fp8Weights& w, const Fp8Acts& a, bf16_t* out, con
   g.out_group_stride = l.group_stride;
   g.force_splits = w.cs.force_splits;
   g.force_mtiles = w.cs.force_mtiles;
+  g.force_stages = w.cs.force_stages;
   return g;
 }
 
+GemmPlan fp8_plan(const Fp8Case& cs, int m, GemmVersion v) {
+  return v == GemmVersion::kWgmma ? plan_gemm_wgmma(m, cs.n, cs.k, cs.groups, cs.force_splits, cs.force_mtiles, cs.force_stages)
+                                  : plan_gemm(v, m, cs.n, cs.k, cs.groups, cs.force_splits, cs.force_mtiles);
+}
+
 // Runs one version (fresh workspace), returns the whole (poisoned-before) output buffer.
-std::vector<bf16_t> run_fp8(const Fp8Weights& w, const Fp8Acts& a, const OutLayout& l, GemmVersion v) {
+std::vector<bf16_t> run_fp8(const Fp8Weights& w, const Fp8Acts& a, const OutLayout& l, GemmVersion v, bool pdl = false) {
   DeviceBuffer<bf16_t> out(l.elems());
   out.fill_bytes(kPoisonByte);
-  const GemmPlan plan = plan_gemm_tc(a.m, w.cs.n, w.cs.k, w.cs.groups, w.cs.force_splits, w.cs.force_mtiles);
+  const GemmPlan plan = fp8_plan(w.cs, a.m, v);
   DeviceBuffer<uint8_t> ws(std::max<size_t>(plan.workspace_bytes, 1));
   const GemmWorkspace gws{ws.get(), plan.workspace_bytes};
   init_gemm_workspace(gws, nullptr);
-  run_gemm_fp8(fp8_params(w, a, out.get(), l), gws, v, nullptr, false);
+  run_gemm_fp8(fp8_params(w, a, out.get(), l), gws, v, nullptr, pdl);
   V4_CUDA_CHECK(cudaDeviceSynchronize());
   return to_host(out);
 }
@@ -370,7 +381,8 @@ std::function<bf16_t(int, int, int64_t)> dense_want(const std::vector<std::vecto
 std::string fp8_name(const Fp8Case& cs, int m) {
   return "fp8 " + std::to_string(cs.n) + "x" + std::to_string(cs.k) + (cs.groups > 1 ? " g" + std::to_string(cs.groups) : "") +
          " m" + std::to_string(m) + (cs.force_splits ? " S" + std::to_string(cs.force_splits) : "") +
-         (cs.force_mtiles ? " MT" + std::to_string(cs.force_mtiles) : "");
+         (cs.force_mtiles ? " MT" + std::to_string(cs.force_mtiles) : "") +
+         (cs.force_stages ? " ST" + std::to_string(cs.force_stages) : "");
 }
 
 // The model's fp8 shapes; wq_b (TP1) and wo_b are checked at fewer m (the CPU reference costs
@@ -557,34 +569,51 @@ TEST(GpuGemm, ActQuantMatchesReferenceBytes) {
     }
 }
 
-// Real model shapes, realistic data: v0 byte-identical, v1 within 1 ulp (fraction printed).
+// Real model shapes, realistic data: v0 byte-identical, v1 and v2 within 1 ulp (fraction printed).
+// The big shapes (wq_b TP1, wo_b) at m = 64 are in Fp8BigShapesM64 (the CPU reference is slow).
+void check_real_fp8_realistic(const RealFp8Shape& sh, const std::vector<int>& ms, uint64_t seed) {
+  const Fp8Case cs{sh.n, sh.k};
+  DiffStats agg1, agg2;
+  const Fp8Weights w = make_fp8_weights(cs, Data::kRealistic, seed);
+  for (int m : ms) {
+    const Fp8Acts a = make_fp8_acts(cs, m, Data::kRealistic, seed * 31 + static_cast<uint64_t>(m));
+    const auto want = ref_fp8(w, a);
+    const OutLayout l = make_layout(m, cs.n);
+    const std::string name = std::string(sh.name) + " " + fp8_name(cs, m);
+    if (m <= 8) {  // v0 is slow (one thread per output); its order is the reference's
+      const DiffStats s0 = check_bf16(run_fp8(w, a, l, GemmVersion::kSimple), l, dense_want(want, cs.n), 0, name + " v0");
+      EXPECT_EQ(s0.differ, 0) << name << ": v0 must be byte-identical to the reference";
+    }
+    const DiffStats s1 = check_bf16(run_fp8(w, a, l, GemmVersion::kTensorCore), l, dense_want(want, cs.n), 1, name + " v1", true);
+    expect_realistic_stats(s1, name + " v1");
+    agg1.add(s1);
+    const DiffStats s2 = check_bf16(run_fp8(w, a, l, GemmVersion::kWgmma), l, dense_want(want, cs.n), 1, name + " v2", true);
+    expect_realistic_stats(s2, name + " v2");
+    agg2.add(s2);
+  }
+  expect_realistic_stats(agg1, std::string(sh.name) + " all m v1");
+  expect_realistic_stats(agg2, std::string(sh.name) + " all m v2");
+}
+
 TEST(GpuGemm, Fp8RealShapesRealistic) {
   V4_REQUIRE_GPU();
   use_all_cores();
   uint64_t seed = 100;
-  for (const RealFp8Shape& sh : kRealFp8) {
-    const Fp8Case cs{sh.n, sh.k};
-    DiffStats agg;
-    const std::vector<int> ms = sh.big ? std::vector<int>{1, 6, 13} : std::vector<int>(std::begin(kAllM), std::end(kAllM));
-    const Fp8Weights w = make_fp8_weights(cs, Data::kRealistic, ++seed);
-    for (int m : ms) {
-      const Fp8Acts a = make_fp8_acts(cs, m, Data::kRealistic, ++seed);
-      const auto want = ref_fp8(w, a);
-      const OutLayout l = make_layout(m, cs.n);
-      const std::string name = std::string(sh.name) + " " + fp8_name(cs, m);
-      if (m <= 8) {  // v0 is slow (one thread per output); its order is the reference's
-        const DiffStats s0 = check_bf16(run_fp8(w, a, l, GemmVersion::kSimple), l, dense_want(want, cs.n), 0, name + " v0");
-        EXPECT_EQ(s0.differ, 0) << name << ": v0 must be byte-identical to the reference";
-      }
-      const DiffStats s1 = check_bf16(run_fp8(w, a, l, GemmVersion::kTensorCore), l, dense_want(want, cs.n), 1, name + " v1", true);
-      expect_realistic_stats(s1, name + " v1");
-      agg.add(s1);
-    }
-    expect_realistic_stats(agg, std::string(sh.name) + " all m");
-  }
+  for (const RealFp8Shape& sh : kRealFp8)
+    check_real_fp8_realistic(sh, sh.big ? std::vector<int>{1, 6, 13} : std::vector<int>(std::begin(kAllM), std::end(kAllM)),
+                             ++seed);
 }
 
-// Real model shapes, exact data: v1 byte-identical whatever its summation order.
+// wq_b (TP1) and wo_b at the largest batch: the M the v2 kernel is tuned for.
+TEST(GpuGemm, Fp8BigShapesM64) {
+  V4_REQUIRE_GPU();
+  use_all_cores();
+  uint64_t seed = 150;
+  for (const RealFp8Shape& sh : kRealFp8)
+    if (sh.big) check_real_fp8_realistic(sh, {64}, ++seed);
+}
+
+// Real model shapes, exact data: v1 and v2 byte-identical whatever their summation order.
 TEST(GpuGemm, Fp8RealShapesExact) {
   V4_REQUIRE_GPU();
   use_all_cores();
@@ -597,9 +626,11 @@ TEST(GpuGemm, Fp8RealShapesExact) {
       const Fp8Acts a = make_fp8_acts(cs, m, Data::kExact, ++seed);
       const auto want = ref_fp8(w, a);
       const OutLayout l = make_layout(m, cs.n);
-      const DiffStats s = check_bf16(run_fp8(w, a, l, GemmVersion::kTensorCore), l, dense_want(want, cs.n), 0,
-                                     std::string(sh.name) + " " + fp8_name(cs, m) + " exact v1");
-      EXPECT_EQ(s.differ, 0);
+      for (GemmVersion v : {GemmVersion::kTensorCore, GemmVersion::kWgmma}) {
+        const DiffStats s = check_bf16(run_fp8(w, a, l, v), l, dense_want(want, cs.n), 0,
+                                       std::string(sh.name) + " " + fp8_name(cs, m) + " exact " + gemm_version_name(v));
+        EXPECT_EQ(s.differ, 0);
+      }
     }
   }
 }
@@ -644,7 +675,54 @@ TEST(GpuGemm, Fp8SmallShapesAllPaths) {
   expect_realistic_stats(agg, "fp8 small shapes, realistic");
 }
 
-// Split-K results do not depend on timing, on PDL, or on a reused workspace.
+// v2: every code path on small shapes. m covers every token padding NP = 8..64 (and both sides of
+// each multiple of 8); the cases cover one and two m64 tiles per consumer warpgroup, tiles that are
+// partly beyond n, forced splits (uneven K ranges, one block per CTA), a partial last stage, the TMA
+// ring and the f16 ring wrapping around (more stages than slots), forced shallow rings (1..3 slots)
+// and groups. Exact data: byte equality; realistic data: <= 1 ulp.
+TEST(GpuGemm, Fp8WgmmaSmallShapesAllPaths) {
+  V4_REQUIRE_GPU();
+  use_all_cores();
+  const Fp8Case cases[] = {
+      {32, 32, 1, 0, 0, 0},       // one block, n < one tile
+      {160, 416, 1, 1, 1, 0},     // S = 1: 13 blocks = 3 full stages + 1 block; 2nd tile has 32 rows
+      {160, 416, 1, 0, 1, 0},     // automatic plan (one block per CTA)
+      {288, 2080, 1, 1, 2, 0},    // MT = 2, 65 blocks = 17 stages > ring slots; 2nd tile has 32 rows
+      {288, 2080, 1, 3, 2, 2},    // uneven splits (22/22/21 blocks), 2-slot ring
+      {96, 1056, 1, 2, 1, 1},     // 1-slot ring (producer waits for every stage), S = 2
+      {64, 800, 1, 7, 1, 3},      // S = 7 uneven, 3 slots
+      {96, 224, 3, 2, 0, 0},      // 3 groups, split-K
+      {128, 128, 2, 0, 2, 0},     // 2 groups, MT = 2 with half of the tile beyond n
+      {256, 512, 1, 0, 0, 0},     // automatic plan
+  };
+  const int ms[] = {1, 2, 7, 8, 9, 15, 16, 17, 24, 25, 31, 33, 40, 41, 47, 48, 49, 56, 57, 63, 64};
+  uint64_t seed = 900;
+  for (const Fp8Case& cs : cases) {
+    const Fp8Weights w = make_fp8_weights(cs, Data::kExact, ++seed);
+    for (int m : ms) {
+      const Fp8Acts a = make_fp8_acts(cs, m, Data::kExact, ++seed);
+      const auto want = ref_fp8(w, a);
+      const OutLayout l = make_layout(m, cs.n, cs.groups);
+      const DiffStats s = check_bf16(run_fp8(w, a, l, GemmVersion::kWgmma, (m & 1) != 0), l, dense_want(want, cs.n), 0,
+                                     fp8_name(cs, m) + " exact v2");
+      EXPECT_EQ(s.differ, 0) << fp8_name(cs, m);
+    }
+  }
+  DiffStats agg;
+  for (const Fp8Case& cs : cases) {
+    const Fp8Weights w = make_fp8_weights(cs, Data::kRealistic, ++seed);
+    for (int m : {3, 29, 64}) {
+      const Fp8Acts a = make_fp8_acts(cs, m, Data::kRealistic, ++seed);
+      const auto want = ref_fp8(w, a);
+      const OutLayout l = make_layout(m, cs.n, cs.groups);
+      agg.add(check_bf16(run_fp8(w, a, l, GemmVersion::kWgmma), l, dense_want(want, cs.n), 1, fp8_name(cs, m) + " v2", true));
+    }
+  }
+  expect_realistic_stats(agg, "fp8 small shapes, realistic, v2");
+}
+
+// Split-K results do not depend on timing, on PDL, or on a reused workspace (v1 and v2; the two
+// versions also share one workspace, as an engine's lanes do when the version is switched).
 TEST(GpuGemm, DeterministicAcrossRunsPdlAndWorkspaceReuse) {
   V4_REQUIRE_GPU();
   use_all_cores();
@@ -652,29 +730,66 @@ TEST(GpuGemm, DeterministicAcrossRunsPdlAndWorkspaceReuse) {
   const int m = 24;
   const Fp8Weights w = make_fp8_weights(cs, Data::kRealistic, 76);
   const Fp8Acts a = make_fp8_acts(cs, m, Data::kRealistic, 77);
-  const GemmPlan plan = plan_gemm_tc(m, cs.n, cs.k, 1);
-  ASSERT_GT(plan.splits, 1) << "this test is about the split-K reduction";
-  const OutLayout l = make_layout(m, cs.n);
-  DeviceBuffer<uint8_t> ws(plan.workspace_bytes);
-  const GemmWorkspace gws{ws.get(), plan.workspace_bytes};
+  const size_t ws_bytes = gemm_workspace_bytes(m, cs.n, cs.k, 1);
+  DeviceBuffer<uint8_t> ws(ws_bytes);
+  const GemmWorkspace gws{ws.get(), ws_bytes};
   init_gemm_workspace(gws, nullptr);
-  DeviceBuffer<bf16_t> out(l.elems());
-  std::vector<bf16_t> first;
-  for (int rep = 0; rep < 6; ++rep) {  // one workspace, stream-ordered GEMMs, pdl alternating
-    out.fill_bytes(kPoisonByte);
-    run_gemm_fp8(fp8_params(w, a, out.get(), l), gws, GemmVersion::kTensorCore, nullptr, rep % 2 == 1);
-    V4_CUDA_CHECK(cudaDeviceSynchronize());
-    const std::vector<bf16_t> got = to_host(out);
-    if (rep == 0) first = got;
-    else EXPECT_TRUE(got == first) << "rep " << rep << " differs from rep 0";
-  }
-  // The arrival counters are back to zero after every GEMM.
-  std::vector<uint32_t> counters(static_cast<size_t>(plan.tiles_n));
-  V4_CUDA_CHECK(cudaMemcpy(counters.data(), ws.get(), counters.size() * 4, cudaMemcpyDeviceToHost));
-  for (uint32_t c : counters) EXPECT_EQ(c, 0u);
   const auto want = ref_fp8(w, a);
-  const DiffStats s = check_bf16(first, l, dense_want(want, cs.n), 1, "determinism case", true);
-  EXPECT_LE(s.max_ulps, 1);
+  const OutLayout l = make_layout(m, cs.n);
+  DeviceBuffer<bf16_t> out(l.elems());
+  for (GemmVersion v : {GemmVersion::kTensorCore, GemmVersion::kWgmma, GemmVersion::kTensorCore}) {
+    const GemmPlan plan = plan_gemm(v, m, cs.n, cs.k, 1);
+    ASSERT_GT(plan.splits, 1) << "this test is about the split-K reduction";
+    ASSERT_LE(plan.workspace_bytes, ws_bytes);
+    std::vector<bf16_t> first;
+    for (int rep = 0; rep < 6; ++rep) {  // one workspace, stream-ordered GEMMs, pdl alternating
+      out.fill_bytes(kPoisonByte);
+      run_gemm_fp8(fp8_params(w, a, out.get(), l), gws, v, nullptr, rep % 2 == 1);
+      V4_CUDA_CHECK(cudaDeviceSynchronize());
+      const std::vector<bf16_t> got = to_host(out);
+      if (rep == 0) first = got;
+      else EXPECT_TRUE(got == first) << gemm_version_name(v) << " rep " << rep << " differs from rep 0";
+    }
+    // The arrival counters are back to zero after every GEMM.
+    std::vector<uint32_t> counters(static_cast<size_t>(plan.tiles_n));
+    V4_CUDA_CHECK(cudaMemcpy(counters.data(), ws.get(), counters.size() * 4, cudaMemcpyDeviceToHost));
+    for (uint32_t c : counters) EXPECT_EQ(c, 0u) << gemm_version_name(v);
+    const DiffStats s = check_bf16(first, l, dense_want(want, cs.n), 1, std::string("determinism case ") + gemm_version_name(v), true);
+    EXPECT_LE(s.max_ulps, 1);
+  }
+}
+
+// run_gemm_bf16 / run_gemm_f32 take kWgmma as "the best version" and run their v1: same bytes.
+TEST(GpuGemm, WgmmaVersionRunsV1ForBf16AndF32) {
+  V4_REQUIRE_GPU();
+  const Bf16Case cs{512, 5120};
+  const int m = 7;
+  const int64_t x_stride = cs.k + 56;
+  const std::vector<bf16_t> x = make_x(m, cs.k, x_stride, Data::kRealistic, 1234);
+  const ref::Bf16Matrix w = make_bf16_weight(cs.n, cs.k, Data::kRealistic, 1235);
+  const DeviceBuffer<bf16_t> dx = to_device(x), dw = to_device(w.w);
+  const OutLayout l = make_layout(m, cs.n);
+  EXPECT_TRUE(run_bf16(cs, m, dx, x_stride, dw, l, GemmVersion::kWgmma) == run_bf16(cs, m, dx, x_stride, dw, l, GemmVersion::kTensorCore));
+  const ref::F32Matrix wf = make_f32_weight(64, 260, Data::kRealistic, 1236);
+  const DeviceBuffer<float> dwf = to_device(wf.w);
+  std::vector<float> outs[2];
+  for (int i = 0; i < 2; ++i) {
+    DeviceBuffer<float> out(static_cast<size_t>(m * 64));
+    out.fill_bytes(kPoisonByte);
+    F32GemmParams p;
+    p.x = dx.get();
+    p.x_stride = x_stride;
+    p.w = dwf.get();
+    p.out = out.get();
+    p.out_stride = 64;
+    p.m = m;
+    p.n = 64;
+    p.k = 260;
+    run_gemm_f32(p, i == 0 ? GemmVersion::kWgmma : GemmVersion::kTensorCore, nullptr, false);
+    V4_CUDA_CHECK(cudaDeviceSynchronize());
+    outs[i] = to_host(out);
+  }
+  EXPECT_EQ(0, std::memcmp(outs[0].data(), outs[1].data(), outs[0].size() * sizeof(float)));
 }
 
 TEST(GpuGemm, Bf16RealShapes) {
@@ -788,7 +903,7 @@ TEST(GpuGemm, RefusesBadArguments) {
   auto expect_refused = [&](const Fp8GemmParams& p, GemmVersion v, const GemmWorkspace& ws, const char* what) {
     EXPECT_THROW(run_gemm_fp8(p, ws, v, nullptr, false), std::invalid_argument) << what;
   };
-  for (GemmVersion v : {GemmVersion::kSimple, GemmVersion::kTensorCore}) {
+  for (GemmVersion v : {GemmVersion::kSimple, GemmVersion::kTensorCore, GemmVersion::kWgmma}) {
     Fp8GemmParams p = valid_fp8();
     p.n = 48;
     expect_refused(p, v, no_ws, "n % 32");
@@ -821,16 +936,31 @@ TEST(GpuGemm, RefusesBadArguments) {
     p.groups = 0;
     expect_refused(p, v, no_ws, "groups 0");
   }
-  {
+  for (GemmVersion v : {GemmVersion::kTensorCore, GemmVersion::kWgmma}) {
     Fp8GemmParams p = valid_fp8();
     p.m = 65;
-    expect_refused(p, GemmVersion::kTensorCore, no_ws, "v1 m > 64");
+    expect_refused(p, v, no_ws, "m > 64");
     p = valid_fp8();
     p.force_splits = 2;  // needs a workspace
-    expect_refused(p, GemmVersion::kTensorCore, no_ws, "missing workspace");
-    const GemmPlan plan = plan_gemm_tc(p.m, p.n, p.k, 1, 2, 0);
+    expect_refused(p, v, no_ws, "missing workspace");
+    const GemmPlan plan = plan_gemm(v, p.m, p.n, p.k, 1, 2, 0);
     ASSERT_GT(plan.workspace_bytes, 8u);
-    expect_refused(p, GemmVersion::kTensorCore, GemmWorkspace{base + 262144, plan.workspace_bytes - 4}, "small workspace");
+    expect_refused(p, v, GemmWorkspace{base + 262144, plan.workspace_bytes - 4}, "small workspace");
+    expect_refused(p, v, GemmWorkspace{base + 262148, plan.workspace_bytes}, "misaligned workspace");
+  }
+  {  // v2: a CTA's K range must fit in shared memory (here 8192 blocks in one CTA), and no negative overrides
+    Fp8GemmParams p = valid_fp8();
+    p.k = 32 * 8192;
+    p.a_stride = p.k;
+    p.a_scale_stride = 8192;
+    p.force_splits = 1;
+    EXPECT_EQ(plan_gemm_wgmma(p.m, p.n, p.k, 1, 1, 0).stages, 0);
+    expect_refused(p, GemmVersion::kWgmma, no_ws, "v2 K range too long for one CTA");
+    p = valid_fp8();
+    p.force_stages = -1;
+    expect_refused(p, GemmVersion::kWgmma, no_ws, "v2 force_stages < 0");
+    EXPECT_THROW(plan_gemm_wgmma(65, 64, 64, 1), std::invalid_argument);
+    EXPECT_THROW(plan_gemm_wgmma(4, 64, 64, 1, 0, 3), std::invalid_argument);
   }
   // bf16 / f32 / act quant.
   {
@@ -917,25 +1047,32 @@ TEST(GpuGemm, RefusesBadArguments) {
   // the checks above.
   if (gpu) {
     EXPECT_NO_THROW(run_gemm_fp8(valid_fp8(), no_ws, GemmVersion::kTensorCore, nullptr, false));
+    EXPECT_NO_THROW(run_gemm_fp8(valid_fp8(), no_ws, GemmVersion::kWgmma, nullptr, false));
     EXPECT_NO_THROW(run_gemm_fp8(valid_fp8(), no_ws, GemmVersion::kSimple, nullptr, false));
     V4_CUDA_CHECK(cudaDeviceSynchronize());
   } else {
-    try {
-      run_gemm_fp8(valid_fp8(), no_ws, GemmVersion::kTensorCore, nullptr, false);
-    } catch (const std::invalid_argument& e) {
-      ADD_FAILURE() << "valid arguments refused: " << e.what();
-    } catch (...) {  // no device: the launch itself fails, which is fine here
+    for (GemmVersion v : {GemmVersion::kTensorCore, GemmVersion::kWgmma}) {
+      try {
+        run_gemm_fp8(valid_fp8(), no_ws, v, nullptr, false);
+      } catch (const std::invalid_argument& e) {
+        ADD_FAILURE() << "valid arguments refused: " << e.what();
+      } catch (...) {  // no device: the launch (or the tensor-map encoding) fails, which is fine here
+      }
     }
   }
 }
 
-// The automatic plan: S depends on (n, k, groups) only, the model's shapes get ~256 CTAs.
+// The automatic plans: S depends on (n, k, groups) only; v1 gives the model's shapes ~256 CTAs,
+// v2 ~one CTA per SM (>= 110 of 132) with a ring of >= 2 stages (or all of a CTA's stages) at any m.
+// gemm_workspace_bytes covers both versions.
 TEST(GpuGemm, PlanCoversTheMachine) {
   const struct {
     int64_t n, k;
     int groups;
-  } shapes[] = {{1792, 5120, 1}, {32768, 1280, 1}, {8192, 1280, 1}, {4096, 1280, 1}, {5120, 8192, 1},
-                {512, 5120, 1},  {32, 5120, 1},    {128, 512, 1},   {1024, 4096, 8}};
+    bool fp8;  // v2 plans only for the fp8 shapes
+  } shapes[] = {{1792, 5120, 1, true}, {32768, 1280, 1, true}, {8192, 1280, 1, true}, {4096, 1280, 1, true},
+                {5120, 8192, 1, true}, {512, 5120, 1, false},  {32, 5120, 1, false},  {128, 512, 1, false},
+                {1024, 4096, 8, false}};
   for (const auto& s : shapes) {
     const GemmPlan a = plan_gemm_tc(1, s.n, s.k, s.groups), b = plan_gemm_tc(64, s.n, s.k, s.groups);
     EXPECT_EQ(a.splits, b.splits);
@@ -944,9 +1081,33 @@ TEST(GpuGemm, PlanCoversTheMachine) {
     EXPECT_GE(ctas, std::min<int64_t>(128, static_cast<int64_t>(a.tiles_n) * s.groups * (s.k / 32 / 4)))
         << s.n << "x" << s.k;
     EXPECT_LE(a.splits, s.k / 32);
-    EXPECT_EQ(b.workspace_bytes, gemm_workspace_bytes(64, s.n, s.k, s.groups));
-    std::printf("[ gemm ] plan %6lldx%-5lld g%d: MT %d, tiles %d, S %d -> %lld CTAs, workspace(m=64) %zu B\n",
+    EXPECT_GE(gemm_workspace_bytes(64, s.n, s.k, s.groups), b.workspace_bytes);
+    std::printf("[ gemm ] v1 plan %6lldx%-5lld g%d: MT %d, tiles %d, S %d -> %lld CTAs, workspace(m=64) %zu B\n",
                 static_cast<long long>(s.n), static_cast<long long>(s.k), s.groups, a.warp_mtiles, a.tiles_n,
                 a.splits, static_cast<long long>(ctas), b.workspace_bytes);
+    if (!s.fp8) continue;
+    const int64_t kb = s.k / 32;
+    GemmPlan v2_first;
+    for (int m = 1; m <= 64; ++m) {
+      const GemmPlan p = plan_gemm_wgmma(m, s.n, s.k, s.groups);
+      if (m == 1) v2_first = p;
+      EXPECT_EQ(p.splits, v2_first.splits) << "m " << m;
+      EXPECT_EQ(p.warp_mtiles, v2_first.warp_mtiles) << "m " << m;
+      const int n_iter = static_cast<int>(((kb + p.splits - 1) / p.splits + 3) / 4);
+      EXPECT_GE(p.stages, std::min(2, n_iter)) << s.n << "x" << s.k << " m " << m;
+      EXPECT_LE(p.smem_bytes, size_t{227 * 1024});
+      EXPECT_GE(gemm_workspace_bytes(64, s.n, s.k, s.groups), p.workspace_bytes);
+    }
+    const GemmPlan p1 = plan_gemm_wgmma(1, s.n, s.k, s.groups), p64 = plan_gemm_wgmma(64, s.n, s.k, s.groups);
+    const int64_t ctas2 = static_cast<int64_t>(p1.tiles_n) * p1.splits * s.groups;
+    EXPECT_GE(ctas2, 110) << s.n << "x" << s.k;
+    EXPECT_LE(ctas2, 132) << s.n << "x" << s.k << ": one wave of one CTA per SM";
+    std::printf("[ gemm ] v2 plan %6lldx%-5lld g%d: MT %d, tiles %d, S %d -> %lld CTAs, stages %d (m=1) / %d (m=64), "
+                "smem %zu / %zu B, workspace(m=64) %zu B\n",
+                static_cast<long long>(s.n), static_cast<long long>(s.k), s.groups, p1.warp_mtiles, p1.tiles_n, p1.splits,
+                static_cast<long long>(ctas2), p1.stages, p64.stages, p1.smem_bytes, p64.smem_bytes, p64.workspace_bytes);
   }
+  EXPECT_EQ(best_fp8_gemm_version(1), GemmVersion::kWgmma);
+  EXPECT_EQ(best_fp8_gemm_version(64), GemmVersion::kWgmma);
+  EXPECT_EQ(best_fp8_gemm_version(65), GemmVersion::kSimple);
 }

@@ -18,6 +18,18 @@
 //    fp8 codes are widened to f16 in registers (exact: every e4m3 value is an f16 value) because
 //    sm_90 has no native fp8 mma.sync (ptxas would emulate it the same way, but per mma).
 //  - kTensorCore for run_gemm_f32: CUDA-core fma kernel (no tensor cores; fp32 weights).
+//  - kWgmma (v2, fp8 only; M <= 64): Hopper wgmma m64nNk16 (f16 x f16 -> f32) with the WEIGHT as
+//    the 64-row A operand (fp8 bytes ldmatrix'ed from shared memory and widened to f16 in
+//    registers) and the tokens (m rounded up to 8 = N) as the B operand (activation codes widened to
+//    f16 once per CTA and stage by converter warps, in shared memory), the weights and activation
+//    codes streamed by TMA through an mbarrier ring (one producer thread), one CTA per SM, split-K
+//    with v1's deterministic reduction where N is small. Same numerics as v1 (below): the block sum
+//    by the tensor core from zero, then one fma per block. It does NOT use the native e4m3 wgmma:
+//    Hopper's fp8 tensor-core accumulation keeps only ~13-14 bits (products aligned to the largest
+//    exponent and truncated), which would move many bf16 outputs, beyond the spec's allowance.
+//    run_gemm_bf16 / run_gemm_f32 accept kWgmma and run their v1 (no v2 of those yet), so one
+//    version setting can drive a whole stack.
+//    What to use: fp8 GEMMs with m <= 64: kWgmma (best_fp8_gemm_version); bf16 / fp32: kTensorCore.
 //
 // Numerics of v1 (what differs from the reference, and why it stays within the spec's allowance):
 //  - fp8: per 32-wide K block b, the tensor core forms blocksum(b) of the 32 exact products
@@ -30,6 +42,9 @@
 //  - bf16: same structure without scales: per 32-wide K block a tensor-core block sum, then
 //    acc = add_rn(acc, blocksum) in block order (round-to-nearest on the CUDA cores, so rounding
 //    errors do not build up with the tensor core's truncating accumulator over long K).
+//  - v2 (kWgmma): exactly v1's fp8 numerics: per block, two chained k16 wgmmas (the first with
+//    scale-d = 0) form the block sum, then the same fma; same split rule and split-K reduction. Only
+//    the order of additions inside a block differs from the reference (and from v1).
 //  - split-K (S > 1): CTA s sums its contiguous range of K blocks in order (from +0); the partial
 //    sums are added in the fixed order ((P0 + P1) + P2) + ... by the last CTA to finish a tile,
 //    so results never depend on timing. S depends only on (n, k, groups), never on M, so a token's
@@ -59,8 +74,11 @@ using num::bf16_t;
 constexpr int kGemmBlock = 32;    // K block of the fp8 GEMM / act quant; N block of weight scales
 constexpr int kGemmMaxRows = 64;  // M limit of the tensor-core versions
 
-enum class GemmVersion : int { kSimple = 0, kTensorCore = 1 };
+enum class GemmVersion : int { kSimple = 0, kTensorCore = 1, kWgmma = 2 };
 const char* gemm_version_name(GemmVersion v);
+// The fastest exact-enough fp8 version for m rows: kWgmma for 1 <= m <= 64, kSimple otherwise
+// (no tensor-core version takes more than 64 rows).
+GemmVersion best_fp8_gemm_version(int m);
 
 // ---- FP8 act quant ----------------------------------------------------------------------------
 // Per row and per block of 32 along K: amax -> ue8m0 scale, e4m3 codes (numerics.h act quant),
@@ -90,25 +108,37 @@ struct GemmWorkspace {
 };
 void init_gemm_workspace(const GemmWorkspace& ws, cudaStream_t stream);
 
-// How v1 cuts a problem (exposed for the bench, tests and the engine's workspace sizing).
+// How v1 / v2 cut a problem (exposed for the bench, tests and the engine's workspace sizing).
+// S, warp_mtiles, block_n and tiles_n depend only on (n, k, groups, overrides), never on m.
 struct GemmPlan {
-  int warp_mtiles = 1;   // 16-row weight tiles per warp (1 or 2); a CTA (4 warps) owns 64 * this rows
+  int warp_mtiles = 1;   // v1: 16-row weight tiles per warp (1 or 2), a CTA (4 warps) owns 64 * this rows;
+                         // v2: m64 tiles per consumer warpgroup (1 or 2), a CTA owns 128 * this rows
   int block_n = 64;      // weight rows per CTA
   int tiles_n = 0;       // ceil(n / block_n)
   int splits = 1;        // S: K ranges (CTAs) per output tile
   size_t workspace_bytes = 0;  // for m rows (0 when splits == 1)
+  int stages = 0;        // v2: TMA ring depth for this m (0 = the CTA's K range does not fit: refused)
+  size_t smem_bytes = 0; // v2: dynamic shared memory per CTA for this m
 };
 // force_splits / force_mtiles: 0 = automatic (the default everywhere); tests use them to reach
 // every code path on small shapes.
 GemmPlan plan_gemm_tc(int m, int64_t n, int64_t k, int groups, int force_splits = 0, int force_mtiles = 0);
-// Workspace bytes for any m <= m_max with the automatic plan (what an engine allocates).
+GemmPlan plan_gemm_wgmma(int m, int64_t n, int64_t k, int groups, int force_splits = 0, int force_mtiles = 0,
+                         int force_stages = 0);
+// The plan `version` uses (kSimple: no split, no workspace).
+GemmPlan plan_gemm(GemmVersion version, int m, int64_t n, int64_t k, int groups, int force_splits = 0,
+                   int force_mtiles = 0);
+// Workspace bytes for any m <= m_max with the automatic plan of ANY version (what an engine
+// allocates: the same workspace then serves v1 and v2, which both leave their counters zero).
 size_t gemm_workspace_bytes(int m_max, int64_t n, int64_t k, int groups = 1);
 
 // ---- FP8 block-scaled GEMM --------------------------------------------------------------------
 // out[m, n] = bf16( sum over K blocks b in order of blocksum(b) * sa[m, b] * sw[n/32, b] ).
-// Requirements: n % 32 == 0, k % 32 == 0, 1 <= groups; v1: m <= 64 and a workspace when its plan
-// splits K. Alignment (both versions): a_q, w 16-byte aligned; a_stride, a_group_stride and
-// w_group_stride multiples of 16.
+// Requirements: n % 32 == 0, k % 32 == 0, 1 <= groups; v1, v2: m <= 64 and a workspace when the
+// plan splits K; v2: the plan's stages >= 1 (the K range of a CTA fits in shared memory; always
+// true for the automatic plan) and, with groups > 1, group strides that do not make the groups
+// overlap (TMA tensor maps). Alignment (all versions): a_q, w 16-byte aligned; a_stride,
+// a_group_stride and w_group_stride multiples of 16.
 struct Fp8GemmParams {
   const uint8_t* a_q = nullptr;      // [m, k] e4m3 codes (run_act_quant_fp8 output); row r at a_q + r * a_stride
   int64_t a_stride = 0;              // bytes, >= k
@@ -125,7 +155,8 @@ struct Fp8GemmParams {
   int groups = 1;
   int64_t a_group_stride = 0, a_scale_group_stride = 0, w_group_stride = 0, w_scale_group_stride = 0,
           out_group_stride = 0;
-  int force_splits = 0, force_mtiles = 0;  // v1 plan overrides (0 = automatic)
+  int force_splits = 0, force_mtiles = 0;  // v1 / v2 plan overrides (0 = automatic)
+  int force_stages = 0;                    // v2: TMA ring depth override (0 = automatic; capped by what fits)
 };
 void run_gemm_fp8(const Fp8GemmParams& p, const GemmWorkspace& ws, GemmVersion version, cudaStream_t stream,
                   bool pdl);

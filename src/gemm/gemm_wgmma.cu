@@ -1,0 +1,624 @@
+// v2 of the fp8 GEMM: Hopper wgmma (f16 x f16 -> f32) with the weights streamed by TMA.
+//
+// Grid (tiles_n, S, groups), block 384 = 3 warpgroups, one CTA per SM (~130-220 KB of shared
+// memory). Registers: 168 per thread at launch (384 threads, one CTA per SM); the producer
+// warpgroup gives back down to 40 (setmaxnreg.dec) and the consumers take 232 (setmaxnreg.inc):
+// 128 * 40 + 256 * 232 = 384 * 168, so the CTA's pool covers it exactly (DeepGEMM's split).
+// One CTA owns block_n = 128 * MT weight rows (rows tile * block_n ..) x all m tokens x one
+// contiguous range of K blocks (split s of S), like v1 (S depends only on (n, k, groups), the same
+// fixed-order split-K reduction, so a token's output never depends on the other tokens of the batch).
+//
+// Roles:
+//  - warpgroup 0, warp 0, lane 0: producer. Per stage (128 bytes of K = 4 K blocks) one TMA box of
+//    the weights [block_n rows x 128 B] and one of the activation codes [NP rows x 128 B] (NP = m
+//    rounded up to 8; rows >= m are zero-filled by the TMA unit), both 128B-swizzled, onto the
+//    stage's `full` mbarrier (expected bytes = both boxes). Stages form a ring of p.stages slots
+//    (as deep as shared memory allows, up to 8); a slot is refilled after its `empty` barrier.
+//    Weight boxes of the first ring fill are issued BEFORE dev::pdl_wait() (constant data), the
+//    activation boxes after it.
+//  - warpgroup 0, warps 1..3: converters. wgmma has no e4m3 x f16 form and the fp8 wgmma is not
+//    exact (below), so the activation codes of each stage are widened to f16 (exact: every e4m3
+//    value is an f16 value) into an "Xf" slot (ring of 2, `xready` / `xfree` barriers) in the
+//    K-major 128B-swizzled layout that wgmma's B descriptor reads, permuted along K as below.
+//  - warpgroups 1, 2: consumers. Each owns MT m64 tiles (64 weight rows each). Per K block and
+//    tile: one ldmatrix.x4 of the fp8 weight bytes, 8 cvt e4m3x2 -> f16x2 into the A fragment
+//    registers, two wgmma m64nNPk16 (the first with scale-d = 0: the block sum starts from zero),
+//    wait, then acc = fma(blocksum, sa * sw, acc) per element on the CUDA cores.
+//
+// Why f16 wgmma and not the native e4m3 wgmma: Hopper's fp8 tensor-core path accumulates in a
+// reduced-precision fixed-point format (products aligned to the largest exponent, ~13-14 bits kept,
+// low bits truncated; DeepSeek-V3 report sec. 3.5.2, SageAttention2), which would move a large
+// fraction of the bf16 outputs and break the spec's "<= 1 ulp, rarely". The f16 path keeps fp32-level
+// accumulation (v1's mma.sync f16 runs on the same units and was measured at ~0.02% of elements
+// 1 ulp off), and the f16 tensor rate (~2 k FMA/clk/SM) is still ~2x what M = 64 needs at the
+// weight-streaming rate.
+//
+// Numerics (identical to v1 up to the order of additions inside a block; see gemm.h):
+//  - block sum: the 32 products of a block go to two chained k16 wgmmas (scale-d 0, then 1), fp32
+//    tensor-core accumulation; every product of two e4m3 values is exact in f16 x f16 -> f32.
+//  - acc = fma(blocksum, sa * sw, acc): sa * sw is a power of two, so one rounding, like the
+//    reference's acc + (blocksum * sa) * sw. Blocks in increasing K order from +0.
+//
+// K permutation (a block sum is order-free, so the 32 elements of a block may be assigned to the
+// 2 x 16 logical k of the two wgmmas by any bijection, as long as A and B use the same one):
+//   ldmatrix.x4 gives thread (g = lane / 4, t = lane % 4) the 4 bytes [4t, 4t + 4) of 16-byte chunk
+//   c of its rows g and g + 8; chunk c = 0 / 1 of the block feeds wgmma sp = c. The A fragment
+//   (PTX / CuTe ALayout_64x16: a0 = (row g, k 2t..2t+1), a1 = (row g+8, k 2t..), a2 = (row g,
+//   k 2t+8..), a3 = (row g+8, k 2t+8..)) takes the low byte pair (bytes 4t, 4t+1) as k (2t, 2t+1)
+//   and the high pair (4t+2, 4t+3) as k (2t+8, 2t+9). So logical k of wgmma sp <-> block byte
+//     kl = 2t + i      <-> 16 sp + 4t + i        (i = 0, 1)
+//     kl = 8 + 2t + i  <-> 16 sp + 4t + 2 + i
+//   The converters write the activations' f16 at exactly these logical positions, widening the same
+//   byte pairs with the same cvt instruction, so each product meets its partner whatever the cvt's
+//   half order.
+//
+// Shared memory (from a 1024-aligned base): W slots [stages][block_n][128 B] (TMA 128B swizzle:
+// 16-byte chunk c of row r at chunk c ^ (r % 8)), Xc slots [stages][NP][128 B] (same swizzle),
+// Xf slots [2][2 K-halves][NP][128 B] (f16, the same swizzle: wgmma's 128B-swizzle K-major
+// canonical layout, 8-row groups 1024 B apart = SBO), decoded weight scales [block_n/32][kb_cta]
+// and activation scales [kb_cta][NP] (fp32), the mbarriers.
+//
+// Epilogue: as v1: S == 1 stores bf16 directly; S > 1 stores the fp32 partial tile, the last CTA of
+// a tile (arrival counter) adds the S partials in split order and stores bf16, then resets the
+// counter. dev::pdl_launch_dependents() follows the main loop.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+#include <algorithm>
+#include <mutex>
+#include <string>
+
+#include "gemm/gemm_internal.h"
+#include "gemm/wgmma_f16.cuh"
+#include "kernels/device_common.cuh"
+#include "runtime/launch.h"
+
+namespace v4attn::kernels {
+
+namespace {
+
+constexpr int kWarpgroupThreads = 128;
+constexpr int kConsumerWarpgroups = 2;
+constexpr int kThreads = kWarpgroupThreads * (1 + kConsumerWarpgroups);  // 384
+constexpr int kConsumerThreads = kWarpgroupThreads * kConsumerWarpgroups;  // 256
+constexpr int kConverterThreads = 96;                                       // warps 1..3
+constexpr int kStageK = 128;                                // K bytes per stage (one 128B-swizzle row)
+constexpr int kBlocksPerStage = kStageK / kGemmBlock;       // 4
+constexpr int kXfSlots = 2;
+constexpr int kMaxStages = 8;
+constexpr int kSmemLimit = 227 * 1024;  // sm_90 opt-in dynamic shared memory per block
+constexpr int kSmemAlign = 1024;        // 128B-swizzle atoms (TMA destination, wgmma operand)
+constexpr int kTargetCtas = 132;        // H100 / H200 SXM: one CTA per SM
+constexpr int kMaxCtaBlocks = 96;       // K blocks per CTA in the automatic plan (scale arrays)
+constexpr uint32_t kConsumerBarrierId = 1;              // named barrier of the 256 consumers
+constexpr uint32_t kProducerRegs = 40, kConsumerRegs = 232;
+static_assert(kWarpgroupThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= kThreads * 168,
+              "setmaxnreg split must fit the CTA's register pool (168 per thread at launch)");
+
+// Byte offsets inside the CTA's shared memory (from the 1024-aligned base). Host and device use
+// the same function, so the launcher sizes exactly what the kernel addresses.
+struct SmemLayout {
+  uint32_t w = 0, xc = 0, xf = 0, sw = 0, sa = 0, bar = 0, flag = 0, total = 0;
+};
+__host__ __device__ constexpr SmemLayout smem_layout(int block_n, int np, int stages, int max_split_blocks) {
+  SmemLayout l;
+  uint32_t off = 0;
+  l.w = off;
+  off += static_cast<uint32_t>(stages * block_n * kStageK);
+  l.xc = off;
+  off += static_cast<uint32_t>(stages * np * kStageK);
+  l.xf = off;
+  off += static_cast<uint32_t>(kXfSlots * np * kStageK * 2);
+  l.sw = off;
+  off += static_cast<uint32_t>((block_n / 32) * max_split_blocks * 4);
+  l.sa = off;
+  off += static_cast<uint32_t>(max_split_blocks * np * 4);
+  off = (off + 7u) & ~7u;
+  l.bar = off;  // full[stages], empty[stages], xready[2], xfree[2]
+  off += static_cast<uint32_t>((2 * stages + 2 * kXfSlots) * 8);
+  l.flag = off;
+  off += 8;
+  l.total = off;
+  return l;
+}
+size_t smem_request(const SmemLayout& l) { return static_cast<size_t>(l.total) + kSmemAlign; }
+
+struct WgmmaParams {
+  CUtensorMap tmap_w;  // weights [groups][n][k] bytes; box {128, block_n, 1}, 128B swizzle
+  CUtensorMap tmap_x;  // activation codes [groups][m][k] (row stride a_stride); box {128, NP, 1}, 128B swizzle
+  const uint8_t* w_scale = nullptr;  // [groups][n/32, k_blocks] ue8m0, dense
+  const uint8_t* a_scale = nullptr;  // [groups][m, k_blocks]; row r at a_scale + r * a_scale_stride
+  bf16_t* out = nullptr;             // [groups][m, n]; row r at out + r * out_stride
+  float* partials = nullptr;         // [S][groups][m][n] (S > 1)
+  uint32_t* counters = nullptr;      // [groups][tiles_n] (S > 1), zero between GEMMs
+  int64_t a_scale_stride = 0, out_stride = 0;
+  int64_t w_scale_group_stride = 0, a_scale_group_stride = 0, out_group_stride = 0;
+  int m = 0, n = 0, k_blocks = 0, splits = 1, tiles_n = 0;
+  int stages = 0;            // ring depth (1..kMaxStages)
+  int max_split_blocks = 0;  // ceil(k_blocks / splits): capacity of the scale arrays
+};
+
+// ---- PTX wrappers -----------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// Makes the initialised barriers visible to the async proxy (TMA) and to the other threads.
+__device__ __forceinline__ void fence_mbarrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Blocks until the phase of parity `parity` of the barrier has completed.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred P1;\n"
+      "WAIT_LOOP:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+      "@P1 bra WAIT_DONE;\n"
+      "bra WAIT_LOOP;\n"
+      "WAIT_DONE:\n"
+      "}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+// 3-D TMA tile load into this CTA's shared memory, completing on `bar` (bytes counted by tx).
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+__device__ __forceinline__ void prefetch_tensormap(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+// Ordinary shared-memory stores of this thread become visible to the async proxy (wgmma operands).
+__device__ __forceinline__ void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// Register budget of this warp (sm_90a); executed by all warps of a warpgroup.
+template <uint32_t kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <uint32_t kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+// Two e4m3 codes (the low / high byte pair of a 32-bit word) -> f16x2. Exact.
+__device__ __forceinline__ uint32_t e4m3x2_lo_to_f16x2(uint32_t w) {
+  uint32_t r;
+  asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, lo;\n}\n" : "=r"(r) : "r"(w));
+  return r;
+}
+__device__ __forceinline__ uint32_t e4m3x2_hi_to_f16x2(uint32_t w) {
+  uint32_t r;
+  asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, hi;\n}\n" : "=r"(r) : "r"(w));
+  return r;
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Keeps the compiler from moving reads of the accumulators above the wgmma wait.
+template <int R>
+__device__ __forceinline__ void fence_registers(float (&d)[R]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// wgmma shared-memory matrix descriptor, 128B-swizzle K-major: start address >> 4 (bits 0-13),
+// leading byte offset 1 (unused for swizzled K-major layouts), stride byte offset 1024 >> 4 (the
+// next 8-row group), layout type 1 = 128B swizzle (bits 62-63), base offset 0 (atoms 1024-aligned).
+__device__ __forceinline__ uint64_t make_desc_sw128(uint32_t smem_addr) {
+  return static_cast<uint64_t>((smem_addr & 0x3FFFFu) >> 4) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) |
+         (uint64_t{1} << 62);
+}
+
+template <int MT, int NP>
+__global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __grid_constant__ WgmmaParams p) {
+  constexpr int BN = kConsumerWarpgroups * 64 * MT;  // weight rows per CTA
+  constexpr int R = NP / 2;                          // accumulator registers per m64 tile per thread
+  constexpr uint32_t kStageTx = static_cast<uint32_t>((BN + NP) * kStageK);
+  static_assert(NP % 8 == 0 && NP >= 8 && NP <= 64, "NP is m rounded up to 8");
+
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw_addr = smem_u32(smem_raw);
+  const uint32_t base = (raw_addr + (kSmemAlign - 1)) & ~static_cast<uint32_t>(kSmemAlign - 1);
+  uint8_t* smem = smem_raw + (base - raw_addr);
+  const int ST = p.stages;
+  const int msb = p.max_split_blocks;
+  const SmemLayout L = smem_layout(BN, NP, ST, msb);
+  float* sw_s = reinterpret_cast<float*>(smem + L.sw);  // [BN/32][msb]
+  float* sa_s = reinterpret_cast<float*>(smem + L.sa);  // [msb][NP]
+  int* s_flag = reinterpret_cast<int*>(smem + L.flag);
+  const uint32_t bar_full = base + L.bar, bar_empty = bar_full + 8u * ST, bar_xready = bar_empty + 8u * ST,
+                 bar_xfree = bar_xready + 8u * kXfSlots;
+
+  const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
+  const int tile = static_cast<int>(blockIdx.x), split = static_cast<int>(blockIdx.y), grp = static_cast<int>(blockIdx.z);
+  const int row0 = tile * BN;
+  const int kb_begin = static_cast<int>(static_cast<int64_t>(split) * p.k_blocks / p.splits);
+  const int kb_end = static_cast<int>(static_cast<int64_t>(split + 1) * p.k_blocks / p.splits);
+  const int nkb = kb_end - kb_begin;  // 1..msb
+  const int n_iter = (nkb + kBlocksPerStage - 1) / kBlocksPerStage;
+  const int prologue = min(ST, n_iter);
+
+  // ---- setup: barriers, first ring fill of weights (constant data: before the PDL wait) --------
+  if (tid == 0) {
+    for (int s = 0; s < ST; ++s) {
+      mbar_init(bar_full + 8u * s, 1);  // the producer's arrive.expect_tx (+ the TMA bytes)
+      mbar_init(bar_empty + 8u * s, kConsumerThreads);
+    }
+    for (int x = 0; x < kXfSlots; ++x) {
+      mbar_init(bar_xready + 8u * x, kConverterThreads);
+      mbar_init(bar_xfree + 8u * x, kConsumerThreads);
+    }
+    fence_mbarrier_init();
+    prefetch_tensormap(&p.tmap_w);
+    prefetch_tensormap(&p.tmap_x);
+  }
+  __syncthreads();
+  if (tid == 0) {
+    for (int it = 0; it < prologue; ++it) {
+      mbar_arrive_expect_tx(bar_full + 8u * it, kStageTx);
+      tma_load_3d(base + L.w + static_cast<uint32_t>(it * BN * kStageK), &p.tmap_w, bar_full + 8u * it,
+                  (kb_begin + it * kBlocksPerStage) * kGemmBlock, row0, grp);
+    }
+  }
+  {  // weight scales of the tile's K range, decoded once (rows >= n: 0, never stored)
+    const uint8_t* sw_g = p.w_scale + grp * p.w_scale_group_stride + static_cast<int64_t>(row0 / 32) * p.k_blocks + kb_begin;
+    for (int i = tid; i < (BN / 32) * nkb; i += kThreads) {
+      const int rg = i / nkb, b = i % nkb;
+      sw_s[rg * msb + b] = row0 + rg * 32 < p.n ? num::f32_from_ue8m0(sw_g[rg * p.k_blocks + b]) : 0.0f;
+    }
+  }
+
+  dev::pdl_wait();  // activation codes and scales are the predecessor's output
+
+  if (tid == 0) {
+    for (int it = 0; it < prologue; ++it)
+      tma_load_3d(base + L.xc + static_cast<uint32_t>(it * NP * kStageK), &p.tmap_x, bar_full + 8u * it,
+                  (kb_begin + it * kBlocksPerStage) * kGemmBlock, 0, grp);
+  }
+  {  // activation scales [block][token]; tokens >= m get 0
+    const uint8_t* sa_g = p.a_scale + grp * p.a_scale_group_stride + kb_begin;
+    for (int i = tid; i < NP * nkb; i += kThreads) {
+      const int r = i / nkb, b = i % nkb;
+      sa_s[b * NP + r] = r < p.m ? num::f32_from_ue8m0(sa_g[r * p.a_scale_stride + b]) : 0.0f;
+    }
+  }
+  __syncthreads();  // scale arrays visible to the consumers
+
+  if (warp < 4) {
+    // ======== warpgroup 0: producer (warp 0, lane 0) and converters (warps 1..3) ==================
+    setmaxnreg_dec<kProducerRegs>();
+    if (warp == 0) {
+      if (lane == 0) {
+        for (int it = prologue; it < n_iter; ++it) {
+          const int s = it % ST;
+          mbar_wait(bar_empty + 8u * s, static_cast<uint32_t>((it / ST - 1) & 1));  // slot consumed (it - ST)
+          const int kx = (kb_begin + it * kBlocksPerStage) * kGemmBlock;
+          mbar_arrive_expect_tx(bar_full + 8u * s, kStageTx);
+          tma_load_3d(base + L.w + static_cast<uint32_t>(s * BN * kStageK), &p.tmap_w, bar_full + 8u * s, kx, row0, grp);
+          tma_load_3d(base + L.xc + static_cast<uint32_t>(s * NP * kStageK), &p.tmap_x, bar_full + 8u * s, kx, 0, grp);
+        }
+      }
+    } else {
+      const int ctid = tid - 32;  // 0..95
+      for (int it = 0; it < n_iter; ++it) {
+        const int s = it % ST, x = it % kXfSlots;
+        mbar_wait(bar_full + 8u * s, static_cast<uint32_t>((it / ST) & 1));
+        if (it >= kXfSlots) mbar_wait(bar_xfree + 8u * x, static_cast<uint32_t>((it / kXfSlots - 1) & 1));
+        const uint8_t* xc = smem + L.xc + s * NP * kStageK;
+        uint8_t* xf = smem + L.xf + x * NP * kStageK * 2;
+        // Unit u: token n, 16-byte code chunk q = 2 j + sp (block j of the stage, half sp) -> the
+        // 16 f16 of wgmma sp of block j: low byte pairs at logical k 0..7, high pairs at 8..15.
+        for (int u = ctid; u < NP * 8; u += kConverterThreads) {
+          const int n = u % NP, q = u / NP;
+          const uint4 v = *reinterpret_cast<const uint4*>(xc + n * kStageK + ((q ^ (n & 7)) << 4));
+          const uint4 lo = make_uint4(e4m3x2_lo_to_f16x2(v.x), e4m3x2_lo_to_f16x2(v.y), e4m3x2_lo_to_f16x2(v.z),
+                                      e4m3x2_lo_to_f16x2(v.w));
+          const uint4 hi = make_uint4(e4m3x2_hi_to_f16x2(v.x), e4m3x2_hi_to_f16x2(v.y), e4m3x2_hi_to_f16x2(v.z),
+                                      e4m3x2_hi_to_f16x2(v.w));
+          const int j = q >> 1, sp = q & 1;
+          const int cb = (j & 1) * 4 + sp * 2;  // 16-byte chunk of the f16 row (64 f16 = 2 blocks)
+          uint8_t* row = xf + (j >> 1) * NP * kStageK + n * kStageK;
+          *reinterpret_cast<uint4*>(row + ((cb ^ (n & 7)) << 4)) = lo;
+          *reinterpret_cast<uint4*>(row + (((cb + 1) ^ (n & 7)) << 4)) = hi;
+        }
+        fence_proxy_async_smem();  // the f16 operand is read by wgmma (async proxy)
+        mbar_arrive(bar_xready + 8u * x);
+      }
+    }
+    dev::pdl_launch_dependents();
+    return;
+  }
+
+  // ======== warpgroups 1, 2: consumers =============================================================
+  setmaxnreg_inc<kConsumerRegs>();
+  const int ctid = tid - kWarpgroupThreads;  // 0..255
+  const int wgc = ctid >> 7;                 // consumer warpgroup 0 / 1
+  const int w = (ctid >> 5) & 3;             // warp within the warpgroup: rows 16w .. 16w + 15 of a tile
+  const int g = lane >> 2, t = lane & 3;
+  // ldmatrix.x4: lane supplies row (lane & 7) + 8 * ((lane >> 3) & 1) of its matrix, chunk + (lane >> 4):
+  // matrices 0..3 = (rows 0-7, chunk 2j), (rows 8-15, 2j), (rows 0-7, 2j+1), (rows 8-15, 2j+1).
+  const int ld_row = 16 * w + (lane & 7) + 8 * ((lane >> 3) & 1);
+  const int ld_chunk = lane >> 4;
+
+  float acc[MT][R], d[MT][R];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      acc[mt][i] = 0.0f;
+      d[mt][i] = 0.0f;
+    }
+
+  for (int it = 0; it < n_iter; ++it) {
+    const int s = it % ST, x = it % kXfSlots;
+    mbar_wait(bar_full + 8u * s, static_cast<uint32_t>((it / ST) & 1));
+    mbar_wait(bar_xready + 8u * x, static_cast<uint32_t>((it / kXfSlots) & 1));
+    const uint32_t w_slot = base + L.w + static_cast<uint32_t>(s * BN * kStageK);
+    const uint32_t xf_slot = base + L.xf + static_cast<uint32_t>(x * NP * kStageK * 2);
+    const int nb = min(kBlocksPerStage, nkb - it * kBlocksPerStage);
+#pragma unroll
+    for (int j = 0; j < kBlocksPerStage; ++j) {
+      if (j >= nb) break;  // uniform: only the CTA's last stage is partial
+      const int b = it * kBlocksPerStage + j;
+      uint32_t a[MT][2][4];
+      float swv[MT];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const int row = (wgc * MT + mt) * 64 + ld_row;
+        const int chunk = 2 * j + ld_chunk;
+        uint32_t q[4];
+        ldmatrix_x4(q, w_slot + static_cast<uint32_t>(row * kStageK + ((chunk ^ (row & 7)) << 4)));
+        a[mt][0][0] = e4m3x2_lo_to_f16x2(q[0]);
+        a[mt][0][1] = e4m3x2_lo_to_f16x2(q[1]);
+        a[mt][0][2] = e4m3x2_hi_to_f16x2(q[0]);
+        a[mt][0][3] = e4m3x2_hi_to_f16x2(q[1]);
+        a[mt][1][0] = e4m3x2_lo_to_f16x2(q[2]);
+        a[mt][1][1] = e4m3x2_lo_to_f16x2(q[3]);
+        a[mt][1][2] = e4m3x2_hi_to_f16x2(q[2]);
+        a[mt][1][3] = e4m3x2_hi_to_f16x2(q[3]);
+        swv[mt] = sw_s[((wgc * MT + mt) * 2 + (w >> 1)) * msb + b];
+      }
+      const uint64_t desc0 = make_desc_sw128(xf_slot + static_cast<uint32_t>((j >> 1) * NP * kStageK + (j & 1) * 64));
+      const uint64_t desc1 = desc0 + 2;  // + 32 bytes: the second 16 logical k of the block
+      wgmma_fence();  // A fragments and accumulators were written by ordinary instructions
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        wgmma::WgmmaF16<NP>::mma(d[mt], a[mt][0], desc0, 0);  // block sum from zero
+        wgmma::WgmmaF16<NP>::mma(d[mt], a[mt][1], desc1, 1);
+      }
+      wgmma_commit();
+      wgmma_wait_all();
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) fence_registers(d[mt]);
+      // acc += blocksum * (sa * sw): sa * sw is a power of two (exact), one rounding per block.
+#pragma unroll
+      for (int jj = 0; jj < NP / 8; ++jj) {
+        const float2 sa = *reinterpret_cast<const float2*>(sa_s + b * NP + 8 * jj + 2 * t);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          const float s0 = num::mul_rn(sa.x, swv[mt]), s1 = num::mul_rn(sa.y, swv[mt]);
+          acc[mt][4 * jj + 0] = __fmaf_rn(d[mt][4 * jj + 0], s0, acc[mt][4 * jj + 0]);
+          acc[mt][4 * jj + 1] = __fmaf_rn(d[mt][4 * jj + 1], s1, acc[mt][4 * jj + 1]);
+          acc[mt][4 * jj + 2] = __fmaf_rn(d[mt][4 * jj + 2], s0, acc[mt][4 * jj + 2]);
+          acc[mt][4 * jj + 3] = __fmaf_rn(d[mt][4 * jj + 3], s1, acc[mt][4 * jj + 3]);
+        }
+      }
+    }
+    // This thread's reads of the slot are complete (ldmatrix is synchronous; the wgmmas reading Xf
+    // were waited for).
+    mbar_arrive(bar_empty + 8u * s);
+    mbar_arrive(bar_xfree + 8u * x);
+  }
+  dev::pdl_launch_dependents();
+
+  // ---- epilogue (consumers only) ------------------------------------------------------------------
+  // Element (mt, i): weight row n = row0 + (wgc*MT + mt)*64 + 16w + g + (i & 2 ? 8 : 0),
+  // token = 8 (i / 4) + 2t + (i & 1).
+  bf16_t* out = p.out + grp * p.out_group_stride;
+  if (p.splits == 1) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        const int n = row0 + (wgc * MT + mt) * 64 + 16 * w + g + ((i & 2) ? 8 : 0);
+        const int m = 8 * (i >> 2) + 2 * t + (i & 1);
+        if (m < p.m && n < p.n) out[m * p.out_stride + n] = num::bf16_from_f32(acc[mt][i]);
+      }
+    return;
+  }
+
+  const int64_t mn = static_cast<int64_t>(p.m) * p.n;
+  const int groups = static_cast<int>(gridDim.z);
+  float* part = p.partials + (static_cast<int64_t>(split) * groups + grp) * mn;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      const int n = row0 + (wgc * MT + mt) * 64 + 16 * w + g + ((i & 2) ? 8 : 0);
+      const int m = 8 * (i >> 2) + 2 * t + (i & 1);
+      if (m < p.m && n < p.n) part[static_cast<int64_t>(m) * p.n + n] = acc[mt][i];
+    }
+  // Last-block pattern (as v1): each thread fences its own partial stores device-wide before the
+  // barrier; one thread's counter bump then orders after all of them.
+  __threadfence();
+  named_barrier_sync(kConsumerBarrierId, kConsumerThreads);
+  uint32_t* counter = p.counters + grp * p.tiles_n + tile;
+  if (ctid == 0) {
+    const uint32_t arrived = atomicAdd(counter, 1u);
+    *s_flag = arrived == static_cast<uint32_t>(p.splits - 1) ? 1 : 0;
+  }
+  named_barrier_sync(kConsumerBarrierId, kConsumerThreads);
+  if (!*s_flag) return;
+  __threadfence();  // acquire side: the other CTAs' partials are visible (read through L2 below)
+
+  const int rows_valid = min(BN, p.n - row0);
+  const float* pbase = p.partials + static_cast<int64_t>(grp) * mn;
+  const int64_t split_stride = static_cast<int64_t>(groups) * mn;
+  for (int idx = ctid; idx < p.m * rows_valid; idx += kConsumerThreads) {
+    const int m = idx / rows_valid, n = row0 + idx % rows_valid;
+    const int64_t off = static_cast<int64_t>(m) * p.n + n;
+    float sum = __ldcg(pbase + off);
+    for (int sp = 1; sp < p.splits; ++sp) sum = num::add_rn(sum, __ldcg(pbase + sp * split_stride + off));
+    out[m * p.out_stride + n] = num::bf16_from_f32(sum);
+  }
+  if (ctid == 0) *counter = 0u;  // every CTA of this tile has arrived: ready for the next GEMM
+}
+
+using WgmmaKernel = void (*)(WgmmaParams);
+
+template <int MT>
+WgmmaKernel pick_wgmma_kernel(int np) {
+  switch (np) {
+    case 8: return gemm_fp8_wgmma_kernel<MT, 8>;
+    case 16: return gemm_fp8_wgmma_kernel<MT, 16>;
+    case 24: return gemm_fp8_wgmma_kernel<MT, 24>;
+    case 32: return gemm_fp8_wgmma_kernel<MT, 32>;
+    case 40: return gemm_fp8_wgmma_kernel<MT, 40>;
+    case 48: return gemm_fp8_wgmma_kernel<MT, 48>;
+    case 56: return gemm_fp8_wgmma_kernel<MT, 56>;
+    case 64: return gemm_fp8_wgmma_kernel<MT, 64>;
+    default: throw std::invalid_argument("gemm v2: m must be 1..64");
+  }
+}
+
+// cuTensorMapEncodeTiled through the runtime's driver entry point (no -lcuda).
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    V4_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q));
+    if (q == cudaDriverEntryPointSuccess) fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  });
+  if (fn == nullptr) throw CudaError("gemm v2: cuTensorMapEncodeTiled is not available from the driver");
+  return fn;
+}
+
+// A 3-D byte tensor [groups][rows][cols] (row stride / group stride in bytes) read in boxes of
+// {128 bytes, box_rows, 1} with the 128B swizzle; out-of-range elements are zero-filled.
+CUtensorMap make_tensor_map(const void* ptr, uint64_t cols, uint64_t rows, uint64_t groups, uint64_t row_stride,
+                            uint64_t group_stride, uint32_t box_rows) {
+  CUtensorMap map;
+  const cuuint64_t dims[3] = {cols, rows, groups};
+  const cuuint64_t strides[2] = {row_stride, group_stride};
+  const cuuint32_t box[3] = {static_cast<cuuint32_t>(kStageK), box_rows, 1};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  const CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<void*>(ptr), dims, strides, box,
+                                          elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                          CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw std::invalid_argument("gemm v2: cuTensorMapEncodeTiled failed (" + std::to_string(static_cast<int>(r)) +
+                                ") for a " + std::to_string(groups) + " x " + std::to_string(rows) + " x " +
+                                std::to_string(cols) + " tensor (row stride " + std::to_string(row_stride) +
+                                ", group stride " + std::to_string(group_stride) + ")");
+  return map;
+}
+
+}  // namespace
+
+GemmPlan plan_gemm_wgmma(int m, int64_t n, int64_t k, int groups, int force_splits, int force_mtiles, int force_stages) {
+  auto fail = [](const std::string& what) { throw std::invalid_argument("plan_gemm_wgmma: " + what); };
+  if (m < 0 || m > kGemmMaxRows || n <= 0 || k <= 0 || groups < 1) fail("need 0 <= m <= 64, n > 0, k > 0, groups >= 1");
+  if (force_splits < 0 || force_mtiles < 0 || force_mtiles > 2 || force_stages < 0)
+    fail("force_splits >= 0, force_mtiles in 0..2, force_stages >= 0");
+  const int64_t kb = k / kGemmBlock;
+  if (kb < 1) fail("k < 32");
+  GemmPlan plan;
+  // Two m64 tiles per consumer warpgroup (256 rows per CTA) when that still gives ~one CTA per SM
+  // without split-K (wq_b: 128 CTAs); otherwise 128 rows per CTA and split-K to fill the machine.
+  plan.warp_mtiles = force_mtiles != 0 ? force_mtiles : (groups * ((n + 255) / 256) >= 96 ? 2 : 1);
+  plan.block_n = kConsumerWarpgroups * 64 * plan.warp_mtiles;
+  plan.tiles_n = static_cast<int>((n + plan.block_n - 1) / plan.block_n);
+  const int64_t tiles = static_cast<int64_t>(groups) * plan.tiles_n;
+  int64_t s;
+  if (force_splits != 0) {
+    s = std::min<int64_t>(force_splits, kb);
+  } else {
+    s = std::max<int64_t>(1, kTargetCtas / tiles);                                  // ~one CTA per SM
+    s = std::max<int64_t>(s, (kb + kMaxCtaBlocks - 1) / kMaxCtaBlocks);             // bounded scale arrays
+    s = std::min<int64_t>(s, kb);
+  }
+  plan.splits = static_cast<int>(s);
+  // Pipeline depth for this m (numerics do not depend on it): as many stages as fit, <= 8, <= the
+  // stages a CTA has.
+  const int msb = static_cast<int>((kb + s - 1) / s);
+  const int np = std::max(8, (m + 7) / 8 * 8);
+  const int n_iter = (msb + kBlocksPerStage - 1) / kBlocksPerStage;
+  const size_t fixed = smem_request(smem_layout(plan.block_n, np, 0, msb)) + (2 * kMaxStages) * 8;
+  const size_t stage = static_cast<size_t>(plan.block_n + np) * kStageK;
+  const int64_t fit = fixed >= static_cast<size_t>(kSmemLimit) ? 0 : static_cast<int64_t>((kSmemLimit - fixed) / stage);
+  plan.stages = static_cast<int>(std::min<int64_t>({fit, kMaxStages, n_iter}));
+  if (force_stages != 0) plan.stages = std::min(plan.stages, force_stages);
+  plan.smem_bytes = plan.stages >= 1 ? smem_request(smem_layout(plan.block_n, np, plan.stages, msb)) : 0;
+  plan.workspace_bytes = plan.splits > 1 ? detail::workspace_counter_bytes(groups, plan.tiles_n) +
+                                               static_cast<size_t>(plan.splits) * static_cast<size_t>(groups) *
+                                                   static_cast<size_t>(m) * static_cast<size_t>(n) * sizeof(float)
+                                         : 0;
+  return plan;
+}
+
+namespace detail {
+
+void launch_gemm_fp8_wgmma(const Fp8GemmParams& p, const GemmPlan& plan, const GemmWorkspace& ws, cudaStream_t stream,
+                           bool pdl) {
+  const int np = (p.m + 7) / 8 * 8;
+  const int64_t kb = p.k / kGemmBlock;
+  WgmmaParams t;
+  // Weights: [groups][n][k]; a single group gets a nominal group stride (the dimension has size 1).
+  const uint64_t w_group = p.groups > 1 ? static_cast<uint64_t>(p.w_group_stride) : static_cast<uint64_t>(p.n * p.k);
+  t.tmap_w = make_tensor_map(p.w, static_cast<uint64_t>(p.k), static_cast<uint64_t>(p.n), static_cast<uint64_t>(p.groups),
+                             static_cast<uint64_t>(p.k), w_group, static_cast<uint32_t>(plan.block_n));
+  const uint64_t a_group = p.groups > 1 ? static_cast<uint64_t>(p.a_group_stride) : static_cast<uint64_t>(p.m) * p.a_stride;
+  t.tmap_x = make_tensor_map(p.a_q, static_cast<uint64_t>(p.k), static_cast<uint64_t>(p.m), static_cast<uint64_t>(p.groups),
+                             static_cast<uint64_t>(p.a_stride), a_group, static_cast<uint32_t>(np));
+  t.w_scale = p.w_scale;
+  t.a_scale = p.a_scale;
+  t.out = p.out;
+  t.a_scale_stride = p.a_scale_stride;
+  t.out_stride = p.out_stride;
+  t.w_scale_group_stride = p.w_scale_group_stride;
+  t.a_scale_group_stride = p.a_scale_group_stride;
+  t.out_group_stride = p.out_group_stride;
+  t.m = p.m;
+  t.n = static_cast<int>(p.n);
+  t.k_blocks = static_cast<int>(kb);
+  t.splits = plan.splits;
+  t.tiles_n = plan.tiles_n;
+  t.stages = plan.stages;
+  t.max_split_blocks = static_cast<int>((kb + plan.splits - 1) / plan.splits);
+  if (plan.splits > 1) {
+    uint8_t* wsb = static_cast<uint8_t*>(ws.data);
+    t.counters = reinterpret_cast<uint32_t*>(wsb);
+    t.partials = reinterpret_cast<float*>(wsb + workspace_counter_bytes(p.groups, plan.tiles_n));
+  }
+  const WgmmaKernel kernel = plan.warp_mtiles == 2 ? pick_wgmma_kernel<2>(np) : pick_wgmma_kernel<1>(np);
+  set_max_dynamic_smem(kernel, plan.smem_bytes);
+  LaunchConfig cfg;
+  cfg.grid = dim3(static_cast<unsigned>(plan.tiles_n), static_cast<unsigned>(plan.splits), static_cast<unsigned>(p.groups));
+  cfg.block = dim3(kThreads);
+  cfg.smem_bytes = plan.smem_bytes;
+  cfg.stream = stream;
+  cfg.pdl = pdl;
+  launch_kernel("gemm_fp8_wgmma", kernel, cfg, t);
+}
+
+}  // namespace detail
+}  // namespace v4attn::kernels
