@@ -2,28 +2,43 @@
 //
 // For every shape of the model (--shapes, default all) and row count m (--m, default
 // 1,6,8,24,48,64): build seeded random inputs with realistic magnitudes, validate against the CPU
-// reference (v0 byte for byte, v1 within 1 bf16 ulp / the fp32 rounding bound, act quant byte
-// for byte), then time each version with CUDA events around each launch (3 warm-ups, then --reps
-// launches, a 128 MB memset before each one so that every launch starts with a cold L2: the 60 MB
-// L2 would otherwise hold the smaller weights) and report the median.
+// reference (v0 byte for byte, v1 / v2 within 1 bf16 ulp / the fp32 rounding bound, act quant byte
+// for byte), then time each version two ways:
+//  - us_event: CUDA events around ONE eager launch (3 warm-ups, then --reps launches, a 128 MB
+//    memset before each one so that every launch starts with a cold L2), median. Includes the
+//    launch latency of a lone kernel (~4 us; see the act_quant rows).
+//  - us_graph: --graph-launches (20) launches back to back captured in a CUDA graph, replayed
+//    (2 warm-ups, then 15 timed replays; median replay time / launches). The weights rotate over
+//    C >= 4 copies (C = ceil(192 MB / weight bytes), at most the launch count), so every launch
+//    reads weights that are not in the 60 MB L2 (activations and outputs stay hot, as in the
+//    engine). No launch latency: this is how the engine runs them (graph replay).
+//  - us_gpdl: the same graph with the GEMMs launched with PDL (the weight prologue of launch i+1
+//    overlaps the tail of launch i): the figure for a GEMM whose predecessor triggers early.
+// %floor uses us_graph (%fl_ev: us_event).
 //
 // Rows per shape and m:
-//   fp8:  act_quant (bf16 x -> codes + scales), v0, v1 (GEMM on quantized x), v1+quant (both
-//         launches back to back, the GEMM with PDL), and the peer "cublasLt bf16 (2x bytes)": a
-//         bf16 cublasLtMatmul on a dequantised bf16 copy of the weight (exact: every e4m3 * 2^e
-//         is a bf16) and the unquantized bf16 x; validated against our bf16 v1 on the same copy.
+//   fp8:  act_quant (bf16 x -> codes + scales), v0, v1, v2 (GEMM on quantized x), v1+quant /
+//         v2+quant (act_quant then the GEMM; with PDL in the event and gpdl columns), the peer
+//         "cublasLt bf16 (2x bytes)": a bf16 cublasLtMatmul on a dequantised bf16 copy of the
+//         weight (exact: every e4m3 * 2^e is a bf16) and the unquantized bf16 x, validated against
+//         our bf16 v1 on the same copy, and the peer "cublasLt fp8 blk128": cuBLASLt's block-scaled
+//         fp8 GEMM (128x128 weight scales, 1x128 activation scales) on the same e4m3 codes with unit
+//         scales -- a speed reference only (V4.1's 32x32 scales are not expressible there; its
+//         output is not compared; cuBLASLt has no algorithm for it at M = 1).
 //   bf16: v0, v1, "cublasLt bf16" (wo_a: one strided-batched call for the 8 groups).
 //   f32:  v0, v1, "cublasLt f32" (x widened to fp32 for it; CUBLAS_COMPUTE_32F, no TF32).
 // v0 (one thread per output) is slow: when one launch takes > 2 ms it is timed with 5 launches
-// (the "reps" column says so); --no-v0 skips it.
+// (the "reps" column says so); v0 is not graph-timed; --no-v0 skips it.
 //
 // "bytes" = weights + weight scales + activations (+ their scales) + outputs, what a kernel must
-// move at least; "floor" = bytes at 4.27 TB/s (measured D2D copy rate of the H200); "%floor" =
-// floor / median. Split-K partial sums are not counted (they are overhead, mostly in L2).
+// move at least; "floor" = bytes at 4.27 TB/s (measured D2D copy rate of the H200). Split-K
+// partial sums are not counted (they are overhead, mostly in L2).
 //
 // Usage: bench_gemm [--m 1,6,8,24,48,64] [--shapes wq_b,wo_b,...] [--reps 50] [--no-v0]
-//                   [--no-peer] [--splits S] [--mtiles 1|2] [--json FILE]
-// --splits / --mtiles override v1's automatic plan (tuning; the note column shows the plan used).
+//                   [--no-peer] [--no-graph] [--graph-launches 20] [--splits S] [--mtiles 1|2]
+//                   [--stages N] [--json FILE]
+// --splits / --mtiles override the v1 and v2 plans, --stages v2's ring depth (tuning; the note
+// column shows the plan used).
 #include <CLI/CLI.hpp>
 #include <cublasLt.h>
 
@@ -53,6 +68,8 @@ namespace kn = v4attn::kernels;
 constexpr double kHbmBytesPerSecond = 4.27e12;
 constexpr size_t kFlushBytes = size_t{128} << 20;
 constexpr double kSlowLaunchMs = 2.0;
+constexpr double kRotateBytes = 192.0 * 1024 * 1024;  // weight copies per graph: > 3x the 60 MB L2
+constexpr int kGraphWarmups = 2, kGraphReplays = 15;
 
 enum class Kind { kFp8, kBf16, kF32 };
 
@@ -72,12 +89,16 @@ constexpr Shape kShapes[] = {
 struct Row {
   std::string shape, kernel, version;
   int m = 0;
-  double median_us = 0.0;
+  double median_us = 0.0;     // event-timed single launch (L2 flushed)
+  double graph_us = 0.0;      // per launch in a graph replay (0: not measured)
+  double graph_pdl_us = 0.0;  // the same with PDL launches (0: not measured)
+  int copies = 0;             // weight copies rotated in the graph
   int64_t bytes = 0;
   int reps = 0;
   bool valid = false;
   std::string note;
   double floor_us() const { return static_cast<double>(bytes) / kHbmBytesPerSecond * 1e6; }
+  double pct(double us) const { return us > 0.0 ? 100.0 * floor_us() / us : 0.0; }
 };
 
 // splitmix64
@@ -107,6 +128,15 @@ std::vector<T> to_host(const DeviceBuffer<T>& d, size_t n) {
   return h;
 }
 
+// `copies` copies of a host array in one device buffer (copy c at c * h.size()).
+template <class T>
+DeviceBuffer<T> to_device_copies(const std::vector<T>& h, int copies) {
+  DeviceBuffer<T> d(std::max<size_t>(h.size() * static_cast<size_t>(copies), 1));
+  for (int c = 0; c < copies; ++c)
+    V4_CUDA_CHECK(cudaMemcpy(d.get() + static_cast<size_t>(c) * h.size(), h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return d;
+}
+
 int32_t bf16_ordinal(bf16_t b) {
   const int32_t mag = b & 0x7fff;
   return (b & 0x8000) ? -mag : mag;
@@ -133,9 +163,13 @@ std::pair<int, int64_t> ulp_diff(const std::vector<bf16_t>& got, const std::vect
   return {mx, differ};
 }
 
-// Median over `reps` launches, each after an L2 flush; reps drops to 5 when one launch is slow.
-double median_us(const std::function<void(cudaStream_t)>& launch, int reps, DeviceBuffer<uint8_t>& flush,
-                 cudaStream_t s, int* reps_used) {
+// A timed operation: launch(stream, weight copy index, pdl).
+using Launch = std::function<void(cudaStream_t, int, bool)>;
+
+// Median over `reps` eager launches (copy 0), each after an L2 flush; reps drops to 5 when one
+// launch is slow.
+double event_median_us(const Launch& launch, bool pdl, int reps, DeviceBuffer<uint8_t>& flush, cudaStream_t s,
+                       int* reps_used) {
   cudaEvent_t start, stop;
   V4_CUDA_CHECK(cudaEventCreate(&start));
   V4_CUDA_CHECK(cudaEventCreate(&stop));
@@ -143,7 +177,7 @@ double median_us(const std::function<void(cudaStream_t)>& launch, int reps, Devi
   for (int i = 0; i < 3 + reps; ++i) {
     V4_CUDA_CHECK(cudaMemsetAsync(flush.get(), i & 0xff, flush.bytes(), s));
     V4_CUDA_CHECK(cudaEventRecord(start, s));
-    launch(s);
+    launch(s, 0, pdl);
     V4_CUDA_CHECK(cudaEventRecord(stop, s));
     V4_CUDA_CHECK(cudaEventSynchronize(stop));
     float t = 0.0f;
@@ -158,23 +192,77 @@ double median_us(const std::function<void(cudaStream_t)>& launch, int reps, Devi
   return static_cast<double>(ms[ms.size() / 2]) * 1000.0;
 }
 
-// ---- cuBLASLt peer ------------------------------------------------------------------------------------
+// Per-launch time of `launches` back-to-back launches (launch i on weight copy i % copies)
+// captured in one CUDA graph: median over kGraphReplays timed replays of (replay time / launches).
+double graph_us(const Launch& launch, bool pdl, int copies, int launches, cudaStream_t s) {
+  cudaGraph_t graph = nullptr;
+  V4_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
+  try {
+    for (int i = 0; i < launches; ++i) launch(s, i % copies, pdl);
+  } catch (...) {
+    cudaGraph_t junk = nullptr;
+    cudaStreamEndCapture(s, &junk);
+    if (junk) cudaGraphDestroy(junk);
+    throw;
+  }
+  V4_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+  cudaGraphExec_t exec = nullptr;
+  V4_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  cudaEvent_t start, stop;
+  V4_CUDA_CHECK(cudaEventCreate(&start));
+  V4_CUDA_CHECK(cudaEventCreate(&stop));
+  std::vector<float> ms;
+  for (int r = 0; r < kGraphWarmups + kGraphReplays; ++r) {
+    V4_CUDA_CHECK(cudaEventRecord(start, s));
+    V4_CUDA_CHECK(cudaGraphLaunch(exec, s));
+    V4_CUDA_CHECK(cudaEventRecord(stop, s));
+    V4_CUDA_CHECK(cudaEventSynchronize(stop));
+    float t = 0.0f;
+    V4_CUDA_CHECK(cudaEventElapsedTime(&t, start, stop));
+    if (r >= kGraphWarmups) ms.push_back(t);
+  }
+  V4_CUDA_CHECK(cudaEventDestroy(start));
+  V4_CUDA_CHECK(cudaEventDestroy(stop));
+  V4_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  V4_CUDA_CHECK(cudaGraphDestroy(graph));
+  std::nth_element(ms.begin(), ms.begin() + ms.size() / 2, ms.end());
+  return static_cast<double>(ms[ms.size() / 2]) * 1000.0 / launches;
+}
+
+// Weight copies for a graph: enough that each launch reads weights no longer in L2.
+int rotation_copies(double weight_bytes, int launches) {
+  const int c = static_cast<int>(std::ceil(kRotateBytes / std::max(weight_bytes, 1.0)));
+  return std::clamp(c, 4, std::max(4, launches));
+}
+
+// ---- cuBLASLt peers -----------------------------------------------------------------------------------
 // out[m, n] (row-major, ld out_stride) = x[m, k] (row-major, ld x_stride) @ w[n, k]^T, per group.
 // Column-major view: D^T [n, m] (ld out_stride) = op(A) [n, k] * B [k, m] with A = w viewed as a
 // col-major k x n matrix (ld k) and op = T, B = x viewed as col-major k x m (ld x_stride), op = N.
 // Groups: strided batch with offsets n*k (w), k (x: the group's columns), n (out: its columns).
+// fp8 block-scaled variant (speed reference): A and B e4m3, A scales one fp32 per 128x128 block,
+// B scales one fp32 per 128 elements of K per token, D bf16 (cuBLASLt's Hopper block scaling).
 class LtMatmul {
  public:
   LtMatmul(cudaDataType_t type, int m, int64_t n, int64_t k, int groups, int64_t x_stride, int64_t out_stride,
-           cublasLtHandle_t handle, void* ws, size_t ws_bytes)
+           cublasLtHandle_t handle, void* ws, size_t ws_bytes, bool fp8_block_scaled = false,
+           const void* a_scales = nullptr, const void* b_scales = nullptr)
       : handle_(handle), ws_(ws), ws_bytes_(ws_bytes) {
     check(cublasLtMatmulDescCreate(&op_, CUBLAS_COMPUTE_32F, CUDA_R_32F), "desc");
     const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
     check(cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)), "transa");
     check(cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)), "transb");
+    const cudaDataType_t out_type = fp8_block_scaled ? CUDA_R_16BF : type;
+    if (fp8_block_scaled) {
+      const int32_t a_mode = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, b_mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+      check(cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &a_mode, sizeof(a_mode)), "A scale mode");
+      check(cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &b_mode, sizeof(b_mode)), "B scale mode");
+      check(cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a_scales, sizeof(a_scales)), "A scales");
+      check(cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b_scales, sizeof(b_scales)), "B scales");
+    }
     check(cublasLtMatrixLayoutCreate(&la_, type, static_cast<uint64_t>(k), static_cast<uint64_t>(n), k), "A");
     check(cublasLtMatrixLayoutCreate(&lb_, type, static_cast<uint64_t>(k), static_cast<uint64_t>(m), x_stride), "B");
-    check(cublasLtMatrixLayoutCreate(&lc_, type, static_cast<uint64_t>(n), static_cast<uint64_t>(m), out_stride), "C");
+    check(cublasLtMatrixLayoutCreate(&lc_, out_type, static_cast<uint64_t>(n), static_cast<uint64_t>(m), out_stride), "C");
     if (groups > 1) {
       const int32_t count = groups;
       const int64_t sa = n * k, sb = k, sc = n;
@@ -190,16 +278,14 @@ class LtMatmul {
                                                sizeof(ws_bytes_)),
           "pref ws");
     int found = 0;
-    check(cublasLtMatmulAlgoGetHeuristic(handle_, op_, la_, lb_, lc_, lc_, pref, 1, &algo_, &found), "heuristic");
+    const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle_, op_, la_, lb_, lc_, lc_, pref, 1, &algo_, &found);
     cublasLtMatmulPreferenceDestroy(pref);
-    if (found < 1) throw std::runtime_error("cuBLASLt: no algorithm");
+    if (st != CUBLAS_STATUS_SUCCESS || found < 1) {
+      destroy();
+      throw std::runtime_error("cuBLASLt: no algorithm");
+    }
   }
-  ~LtMatmul() {
-    cublasLtMatrixLayoutDestroy(la_);
-    cublasLtMatrixLayoutDestroy(lb_);
-    cublasLtMatrixLayoutDestroy(lc_);
-    cublasLtMatmulDescDestroy(op_);
-  }
+  ~LtMatmul() { destroy(); }
   LtMatmul(const LtMatmul&) = delete;
   LtMatmul& operator=(const LtMatmul&) = delete;
   void run(const void* w, const void* x, void* out, cudaStream_t s) const {
@@ -209,6 +295,14 @@ class LtMatmul {
   }
 
  private:
+  void destroy() {
+    if (la_) cublasLtMatrixLayoutDestroy(la_);
+    if (lb_) cublasLtMatrixLayoutDestroy(lb_);
+    if (lc_) cublasLtMatrixLayoutDestroy(lc_);
+    if (op_) cublasLtMatmulDescDestroy(op_);
+    la_ = lb_ = lc_ = nullptr;
+    op_ = nullptr;
+  }
   static void check(cublasStatus_t st, const char* what) {
     if (st != CUBLAS_STATUS_SUCCESS) throw std::runtime_error(std::string("cuBLASLt ") + what + " failed: status " + std::to_string(st));
   }
@@ -222,8 +316,9 @@ class LtMatmul {
 
 struct Env {
   int reps = 50;
-  int force_splits = 0, force_mtiles = 0;  // v1 plan overrides (0 = automatic)
-  bool run_v0 = true, run_peer = true;
+  int force_splits = 0, force_mtiles = 0, force_stages = 0;  // v1 / v2 plan overrides (0 = automatic)
+  bool run_v0 = true, run_peer = true, run_graph = true;
+  int graph_launches = 20;
   cudaStream_t stream = nullptr;
   DeviceBuffer<uint8_t>* flush = nullptr;
   cublasLtHandle_t lt = nullptr;
@@ -241,14 +336,37 @@ Row make_row(const Shape& sh, const char* version, int m, int64_t bytes) {
   return r;
 }
 
+// Times `launch` the three ways (event; graph without / with PDL when `graph_pdl`) into `r`.
+void time_row(Row& r, Env& env, const Launch& launch, bool event_pdl, int copies, bool graph, bool graph_pdl) {
+  r.median_us = event_median_us(launch, event_pdl, env.reps, *env.flush, env.stream, &r.reps);
+  if (!env.run_graph || !graph) return;
+  r.copies = copies;
+  r.graph_us = graph_us(launch, false, copies, env.graph_launches, env.stream);
+  if (graph_pdl) r.graph_pdl_us = graph_us(launch, true, copies, env.graph_launches, env.stream);
+}
+
 // The shared split-K workspace, grown (and zeroed) when a plan needs more.
 kn::GemmWorkspace workspace(Env& env, int m, int64_t n, int64_t k, int groups) {
-  const size_t need = kn::plan_gemm_tc(m, n, k, groups, env.force_splits, env.force_mtiles).workspace_bytes;
+  const size_t need = std::max(kn::plan_gemm_tc(m, n, k, groups, env.force_splits, env.force_mtiles).workspace_bytes,
+                               kn::plan_gemm_wgmma(m, n, k, groups, env.force_splits, env.force_mtiles, env.force_stages)
+                                   .workspace_bytes);
   if (need > env.gemm_ws->bytes()) {
     env.gemm_ws->resize(need);
     env.gemm_ws->fill_bytes(0, env.stream);
   }
   return kn::GemmWorkspace{env.gemm_ws->get(), env.gemm_ws->bytes()};
+}
+
+std::string plan_note(kn::GemmVersion v, int m, int64_t n, int64_t k, int groups, const Env& env) {
+  char note[128];
+  if (v == kn::GemmVersion::kWgmma) {
+    const kn::GemmPlan p = kn::plan_gemm_wgmma(m, n, k, groups, env.force_splits, env.force_mtiles, env.force_stages);
+    std::snprintf(note, sizeof(note), "MT %d S %d ST %d smem %zu", p.warp_mtiles, p.splits, p.stages, p.smem_bytes);
+  } else {
+    const kn::GemmPlan p = kn::plan_gemm_tc(m, n, k, groups, env.force_splits, env.force_mtiles);
+    std::snprintf(note, sizeof(note), "MT %d S %d", p.warp_mtiles, p.splits);
+  }
+  return note;
 }
 
 // ---- fp8 ------------------------------------------------------------------------------------------------
@@ -262,15 +380,31 @@ void bench_fp8(const Shape& sh, const std::vector<int>& ms, Env& env, std::vecto
   w.scale.resize(static_cast<size_t>((n / 32) * kb));
   for (auto& c : w.w) c = num::e4m3_from_f32(rng.uniform() * 448.0f * std::fabs(rng.uniform()));
   for (auto& s : w.scale) s = static_cast<uint8_t>(127 + rng.range(-14, -6));
-  const DeviceBuffer<uint8_t> dw = to_device(w.w), dws = to_device(w.scale);
-  // The peer's weight: the exact bf16 dequantisation.
+  const int copies = rotation_copies(static_cast<double>(n * k + (n / 32) * kb), env.graph_launches);
+  const DeviceBuffer<uint8_t> dw = to_device_copies(w.w, env.run_graph ? copies : 1),
+                              dws = to_device_copies(w.scale, env.run_graph ? copies : 1);
+  auto w_copy = [&](int c) { return dw.get() + static_cast<size_t>(c) * w.w.size(); };
+  auto ws_copy = [&](int c) { return dws.get() + static_cast<size_t>(c) * w.scale.size(); };
+  // The bf16 peer's weight: the exact bf16 dequantisation (2x bytes, its own rotation).
   DeviceBuffer<bf16_t> dw_bf16;
+  int copies_bf16 = 1;
   if (env.run_peer) {
     const std::vector<float> deq = ref::dequant_fp8(w);
     std::vector<bf16_t> hb(deq.size());
     for (size_t i = 0; i < deq.size(); ++i) hb[i] = num::bf16_from_f32(deq[i]);
-    dw_bf16 = to_device(hb);
+    copies_bf16 = env.run_graph ? rotation_copies(static_cast<double>(2 * n * k), env.graph_launches) : 1;
+    dw_bf16 = to_device_copies(hb, copies_bf16);
   }
+  auto wb_copy = [&](int c) { return dw_bf16.get() + static_cast<size_t>(c) * static_cast<size_t>(n * k); };
+  // The fp8 peer's scales (unit scales: a speed reference; sized with slack for any padding rule).
+  DeviceBuffer<float> lt_a_scales, lt_b_scales;
+  if (env.run_peer) {
+    const std::vector<float> ones_a(static_cast<size_t>((k / 128 + 8) * (n / 128 + 8)), 1.0f),
+        ones_b(static_cast<size_t>((k / 128 + 8) * (kn::kGemmMaxRows + 8)), 1.0f);
+    lt_a_scales = to_device(ones_a);
+    lt_b_scales = to_device(ones_b);
+  }
+
   for (int m : ms) {
     std::vector<bf16_t> x(static_cast<size_t>(m * k));
     for (int r = 0; r < m; ++r)
@@ -299,8 +433,8 @@ void bench_fp8(const Shape& sh, const std::vector<int>& ms, Env& env, std::vecto
     gp.a_stride = k;
     gp.a_scale = dsa.get();
     gp.a_scale_stride = kb;
-    gp.w = dw.get();
-    gp.w_scale = dws.get();
+    gp.w = w_copy(0);
+    gp.w_scale = ws_copy(0);
     gp.out = out.get();
     gp.out_stride = n;
     gp.m = m;
@@ -308,10 +442,19 @@ void bench_fp8(const Shape& sh, const std::vector<int>& ms, Env& env, std::vecto
     gp.k = k;
     gp.force_splits = env.force_splits;
     gp.force_mtiles = env.force_mtiles;
+    gp.force_stages = env.force_stages;
     const kn::GemmWorkspace ws = workspace(env, m, n, k, 1);
     kn::init_gemm_workspace(ws, env.stream);
+    auto gemm = [&](kn::GemmVersion v) -> Launch {
+      return [&, v](cudaStream_t s, int c, bool pdl) {
+        kn::Fp8GemmParams p = gp;
+        p.w = w_copy(c);
+        p.w_scale = ws_copy(c);
+        kn::run_gemm_fp8(p, ws, v, s, pdl);
+      };
+    };
 
-    // Validate: act quant bytes, v0 bytes, v1 <= 1 ulp.
+    // Validate: act quant bytes, v0 bytes, v1 / v2 <= 1 ulp.
     kn::run_act_quant_fp8(qp, env.stream, false);
     V4_CUDA_CHECK(cudaStreamSynchronize(env.stream));
     const bool quant_ok = to_host(dq, dq.size()) == aq.q && to_host(dsa, dsa.size()) == aq.scale;
@@ -320,45 +463,46 @@ void bench_fp8(const Shape& sh, const std::vector<int>& ms, Env& env, std::vecto
     {
       Row r = make_row(sh, "act_quant", m, quant_bytes);
       r.valid = quant_ok;
-      r.median_us = median_us([&](cudaStream_t s) { kn::run_act_quant_fp8(qp, s, false); }, env.reps, *env.flush, env.stream, &r.reps);
+      time_row(r, env, [&](cudaStream_t s, int, bool pdl) { kn::run_act_quant_fp8(qp, s, pdl); }, false, 1, true, false);
       rows.push_back(r);
     }
-    for (kn::GemmVersion v : {kn::GemmVersion::kSimple, kn::GemmVersion::kTensorCore}) {
+    bool version_valid[3] = {false, false, false};
+    for (kn::GemmVersion v : {kn::GemmVersion::kSimple, kn::GemmVersion::kTensorCore, kn::GemmVersion::kWgmma}) {
       if (v == kn::GemmVersion::kSimple && !env.run_v0) continue;
       out.fill_bytes(0xAB, env.stream);
       kn::run_gemm_fp8(gp, ws, v, env.stream, false);
       V4_CUDA_CHECK(cudaStreamSynchronize(env.stream));
       const auto [ulps, differ] = ulp_diff(to_host(out, out.size()), want, n);
-      Row r = make_row(sh, v == kn::GemmVersion::kSimple ? "v0" : "v1", m, gemm_bytes);
+      Row r = make_row(sh, v == kn::GemmVersion::kSimple ? "v0" : v == kn::GemmVersion::kTensorCore ? "v1" : "v2", m, gemm_bytes);
       r.valid = quant_ok && (v == kn::GemmVersion::kSimple ? differ == 0 : ulps <= 1);
-      if (v == kn::GemmVersion::kTensorCore) {
-        const kn::GemmPlan plan = kn::plan_gemm_tc(m, n, k, 1, env.force_splits, env.force_mtiles);
-        char note[96];
-        std::snprintf(note, sizeof(note), "%.3f%% differ; MT %d S %d", 100.0 * static_cast<double>(differ) / static_cast<double>(want.size()),
-                      plan.warp_mtiles, plan.splits);
-        r.note = note;
+      version_valid[static_cast<int>(v)] = r.valid;
+      if (v != kn::GemmVersion::kSimple) {
+        char pct[48];
+        std::snprintf(pct, sizeof(pct), "%.3f%% differ; ", 100.0 * static_cast<double>(differ) / static_cast<double>(want.size()));
+        r.note = pct + plan_note(v, m, n, k, 1, env);
       }
-      r.median_us = median_us([&](cudaStream_t s) { kn::run_gemm_fp8(gp, ws, v, s, false); }, env.reps, *env.flush, env.stream, &r.reps);
+      time_row(r, env, gemm(v), false, copies, v != kn::GemmVersion::kSimple, true);
       rows.push_back(r);
     }
-    {
-      Row r = make_row(sh, "v1+quant", m, gemm_bytes + m * k * 2);
-      r.valid = rows.back().valid;
-      r.note = "act_quant, then the GEMM with PDL";
-      r.median_us = median_us(
-          [&](cudaStream_t s) {
-            kn::run_act_quant_fp8(qp, s, false);
-            kn::run_gemm_fp8(gp, ws, kn::GemmVersion::kTensorCore, s, true);
-          },
-          env.reps, *env.flush, env.stream, &r.reps);
+    for (kn::GemmVersion v : {kn::GemmVersion::kTensorCore, kn::GemmVersion::kWgmma}) {
+      Row r = make_row(sh, v == kn::GemmVersion::kTensorCore ? "v1+quant" : "v2+quant", m, gemm_bytes + m * k * 2);
+      r.valid = version_valid[static_cast<int>(v)];
+      r.note = "act_quant, then the GEMM (PDL in the event / gpdl columns)";
+      const Launch g = gemm(v);
+      time_row(r, env,
+               [&](cudaStream_t s, int c, bool pdl) {
+                 kn::run_act_quant_fp8(qp, s, false);
+                 g(s, c, pdl);
+               },
+               true, copies, true, true);
       rows.push_back(r);
     }
     if (env.run_peer) {
-      // Reference for the peer: our bf16 v1 (validated by the tests) on the same bf16 weight and x.
+      // Reference for the bf16 peer: our bf16 v1 (validated by the tests) on the same bf16 weight and x.
       kn::Bf16GemmParams bp;
       bp.x = dx.get();
       bp.x_stride = k;
-      bp.w = dw_bf16.get();
+      bp.w = wb_copy(0);
       bp.out = out.get();
       bp.out_stride = n;
       bp.m = m;
@@ -368,15 +512,33 @@ void bench_fp8(const Shape& sh, const std::vector<int>& ms, Env& env, std::vecto
       bp.force_mtiles = env.force_mtiles;
       kn::run_gemm_bf16(bp, workspace(env, m, n, k, 1), kn::GemmVersion::kTensorCore, env.stream, false);
       const LtMatmul lt(CUDA_R_16BF, m, n, k, 1, k, n, env.lt, env.lt_ws->get(), env.lt_ws->bytes());
-      lt.run(dw_bf16.get(), dx.get(), out_peer.get(), env.stream);
+      lt.run(wb_copy(0), dx.get(), out_peer.get(), env.stream);
       V4_CUDA_CHECK(cudaStreamSynchronize(env.stream));
       const auto [ulps, differ] = ulp_diff(to_host(out_peer, out_peer.size()), to_host(out, out.size()), n);
       Row r = make_row(sh, "cublasLt bf16 (2x bytes)", m, 2 * n * k + m * k * 2 + m * n * 2);
       r.valid = ulps <= 2;
       r.note = "max " + std::to_string(ulps) + " ulp vs our bf16 v1";
-      r.median_us = median_us([&](cudaStream_t s) { lt.run(dw_bf16.get(), dx.get(), out_peer.get(), s); }, env.reps,
-                              *env.flush, env.stream, &r.reps);
+      time_row(r, env, [&](cudaStream_t s, int c, bool) { lt.run(wb_copy(c), dx.get(), out_peer.get(), s); }, false,
+               copies_bf16, true, false);
       rows.push_back(r);
+
+      // fp8 block-scaled peer (speed only): same e4m3 codes, unit 128x128 / 1x128 scales.
+      Row f = make_row(sh, "cublasLt fp8 blk128", m, n * k + (n / 128) * (k / 128) * 4 + m * k + m * (k / 128) * 4 + m * n * 2);
+      try {
+        const LtMatmul lt8(CUDA_R_8F_E4M3, m, n, k, 1, k, n, env.lt, env.lt_ws->get(), env.lt_ws->bytes(), true,
+                           lt_a_scales.get(), lt_b_scales.get());
+        lt8.run(w_copy(0), dq.get(), out_peer.get(), env.stream);
+        V4_CUDA_CHECK(cudaStreamSynchronize(env.stream));
+        f.valid = true;
+        f.note = "speed reference only (1x128 / 128x128 scales, output not compared)";
+        time_row(f, env, [&](cudaStream_t s, int c, bool) { lt8.run(w_copy(c), dq.get(), out_peer.get(), s); }, false,
+                 copies, true, false);
+      } catch (const std::exception& e) {
+        (void)cudaGetLastError();
+        f.valid = false;
+        f.note = std::string("not run: ") + e.what();
+      }
+      rows.push_back(f);
     }
   }
 }
@@ -395,7 +557,9 @@ void bench_bf16(const Shape& sh, const std::vector<int>& ms, Env& env, std::vect
     for (auto& v : wg.w) v = num::bf16_from_f32(std::ldexp(rng.uniform(), rng.range(-8, -4)));
     hw.insert(hw.end(), wg.w.begin(), wg.w.end());
   }
-  const DeviceBuffer<bf16_t> dw = to_device(hw);
+  const int copies = env.run_graph ? rotation_copies(static_cast<double>(hw.size() * 2), env.graph_launches) : 1;
+  const DeviceBuffer<bf16_t> dw = to_device_copies(hw, copies);
+  auto w_copy = [&](int c) { return dw.get() + static_cast<size_t>(c) * hw.size(); };
   const int64_t x_stride = groups * k, out_stride = groups * n;
   for (int m : ms) {
     std::vector<bf16_t> x(static_cast<size_t>(m * x_stride));
@@ -410,7 +574,7 @@ void bench_bf16(const Shape& sh, const std::vector<int>& ms, Env& env, std::vect
     kn::Bf16GemmParams p;
     p.x = dx.get();
     p.x_stride = x_stride;
-    p.w = dw.get();
+    p.w = w_copy(0);
     p.out = out.get();
     p.out_stride = out_stride;
     p.m = m;
@@ -434,26 +598,30 @@ void bench_bf16(const Shape& sh, const std::vector<int>& ms, Env& env, std::vect
       Row r = make_row(sh, v == kn::GemmVersion::kSimple ? "v0" : "v1", m, bytes);
       r.valid = v == kn::GemmVersion::kSimple ? differ == 0 : ulps <= 1;
       if (v == kn::GemmVersion::kTensorCore) {
-        const kn::GemmPlan plan = kn::plan_gemm_tc(m, n, k, groups, env.force_splits, env.force_mtiles);
-        char note[96];
-        std::snprintf(note, sizeof(note), "%.3f%% differ; MT %d S %d", 100.0 * static_cast<double>(differ) / static_cast<double>(want.size()),
-                      plan.warp_mtiles, plan.splits);
-        r.note = note;
+        char pct[48];
+        std::snprintf(pct, sizeof(pct), "%.3f%% differ; ", 100.0 * static_cast<double>(differ) / static_cast<double>(want.size()));
+        r.note = pct + plan_note(v, m, n, k, groups, env);
       }
-      r.median_us = median_us([&](cudaStream_t s) { kn::run_gemm_bf16(p, ws, v, s, false); }, env.reps, *env.flush, env.stream, &r.reps);
+      time_row(r, env,
+               [&, v](cudaStream_t s, int c, bool pdl) {
+                 kn::Bf16GemmParams q = p;
+                 q.w = w_copy(c);
+                 kn::run_gemm_bf16(q, ws, v, s, pdl);
+               },
+               false, copies, v != kn::GemmVersion::kSimple, true);
       rows.push_back(r);
     }
     if (env.run_peer) {
       const LtMatmul lt(CUDA_R_16BF, m, n, k, groups, x_stride, out_stride, env.lt, env.lt_ws->get(), env.lt_ws->bytes());
       out.fill_bytes(0xAB, env.stream);
-      lt.run(dw.get(), dx.get(), out.get(), env.stream);
+      lt.run(w_copy(0), dx.get(), out.get(), env.stream);
       V4_CUDA_CHECK(cudaStreamSynchronize(env.stream));
       const auto [ulps, differ] = ulp_diff(to_host(out, out.size()), want, n);
       Row r = make_row(sh, "cublasLt bf16", m, bytes);
       r.valid = ulps <= 2;
       r.note = "max " + std::to_string(ulps) + " ulp vs reference";
-      r.median_us = median_us([&](cudaStream_t s) { lt.run(dw.get(), dx.get(), out.get(), s); }, env.reps, *env.flush, env.stream,
-                              &r.reps);
+      time_row(r, env, [&](cudaStream_t s, int c, bool) { lt.run(w_copy(c), dx.get(), out.get(), s); }, false, copies, true,
+               false);
       rows.push_back(r);
     }
   }
@@ -468,7 +636,9 @@ void bench_f32(const Shape& sh, const std::vector<int>& ms, Env& env, std::vecto
   w.k = k;
   w.w.resize(static_cast<size_t>(n * k));
   for (auto& v : w.w) v = rng.uniform() * 0.015625f;
-  const DeviceBuffer<float> dw = to_device(w.w);
+  const int copies = env.run_graph ? rotation_copies(static_cast<double>(w.w.size() * 4), env.graph_launches) : 1;
+  const DeviceBuffer<float> dw = to_device_copies(w.w, copies);
+  auto w_copy = [&](int c) { return dw.get() + static_cast<size_t>(c) * w.w.size(); };
   for (int m : ms) {
     std::vector<bf16_t> x(static_cast<size_t>(m * k));
     std::vector<float> xf(x.size());
@@ -500,7 +670,7 @@ void bench_f32(const Shape& sh, const std::vector<int>& ms, Env& env, std::vecto
     kn::F32GemmParams p;
     p.x = dx.get();
     p.x_stride = k;
-    p.w = dw.get();
+    p.w = w_copy(0);
     p.out = out.get();
     p.out_stride = n;
     p.m = m;
@@ -514,22 +684,41 @@ void bench_f32(const Shape& sh, const std::vector<int>& ms, Env& env, std::vecto
       V4_CUDA_CHECK(cudaStreamSynchronize(env.stream));
       Row r = make_row(sh, v == kn::GemmVersion::kSimple ? "v0" : "v1", m, bytes);
       r.valid = within(to_host(out, out.size()), v == kn::GemmVersion::kSimple);
-      r.median_us = median_us([&](cudaStream_t s) { kn::run_gemm_f32(p, v, s, false); }, env.reps, *env.flush, env.stream, &r.reps);
+      time_row(r, env,
+               [&, v](cudaStream_t s, int c, bool pdl) {
+                 kn::F32GemmParams q = p;
+                 q.w = w_copy(c);
+                 kn::run_gemm_f32(q, v, s, pdl);
+               },
+               false, copies, v != kn::GemmVersion::kSimple, true);
       rows.push_back(r);
     }
     if (env.run_peer) {
       const LtMatmul lt(CUDA_R_32F, m, n, k, 1, k, n, env.lt, env.lt_ws->get(), env.lt_ws->bytes());
       out.fill_bytes(0xAB, env.stream);
-      lt.run(dw.get(), dxf.get(), out.get(), env.stream);
+      lt.run(w_copy(0), dxf.get(), out.get(), env.stream);
       V4_CUDA_CHECK(cudaStreamSynchronize(env.stream));
       Row r = make_row(sh, "cublasLt f32", m, n * k * 4 + m * k * 4 + m * n * 4);
       r.valid = within(to_host(out, out.size()), false);
       r.note = "x widened to fp32 for it";
-      r.median_us = median_us([&](cudaStream_t s) { lt.run(dw.get(), dxf.get(), out.get(), s); }, env.reps, *env.flush, env.stream,
-                              &r.reps);
+      time_row(r, env, [&](cudaStream_t s, int c, bool) { lt.run(w_copy(c), dxf.get(), out.get(), s); }, false, copies, true,
+               false);
       rows.push_back(r);
     }
   }
+}
+
+std::string fmt_us(double us) {
+  if (us <= 0.0) return "-";
+  char b[32];
+  std::snprintf(b, sizeof(b), "%.2f", us);
+  return b;
+}
+std::string fmt_pct(double pct) {
+  if (pct <= 0.0) return "-";
+  char b[32];
+  std::snprintf(b, sizeof(b), "%.1f%%", pct);
+  return b;
 }
 
 }  // namespace
@@ -539,21 +728,26 @@ int main(int argc, char** argv) {
   std::vector<int> ms = {1, 6, 8, 24, 48, 64};
   std::vector<std::string> shapes;
   Env env;
-  bool no_v0 = false, no_peer = false;
+  bool no_v0 = false, no_peer = false, no_graph = false;
   std::string json_path;
   std::string shape_names;
   for (const Shape& s : kShapes) shape_names += std::string(shape_names.empty() ? "" : ", ") + s.name;
   app.add_option("--m", ms, "row counts m (1..64)")->delimiter(',');
   app.add_option("--shapes", shapes, "shapes to run (default all): " + shape_names)->delimiter(',');
-  app.add_option("--reps", env.reps, "timed launches per case (>= 50)")->check(CLI::Range(50, 100000));
+  app.add_option("--reps", env.reps, "timed eager launches per case (>= 50)")->check(CLI::Range(50, 100000));
   app.add_flag("--no-v0", no_v0, "skip the (slow) v0 baseline");
-  app.add_option("--splits", env.force_splits, "v1 (fp8/bf16): force S K-splits (0 = automatic plan)")->check(CLI::Range(0, 4096));
-  app.add_option("--mtiles", env.force_mtiles, "v1 (fp8/bf16): force 1 or 2 m16 tiles per warp (0 = automatic)")->check(CLI::Range(0, 2));
+  app.add_option("--splits", env.force_splits, "v1 / v2: force S K-splits (0 = automatic plan)")->check(CLI::Range(0, 4096));
+  app.add_option("--mtiles", env.force_mtiles, "v1: force 1 or 2 m16 tiles per warp; v2: 1 or 2 m64 tiles per warpgroup (0 = automatic)")
+      ->check(CLI::Range(0, 2));
+  app.add_option("--stages", env.force_stages, "v2: at most this many TMA ring stages (0 = automatic)")->check(CLI::Range(0, 8));
   app.add_flag("--no-peer", no_peer, "skip the cuBLASLt peers");
+  app.add_flag("--no-graph", no_graph, "skip the graph-replay timings (us_graph, us_gpdl)");
+  app.add_option("--graph-launches", env.graph_launches, "launches per captured graph (>= 4)")->check(CLI::Range(4, 1000));
   app.add_option("--json", json_path, "also write the rows to this JSON file");
   CLI11_PARSE(app, argc, argv);
   env.run_v0 = !no_v0;
   env.run_peer = !no_peer;
+  env.run_graph = !no_graph;
 
   try {
     std::string reason;
@@ -574,14 +768,15 @@ int main(int argc, char** argv) {
     for (const Shape& s : kShapes)
       if (s.kind != Kind::kF32) ws_bytes = std::max(ws_bytes, kn::gemm_workspace_bytes(kn::kGemmMaxRows, s.n, s.k, s.groups));
     DeviceBuffer<uint8_t> gemm_ws(std::max<size_t>(ws_bytes, 256));
+    gemm_ws.fill_bytes(0, env.stream);
     env.flush = &flush;
     env.lt_ws = &lt_ws;
     env.gemm_ws = &gemm_ws;
     if (cublasLtCreate(&env.lt) != CUBLAS_STATUS_SUCCESS) throw std::runtime_error("cublasLtCreate failed");
 
     std::vector<Row> rows;
-    std::printf("%-13s %-24s %3s %10s %11s %9s %7s %5s %-8s %s\n", "shape", "version", "m", "median_us", "bytes", "floor_us",
-                "%floor", "reps", "valid", "note");
+    std::printf("%-13s %-24s %3s %9s %9s %9s %11s %9s %7s %7s %7s %5s %3s %-8s %s\n", "shape", "version", "m", "us_event",
+                "us_graph", "us_gpdl", "bytes", "floor_us", "%floor", "%fl_pdl", "%fl_ev", "reps", "cp", "valid", "note");
     size_t printed = 0;
     for (const Shape& sh : kShapes) {
       if (!shapes.empty() && std::find(shapes.begin(), shapes.end(), sh.name) == shapes.end()) continue;
@@ -590,8 +785,10 @@ int main(int argc, char** argv) {
       else bench_f32(sh, ms, env, rows);
       for (; printed < rows.size(); ++printed) {
         const Row& r = rows[printed];
-        std::printf("%-13s %-24s %3d %10.2f %11lld %9.3f %6.1f%% %5d %-8s %s\n", r.shape.c_str(), r.version.c_str(), r.m,
-                    r.median_us, static_cast<long long>(r.bytes), r.floor_us(), 100.0 * r.floor_us() / r.median_us, r.reps,
+        std::printf("%-13s %-24s %3d %9s %9s %9s %11lld %9.3f %7s %7s %7s %5d %3d %-8s %s\n", r.shape.c_str(), r.version.c_str(),
+                    r.m, fmt_us(r.median_us).c_str(), fmt_us(r.graph_us).c_str(), fmt_us(r.graph_pdl_us).c_str(),
+                    static_cast<long long>(r.bytes), r.floor_us(), fmt_pct(r.pct(r.graph_us)).c_str(),
+                    fmt_pct(r.pct(r.graph_pdl_us)).c_str(), fmt_pct(r.pct(r.median_us)).c_str(), r.reps, r.copies,
                     r.valid ? "ok" : "MISMATCH", r.note.c_str());
       }
       std::fflush(stdout);
@@ -604,8 +801,11 @@ int main(int argc, char** argv) {
       nlohmann::json j = nlohmann::json::array();
       for (const Row& r : rows)
         j.push_back({{"shape", r.shape}, {"kernel", r.kernel}, {"version", r.version}, {"m", r.m}, {"median_us", r.median_us},
-                     {"bytes", r.bytes}, {"floor_us", r.floor_us()}, {"pct_of_floor", 100.0 * r.floor_us() / r.median_us},
-                     {"ratio", r.median_us / r.floor_us()}, {"reps", r.reps}, {"valid", r.valid}, {"note", r.note}});
+                     {"graph_us", r.graph_us}, {"graph_pdl_us", r.graph_pdl_us}, {"graph_launches", env.graph_launches},
+                     {"weight_copies", r.copies}, {"bytes", r.bytes}, {"floor_us", r.floor_us()},
+                     {"pct_of_floor", r.pct(r.median_us)}, {"pct_of_floor_graph", r.pct(r.graph_us)},
+                     {"pct_of_floor_graph_pdl", r.pct(r.graph_pdl_us)}, {"ratio", r.median_us / r.floor_us()},
+                     {"reps", r.reps}, {"valid", r.valid}, {"note", r.note}});
       std::ofstream f(json_path);
       if (!f) throw std::runtime_error("cannot write " + json_path);
       f << j.dump(2) << "\n";
