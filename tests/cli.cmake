@@ -110,3 +110,8 @@ v4attn_cli_test(main_dump_layers_without_dump --exit 2 --stderr-lines 1
 v4attn_cli_test(main_dump_layers_out_of_range --exit 2 --stderr-lines 1
   --stderr "^v4attn: --dump-layers: 3-99 is outside the layers 0..12$"
   -- main --cpu --dump "${CMAKE_BINARY_DIR}/cli_main_dump_bad" --dump-layers 3-99)
+
+# --- bench: help, and usage errors (refused before any GPU work, so they run without a GPU) ---
+v4attn_cli_test(bench_help --exit 0 --stderr-lines 0 --stdout "Usage: v4attn bench" --stdout "--schedule" -- bench --help)
+v4attn_cli_test(bench_bad_mode --exit 2 --stderr-lines 1 --stderr "mode" -- bench --mode sideways)
+v4attn_cli_test(bench_bad_schedule --exit 2 --stderr-lines 1 --stderr "schedule" -- bench --schedule fastest)

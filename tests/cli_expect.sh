@@ -5,8 +5,9 @@
 #                      [--stdout-json PYTHON_EXPR] -- COMMAND [ARGS...]
 #   --exit N            the exit code the command must return
 #   --stderr-lines N    stderr must have exactly N lines
-#   --stdout ERE        some stdout line must match the extended regex
-#   --stderr ERE        some stderr line must match the extended regex
+#   --stdout ERE        some stdout line must match the extended regex (repeatable: every
+#                       pattern given must match)
+#   --stderr ERE        some stderr line must match the extended regex (repeatable)
 #   --stdout-json EXPR  stdout must be one JSON document (python3 json.load), and EXPR, evaluated
 #                       with the document bound to d, must be true ("True": validity only)
 # Prints what it saw on failure, so ctest --output-on-failure shows the reason.
@@ -16,8 +17,10 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --exit) want_exit=$2; shift 2 ;;
     --stderr-lines) want_lines=$2; shift 2 ;;
-    --stdout) want_stdout=$2; shift 2 ;;
-    --stderr) want_stderr=$2; shift 2 ;;
+    --stdout) want_stdout="$want_stdout$2
+"; shift 2 ;;
+    --stderr) want_stderr="$want_stderr$2
+"; shift 2 ;;
     --stdout-json) want_json=$2; shift 2 ;;
     --) shift; break ;;
     *) echo "cli_expect.sh: unknown option $1" >&2; exit 2 ;;
@@ -43,12 +46,15 @@ if [ -n "$want_lines" ]; then
   fi
   [ "$got_lines" -eq "$want_lines" ] || problem "$got_lines stderr lines, expected $want_lines"
 fi
-if [ -n "$want_stdout" ]; then
-  grep -Eq -- "$want_stdout" "$tmp/out" || problem "no stdout line matches: $want_stdout"
-fi
-if [ -n "$want_stderr" ]; then
-  grep -Eq -- "$want_stderr" "$tmp/err" || problem "no stderr line matches: $want_stderr"
-fi
+# Each accumulated pattern (one per line) must match some line of its stream.
+check_patterns() {  # patterns file stream-name
+  printf '%s' "$1" | while IFS= read -r pat; do
+    [ -n "$pat" ] || continue
+    grep -Eq -- "$pat" "$2" || echo "no $3 line matches: $pat"
+  done
+}
+misses=$(check_patterns "$want_stdout" "$tmp/out" stdout; check_patterns "$want_stderr" "$tmp/err" stderr)
+[ -z "$misses" ] || problem "$misses"
 if [ -n "$want_json" ]; then
   python3 -c '
 import json, sys
