@@ -3,8 +3,9 @@
 # test, compute-sanitizer memcheck + racecheck, then the benchmarks. Logs go to $OUT; a short
 # table is printed last. Usage: .gpu/gpu_run.sh [tests|sanitize|bench|main]...
 set -uo pipefail
-OUT=${OUT:-/tmp/v4attn_out}
-mkdir -p "$OUT"
+FINAL_OUT=${OUT:-/tmp/v4attn_out}
+OUT=$(mktemp -d)  # logs land here, then go back as one archive (the device tool returns <= 8 files)
+mkdir -p "$FINAL_OUT"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/cuda/extras/CUPTI/lib64:${LD_LIBRARY_PATH:-}
 steps=("$@"); [[ ${#steps[@]} -eq 0 ]] && steps=(tests sanitize bench)
 summary=()
@@ -26,9 +27,20 @@ for s in "${steps[@]}"; do
     bench)
       for b in .gpu/bench_*; do n=$(basename "$b"); run "$n" "$n.log" "$b" --json "$OUT/$n.json"; done ;;
     main) run "v4attn main" main.log .gpu/v4attn main ;;
+    stack)
+      for cfg in "verify 1" "verify 4" "decode 1" "decode 8" "decode 32"; do
+        set -- $cfg
+        run "stack $1 bs $2" "stack_$1_$2.log" .gpu/v4attn bench --mode "$1" --bs "$2" --cycles 20 --trace-cycles 3 \
+          --json "$OUT/stack_$1_$2.json"
+      done
+      run "stack verify 1 pdl off" stack_verify_1_nopdl.log .gpu/v4attn bench --mode verify --bs 1 --cycles 20 \
+        --trace-cycles 3 --pdl off --json "$OUT/stack_verify_1_nopdl.json"
+      run "stack verify 1 trace" stack_trace.log .gpu/v4attn bench --schedule three-lane --cycles 5 --trace "$OUT/trace_three_lane.json" ;;
   esac
 done
 echo "== $(cat "$OUT/gpu.txt")"
 for b in "$OUT"/bench_*.log; do [[ -f $b ]] && { echo "== $(basename "$b")"; grep -vE '^\s*$' "$b" | tail -40; }; done
 echo "== failures"; grep -hE '^\[  FAILED|FAILED TEST' "$OUT"/gpu_tests.log "$OUT"/cpu_tests.log 2>/dev/null | head -30
+for f in "$OUT"/stack_*.log; do [[ -f $f ]] && { echo "== $(basename "$f")"; grep -E "distinct|on the q_rope|spacing|gap wq_b|^  (serial|sources-side|three-lane) |byte-identical" "$f"; }; done
 echo "== summary"; printf '%s\n' "${summary[@]}"
+tar -C "$OUT" -czf "$FINAL_OUT/logs.tgz" . && rm -rf "$OUT"
