@@ -42,9 +42,10 @@
 //  - bf16: same structure without scales: per 32-wide K block a tensor-core block sum, then
 //    acc = add_rn(acc, blocksum) in block order (round-to-nearest on the CUDA cores, so rounding
 //    errors do not build up with the tensor core's truncating accumulator over long K).
-//  - v2 (kWgmma): exactly v1's fp8 numerics: per block, two chained k16 wgmmas (the first with
-//    scale-d = 0) form the block sum, then the same fma; same split rule and split-K reduction. Only
-//    the order of additions inside a block differs from the reference (and from v1).
+//  - v2 (kWgmma): v1's fp8 numerics: per block, two chained k16 wgmmas (the first with scale-d = 0)
+//    form the block sum, then the same fma; split-K over contiguous K ranges reduced in split
+//    order, like v1, but with v2's own S per shape (plan_gemm_wgmma), so v1 and v2 may differ from
+//    each other by the split structure too (both within the spec's allowance of the reference).
 //  - split-K (S > 1): CTA s sums its contiguous range of K blocks in order (from +0); the partial
 //    sums are added in the fixed order ((P0 + P1) + P2) + ... by the last CTA to finish a tile,
 //    so results never depend on timing. S depends only on (n, k, groups), never on M, so a token's
