@@ -205,7 +205,7 @@ struct BenchCliOptions {
   bool graph = false;
   bool eager = false;
   std::string pdl = "on";
-  std::string gemm = "tc";
+  std::string gemm = "wgmma";
   std::string s_fork = "at-layer-start";
   bool lane_prologue = false;
   uint64_t seed = 1;
@@ -414,8 +414,10 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
   sub->add_option("--pdl", o->pdl, "Programmatic dependent launch of q_rope_store: on or off")
       ->check(CLI::IsMember({"on", "off"}))
       ->capture_default_str();
-  sub->add_option("--gemm", o->gemm, "GEMM version: tc (tensor cores) or simple (reference order)")
-      ->check(CLI::IsMember({"tc", "simple"}))
+  sub->add_option("--gemm", o->gemm,
+                  "GEMM version: wgmma (fp8 GEMMs on Hopper wgmma, others as tc), tc (mma.sync) or simple "
+                  "(reference order)")
+      ->check(CLI::IsMember({"wgmma", "tc", "simple"}))
       ->capture_default_str();
   sub->add_option("--s-fork", o->s_fork, "Three-lane S-fork placement (runtime/lanes.h experiment knob)")
       ->check(CLI::IsMember({"at-layer-start", "after-q-norm", "idx-on-k"}))
@@ -441,7 +443,9 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       c.trace_cycles = o->trace_cycles;
       c.graph = !o->eager;
       c.pdl = o->pdl == "on";
-      c.gemm = o->gemm == "simple" ? kernels::GemmVersion::kSimple : kernels::GemmVersion::kTensorCore;
+      c.gemm = o->gemm == "simple" ? kernels::GemmVersion::kSimple
+               : o->gemm == "tc"   ? kernels::GemmVersion::kTensorCore
+                                   : kernels::GemmVersion::kWgmma;
       c.s_fork = o->s_fork == "after-q-norm" ? LayerIssue::SFork::kAfterQNorm
                  : o->s_fork == "idx-on-k"   ? LayerIssue::SFork::kIdxOnKWithoutCmp
                                              : LayerIssue::SFork::kAtLayerStart;
