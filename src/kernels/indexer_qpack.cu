@@ -4,10 +4,13 @@
 // heads_total^-0.5. Twin of ref::indexer_q_pack + ref::indexer_weights (same numerics.h steps in
 // the same order, so the bytes agree).
 //
-// Grid: T CTAs of 128 threads; one CTA owns one row. Thread i quantizes (head i/4, block i%4):
-// it loads its 32 bf16 values (four 16-byte loads), rotates them if the block is in the RoPE half
-// (blocks 2 and 3 = dims 64..127), takes the block amax, and stores 16 code bytes (one 16-byte
-// store) and one scale byte. Threads i < heads also write weight i.
+// Grid: (T, ceil(heads / 4)) CTAs of 256 threads; one CTA owns 4 heads of one row, thread i the
+// pair of dims (2m, 2m+1), m = i % 64, of head i / 64: it loads the pair (4 bytes), rotates it if
+// it is in the RoPE half (m >= 32), takes the 32-value block's amax with a 16-lane butterfly max
+// (max of |x| is exact and order-free), quantizes its two values and stores their code byte; the
+// block's first thread stores the scale byte. Threads i < heads of the first CTA of a row also
+// write weight i. (The previous version had one thread per block: 32 dependent divisions per
+// thread on 4 warps per row made it latency-bound at ~7 us.)
 //
 // PDL: pos is step metadata (written before the predecessor started), the RoPE table a constant;
 // both are read before dev::pdl_wait(). qi and wproj_out (GEMM outputs) are read after it; the
@@ -25,66 +28,56 @@ namespace v4attn::kernels {
 
 namespace {
 
-constexpr int kThreads = 128;
-constexpr int kBlocksPerHead = kIndexerHeadDim / num::kIndexerQuantBlock;  // 4
-constexpr int kRopeFirstBlock = (kIndexerHeadDim - num::kRopeDim) / num::kIndexerQuantBlock;  // 2
+constexpr int kThreads = 256;
+constexpr int kPairsPerHead = kIndexerHeadDim / 2;                            // 64
+constexpr int kHeadsPerCta = kThreads / kPairsPerHead;                        // 4
+constexpr int kRopeFirstPair = (kIndexerHeadDim - num::kRopeDim) / 2;         // 32
+constexpr int kPairsPerBlock = num::kIndexerQuantBlock / 2;                   // 16
 
 __global__ void __launch_bounds__(kThreads) indexer_q_pack_kernel(const __grid_constant__ IndexerQPackParams p,
                                                                        float weight_scale) {
   const int64_t t = blockIdx.x;
+  const int h = static_cast<int>(blockIdx.y) * kHeadsPerCta + static_cast<int>(threadIdx.x) / kPairsPerHead;
+  const int m = static_cast<int>(threadIdx.x) % kPairsPerHead;  // pair m: dims 2m, 2m+1
   const int32_t pos = p.pos[t];
   const bool pos_ok = pos >= 0 && pos < p.max_pos;
-  if (!pos_ok && threadIdx.x == 0) dev::count_error(p.err_count);  // reference refuses it on the host
+  if (!pos_ok && blockIdx.y == 0 && threadIdx.x == 0) dev::count_error(p.err_count);  // reference refuses it
+  const bool active = pos_ok && h < p.heads;  // uniform over the 2 warps of a head
+  const bool rope = m >= kRopeFirstPair;
+  float cs_c = 1.0f, cs_s = 0.0f;
+  if (active && rope) {  // table row pos: (cos, sin) of tail pair m - 32 at 2(m - 32), 2(m - 32) + 1
+    const float* cs = p.rope_table + static_cast<int64_t>(pos) * num::kRopeDim + 2 * (m - kRopeFirstPair);
+    cs_c = cs[0];
+    cs_s = cs[1];
+  }
 
   dev::pdl_wait();  // qi and wproj_out are the predecessor GEMMs' outputs
 
-  if (static_cast<int>(threadIdx.x) < p.heads) {
+  if (blockIdx.y == 0 && static_cast<int>(threadIdx.x) < p.heads) {
     const float w = num::f32_from_bf16(p.wproj_out[t * p.wproj_stride + threadIdx.x]);
     p.weights[t * p.heads + threadIdx.x] = num::mul_rn(w, weight_scale);
   }
-  if (pos_ok) {
-    for (int hb = threadIdx.x; hb < p.heads * kBlocksPerHead; hb += kThreads) {
-      const int h = hb / kBlocksPerHead, b = hb % kBlocksPerHead;
-      const num::bf16_t* src = p.qi + t * p.qi_stride + h * kIndexerHeadDim + b * num::kIndexerQuantBlock;
-      float x[num::kIndexerQuantBlock];
-#pragma unroll
-      for (int v = 0; v < 4; ++v) {
-        const uint4 raw = reinterpret_cast<const uint4*>(src)[v];
-        const uint32_t w4[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          x[8 * v + 2 * i] = num::f32_from_bf16(static_cast<num::bf16_t>(w4[i] & 0xffffu));
-          x[8 * v + 2 * i + 1] = num::f32_from_bf16(static_cast<num::bf16_t>(w4[i] >> 16));
-        }
-      }
-      if (b >= kRopeFirstBlock) {
-        // Pair m of the 64-dim tail = dims (64 + 2m, 65 + 2m); this block holds m in
-        // [(b-2)*16, (b-2)*16 + 16). Table row pos: (cos, sin) of pair m at 2m, 2m+1.
-        const float* cs = p.rope_table + static_cast<int64_t>(pos) * num::kRopeDim +
-                          2 * (b - kRopeFirstBlock) * (num::kIndexerQuantBlock / 2);
-#pragma unroll
-        for (int i = 0; i < num::kIndexerQuantBlock / 2; ++i) {
-          float re, im;
-          num::rope_rotate(x[2 * i], x[2 * i + 1], cs[2 * i], cs[2 * i + 1], re, im);
-          x[2 * i] = num::round_bf16(re);
-          x[2 * i + 1] = num::round_bf16(im);
-        }
-      }
-      float amax = 0.0f;  // from 0 like the reference (max is exact and order-free)
-#pragma unroll
-      for (int i = 0; i < num::kIndexerQuantBlock; ++i) amax = num::block_amax_step(amax, x[i]);
-      const int e = num::indexer_quant_scale_exp(amax);
-      const float s = num::pow2_f32(e);
-      uint32_t packed[4] = {0u, 0u, 0u, 0u};
-#pragma unroll
-      for (int i = 0; i < num::kIndexerQuantBlock / 2; ++i)
-        packed[i / 4] |= static_cast<uint32_t>(num::pack_e2m1(num::fp4_code(x[2 * i], s), num::fp4_code(x[2 * i + 1], s)))
-                         << (8 * (i % 4));
-      const int64_t head_row = t * p.heads + h;
-      *reinterpret_cast<uint4*>(p.q_codes + head_row * kIndexerCodeBytes + b * 16) =
-          make_uint4(packed[0], packed[1], packed[2], packed[3]);
-      p.q_scales[head_row * kIndexerScaleBytes + b] = num::ue8m0_from_exp(e);
+  if (active) {
+    const uint32_t raw =
+        *reinterpret_cast<const uint32_t*>(p.qi + t * p.qi_stride + static_cast<int64_t>(h) * kIndexerHeadDim + 2 * m);
+    float x0 = num::f32_from_bf16(static_cast<num::bf16_t>(raw & 0xffffu));
+    float x1 = num::f32_from_bf16(static_cast<num::bf16_t>(raw >> 16));
+    if (rope) {
+      float re, im;
+      num::rope_rotate(x0, x1, cs_c, cs_s, re, im);
+      x0 = num::round_bf16(re);
+      x1 = num::round_bf16(im);
     }
+    // Block amax from 0 like the reference (max of |x|, NaN-skipping: exact and order-free).
+    float amax = num::block_amax_step(num::block_amax_step(0.0f, x0), x1);
+#pragma unroll
+    for (int off = kPairsPerBlock / 2; off >= 1; off >>= 1)
+      amax = num::max_f(amax, __shfl_xor_sync(0xffffffffu, amax, off));  // within the 16 lanes of the block
+    const int e = num::indexer_quant_scale_exp(amax);
+    const float s = num::pow2_f32(e);
+    const int64_t head_row = t * p.heads + h;
+    p.q_codes[head_row * kIndexerCodeBytes + m] = num::pack_e2m1(num::fp4_code(x0, s), num::fp4_code(x1, s));
+    if (m % kPairsPerBlock == 0) p.q_scales[head_row * kIndexerScaleBytes + m / kPairsPerBlock] = num::ue8m0_from_exp(e);
   }
 
   dev::pdl_launch_dependents();  // after this thread's last store
@@ -122,7 +115,7 @@ void run_indexer_q_pack(const IndexerQPackParams& p, cudaStream_t stream, bool p
   require(aligned(p.qi, 16) && aligned(p.q_codes, 16), who, "qi and q_codes must be 16-byte aligned");
 
   LaunchConfig cfg;
-  cfg.grid = dim3(static_cast<unsigned>(p.T), 1, 1);
+  cfg.grid = dim3(static_cast<unsigned>(p.T), static_cast<unsigned>((p.heads + kHeadsPerCta - 1) / kHeadsPerCta), 1);
   cfg.block = dim3(kThreads, 1, 1);
   cfg.stream = stream;
   cfg.pdl = pdl;

@@ -13,36 +13,42 @@
 // power of two sq * (sk * 1/4), which is exact whenever the block sum is a normal fp32 number, as
 // is the reference's ldexp. Everything after that rounds, in exactly the reference's order.
 //
-// Grid: (T, position tiles); blockIdx.x = row (fastest, so the rows of one request, which read
-// the same K, run together and share L2), blockIdx.y = tile. One CTA = 4 warps = one row and
-// 4 * 32 * steps positions. Warp w takes the 32 positions [tile + (i*4 + w) * 32, +32) at step i.
+// Grid: (ceil(T / group_rows), position tiles). One CTA = 4 warps = a group of consecutive rows
+// and a tile of 4 * 32 * S positions (S = steps per warp); warp w takes the 32 positions
+// [tile + (i*4 + w) * 32, +32) at step i. The group's rows are processed as runs of equal req: the
+// rows of a run (the verify rows of one request) share the K of the tile, read once, and the A
+// fragments decoded from it; each row then runs its own MMAs (its q = the B operand) and epilogue.
 //
-// Per CTA: the row's 32 heads of q (2 KB of codes) are decoded once into registers as the MMA's B
-// operand (n = head, 4 n-tiles of 8 heads, k = the block's 32 elements); head and k are
+// Per CTA: the group's q (2 KB of codes per row) is decoded once into shared memory as the MMA's
+// B operand (n = head, 4 n-tiles of 8 heads, k = the block's 32 elements); head and k are
 // permuted so that lane (g, tq) accumulates heads 8tq..8tq+7 and its k-slots hold elements
 // 8tq..8tq+7 of the block, which are one 32-bit word of the packed codes (any permutation of k is
-// fine: the block sum is an exact integer). Per warp step: the 32 positions' K slots (64 B
-// codes + 4 B scales each) are copied with cp.async (16-byte chunks) into a 3-stage per-warp
-// ring; the slot table entries are loaded one step ahead. The A operand (m = position, two
-// m-tiles of 16) is decoded from shared memory (e2m1 nibbles -> int8 with two PRMTs). Each lane
-// then forms relu(dot) * w for its (position, head) pairs and writes the 8 head terms of a
-// position to a shared buffer; lane l finally adds the 32 terms of position l in head order and
-// stores the score (one coalesced 128-byte store).
+// fine: the block sum is an exact integer). Per warp and run: the slot-table entries of all S
+// steps are loaded at once, then the K slots of all S steps (64 B codes + 4 B scales each) are
+// copied with cp.async (16-byte chunks), one commit group per step, so a warp waits for one
+// table latency and one K latency per run rather than per step (the old per-step ring paid a
+// dependent table load every step: ~1 us per 32 positions). Per step: the A operand (m = position,
+// two m-tiles of 16) is decoded from shared memory once (e2m1 nibbles -> int8 with two PRMTs);
+// per row, each lane forms relu(dot) * w for its (position, head) pairs and writes the 8 head
+// terms of a position to a shared buffer; lane l finally adds the 32 terms of position l in head
+// order and stores the score (one coalesced 128-byte store).
 //
-// Two exact ways to form dot, chosen per warp and m-tile (warp vote):
+// Two exact ways to form dot, chosen per (m-tile, row, n-tile):
 //  - per-block path (any scales): one MMA per block into a fresh accumulator, each block sum
 //    scaled by its own power of two, ((b0 + b1) + b2) + b3 in fp32 exactly like the reference.
 //    ~16 fp32 ops per (position, head).
-//  - fused path, when every q head of the row and both K slots of the lane have their 4 block
-//    scale exponents within 3 of their minimum (and within [-60, 50]): the int8 operands carry
-//    the 2^(e_b - e_min) factors (shifted PRMT tables, |values| <= 96), the four k-steps chain
-//    into one accumulator, and one power-of-two product gives dot. Equal to the reference because
-//    its block sums and partial sums are then all exact (see the proof at the path). ~4 fp32 ops.
+//  - fused path, when the 8 q heads of the n-tile and all usable K slots of the m-tile have their
+//    4 block scale exponents within 3 of their minimum (and within [-60, 50]), and sq_min * w of
+//    each of the 8 heads is exact: the int8 operands carry the 2^(e_b - e_min) factors (shifted
+//    PRMT tables, |values| <= 96), the four k-steps chain into one accumulator, one FMA gives
+//    I * sk_min / 4 exactly and one product with sq_min * w rounds like the reference (see the
+//    proof at the path). 3 fp32 ops per (position, head).
 //  Vectors whose block amaxes are within ~8x of each other take the fused path (whether real q
 //  heads do, RoPE half vs nope half, is to be measured); the per-block path keeps every input
 //  exact.
 //
-// Bytes per visible position: 68 (index K) + 4 (slot table); per stride slot: 4 (score write).
+// Bytes per position read (once per run): 68 (index K) + 4 (slot table); per row and stride slot:
+// 4 (score write).
 //
 // PDL: req and clen (step metadata) are read before dev::pdl_wait(); q, weights, the slot table
 // and the index-K cache after it (q/w come from the q-pack kernel, K from the index-K store).
@@ -62,19 +68,13 @@ namespace {
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kStepPositions = 32;  // positions per warp step
-constexpr int kStages = 3;          // cp.async ring depth per warp
+constexpr int kMaxGroupRows = 8;    // rows per CTA (their B fragments live in shared memory)
 constexpr int kTransStride = 36;    // floats per position row of the term buffer (conflict-free)
 constexpr int kBlocks = kIndexerHeadDim / num::kIndexerQuantBlock;  // 4
 constexpr int kMaxSteps = 4;
 constexpr uint32_t kFullMask = 0xffffffffu;
 constexpr int kMagicBits = 0x4B400000;   // 1.5 * 2^23
 constexpr float kMagicFloat = 12582912.0f;
-
-struct ScoresSmem {
-  uint32_t kdata[kWarps][kStages][kStepPositions * 16];  // position p: 16 words, chunk c at (c ^ swz(p))
-  uint32_t kscale[kWarps][kStages][kStepPositions];      // position p: its 4 ue8m0 bytes
-  float terms[kWarps][kStepPositions * kTransStride];    // [position][head] relu(dot) * w
-};
 
 // ---- device helpers ---------------------------------------------------------------------------
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
@@ -98,7 +98,6 @@ __device__ __forceinline__ uint32_t e2m1x4_to_s8(uint32_t sel, uint32_t lo, uint
   const uint32_t neg = prmt(lo, hi, sel ^ 0x8888u);
   return ((pos | 0x80808080u) - neg) ^ 0x80808080u;
 }
-__device__ __forceinline__ uint32_t e2m1x4_to_s8_twice(uint32_t sel) { return e2m1x4_to_s8(sel, kTwiceLo, kTwiceHi); }
 
 // D = A * B + C, int8 x int8 -> int32, m16n8k32 (exact; no saturation needed: |D| < 2^31).
 __device__ __forceinline__ void mma_s8_m16n8k32(int (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], int c) {
@@ -154,242 +153,410 @@ __device__ __forceinline__ void cp_async_wait() {
 // (lanes g = 0..7 -> positions base+g, word 4*block + tq) then hit 32 distinct banks.
 __device__ __forceinline__ int chunk_swizzle(int p) { return (p >> 1) & 3; }
 
-__global__ void __launch_bounds__(kThreads, 3)
-    indexer_scores_kernel(const __grid_constant__ IndexerScoresParams p, int steps, int page_shift) {
-  __shared__ __align__(16) ScoresSmem sm;
-  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
-  const int g = lane >> 2, tq = lane & 3;
-  const int64_t t = blockIdx.x;
-  const int64_t tile_base = static_cast<int64_t>(blockIdx.y) * kWarps * kStepPositions * steps;
-
-  // ---- row metadata, contained like the reference refuses it ----
-  const int32_t req = p.req[t];
-  int64_t c = p.clen[t];
-  bool row_error = false;
-  if (c < 0) { c = 0; row_error = true; }
-  if (c > p.score_stride) { c = p.score_stride; row_error = true; }
-  if (req < 0) {
-    c = 0;  // padded row: sees no position (not an error)
-  } else if (req >= p.comp_table_rows) {
-    if (c > 0) row_error = true;  // unknown request
-    c = 0;
-  } else if (c > p.comp_table_stride) {
-    c = p.comp_table_stride;
-    row_error = true;
+// cp.async.wait_group with a run-time count (0..3); folds to one instruction in unrolled loops.
+__device__ __forceinline__ void cp_async_wait_pending(int n) {
+  switch (n) {
+    case 0: cp_async_wait<0>(); break;
+    case 1: cp_async_wait<1>(); break;
+    case 2: cp_async_wait<2>(); break;
+    default: cp_async_wait<3>(); break;
   }
-  if (row_error && blockIdx.y == 0 && threadIdx.x == 0) dev::count_error(p.err_count);
+}
 
-  dev::pdl_wait();  // q, weights, slot table and index K are written by predecessors
+// sq_min * w is exact (so the fused path may fold the q scale into the head weight): w is +-0,
+// or w is normal and the product with the power of two 2^(hmin - 127) is normal too.
+__device__ __forceinline__ bool qw_exact(uint32_t hmin_byte, float w) {
+  const uint32_t wb = num::f32_bits(w);
+  if ((wb & 0x7fffffffu) == 0u) return true;
+  const int ew = static_cast<int>((wb >> 23) & 0xffu);
+  if (ew == 0 || ew == 255) return false;
+  const int e = ew + static_cast<int>(hmin_byte) - 127;
+  return e >= 1 && e <= 254;
+}
 
-  float* out_row = p.scores + t * p.score_stride;
-  const bool tile_has_work = tile_base < c;  // CTA-uniform
+// Per group row, in shared memory.
+struct RowConst {
+  float qw[kIndexerHeads];           // fused path: sq_min(h) * w(h) (exact where head_ok)
+  float wt[kIndexerHeads];           // w(h)
+  float sq[kIndexerHeads][kBlocks];  // per-block path: the q scale of (h, b) for h's B fragments
+};
+struct RowMeta {
+  int32_t req;
+  int32_t c;          // visible positions, contained
+  uint32_t head_ok;   // bit h: h's B fragments carry its block shifts and qw[h] is exact
+  int32_t unused;
+};
 
-  // ---- q of this row: B fragments (decoded once), scales and weights of this lane's 8 heads ----
-  // q_shifted (CTA-uniform: every thread reads all 32 heads' scale words): every head's 4 block
-  // scales fit the fused path; then block b's int8 values carry 2^(eq_b - eq_min) and the head's
-  // scale is 2^eq_min for every block (sq[hl][b] = sq_min), which both paths use: the per-block
-  // path's block sums are unchanged (isum * 2^(eq_b - eq_min) * 2^eq_min), the fused path needs it.
-  uint32_t bq[4][kBlocks][2];
-  float sq[8][kBlocks];
-  float wt[8];
-  bool q_shifted = false;
-  if (tile_has_work) {
-    const uint32_t* qs_row = reinterpret_cast<const uint32_t*>(p.q_scales + t * (kIndexerHeads * kIndexerScaleBytes));
-    q_shifted = true;
-#pragma unroll
-    for (int v = 0; v < kIndexerHeads / 4; ++v) {
-      const uint4 w4 = reinterpret_cast<const uint4*>(qs_row)[v];
-      q_shifted = q_shifted && fused_ok(w4.x) && fused_ok(w4.y) && fused_ok(w4.z) && fused_ok(w4.w);
-    }
-    const uint8_t* qrow = p.q_codes + t * (kIndexerHeads * kIndexerCodeBytes);
-#pragma unroll
-    for (int n = 0; n < 4; ++n) {
-      const int head = 8 * (g >> 1) + 2 * n + (g & 1);  // MMA column g of n-tile n
-      const uint32_t hs = qs_row[head];
-      const uint32_t hmin = min_byte(hs);
-#pragma unroll
-      for (int b = 0; b < kBlocks; ++b) {
-        const uint32_t shift = q_shifted ? byte_of(hs, b) - hmin : 0u;
-        const uint32_t lo = kTwiceLo << shift, hi = kTwiceHi << shift;
-        const uint32_t w = *reinterpret_cast<const uint32_t*>(qrow + head * kIndexerCodeBytes + 16 * b + 4 * tq);
-        bq[n][b][0] = e2m1x4_to_s8(w, lo, hi);        // elements 8tq..8tq+3 -> k-slots 4tq..4tq+3
-        bq[n][b][1] = e2m1x4_to_s8(w >> 16, lo, hi);  // elements 8tq+4..8tq+7 -> k-slots 16+4tq..
-      }
-    }
-    // Accumulator column 2tq + e of n-tile n is head 8tq + 2n + e =: 8tq + hl.
-#pragma unroll
-    for (int hl = 0; hl < 8; ++hl) {
-      const uint32_t hs = qs_row[8 * tq + hl];
-      const uint32_t hmin = min_byte(hs);
-#pragma unroll
-      for (int b = 0; b < kBlocks; ++b)
-        sq[hl][b] = num::f32_from_ue8m0(static_cast<uint8_t>(q_shifted ? hmin : byte_of(hs, b)));
-      wt[hl] = p.weights[t * kIndexerHeads + 8 * tq + hl];
-    }
-  }
+// Dynamic shared memory of a CTA with S steps per warp and G group rows (offsets, 16-aligned).
+struct SmemLayout {
+  size_t kscale = 0, terms = 0, qfrag = 0, rc = 0, meta = 0, total = 0;
+};
+__host__ __device__ __forceinline__ SmemLayout smem_layout(int S, int G) {
+  SmemLayout L;
+  L.kscale = static_cast<size_t>(kWarps) * S * kStepPositions * 16 * 4;  // K codes: [warp][step][pos][16 words]
+  L.terms = L.kscale + static_cast<size_t>(kWarps) * S * kStepPositions * 4;  // K scales: [warp][step][pos]
+  L.qfrag = L.terms + static_cast<size_t>(kWarps) * kStepPositions * kTransStride * 4;  // [warp][pos][36]
+  L.rc = L.qfrag + static_cast<size_t>(G) * 4 * 32 * 32;  // B fragments: [row][n-tile][lane] 32 B
+  L.meta = L.rc + static_cast<size_t>(G) * sizeof(RowConst);
+  L.total = L.meta + static_cast<size_t>(kMaxGroupRows) * sizeof(RowMeta);
+  return L;
+}
 
-  // ---- per-warp pipeline over steps ----
+// Context of one run of equal-req rows [r0, r1) of the CTA's group over the CTA's tile.
+struct RunCtx {
+  int r0, r1;
+  int64_t cmax;        // the run's largest visible length
+  uint32_t valid_bits;  // bit i: this lane's position of step i has a usable slot
+};
+
+__device__ __forceinline__ int64_t run_step_base(int64_t tile_base, int i) {
+  return tile_base + (static_cast<int64_t>(i) * kWarps + static_cast<int>(threadIdx.x) / 32) * kStepPositions;
+}
+
+// Issue of one run, by this warp: the slot-table entries of all its steps (issued together), then
+// the K of all its steps (cp.async, one commit group per step, issued together).
+template <int S>
+__device__ RunCtx issue_run(const IndexerScoresParams& p, int page_shift, int r0, int r1, int64_t tile_base,
+                            const RowMeta* meta, uint32_t* kd_warp, uint32_t* ks_warp) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  RunCtx run{r0, r1, 0, 0u};
+  const int32_t req = meta[r0].req;
+  for (int r = r0; r < r1; ++r) run.cmax = max(run.cmax, static_cast<int64_t>(meta[r].c));
   const int64_t table_row = req >= 0 ? static_cast<int64_t>(req) * p.comp_table_stride : 0;
   const int64_t page_bytes = p.layout.page_bytes();
   const int64_t page_mask = (int64_t{1} << page_shift) - 1;
   const int64_t scale_base = static_cast<int64_t>(p.layout.page_size) * kIndexerCodeBytes;
-  auto step_base = [&](int i) -> int64_t {
-    return tile_base + (static_cast<int64_t>(i) * kWarps + warp) * kStepPositions;
-  };
-  auto load_slot = [&](int i) -> int32_t {  // this lane's table entry for step i (-1 past clen)
-    const int64_t j = step_base(i) + lane;
-    return (i < steps && j < c) ? p.comp_slot_table[table_row + j] : -1;
-  };
-  uint32_t valid_ring = 0;  // bit (i % kStages): this lane's position of step i has a usable slot
-  auto issue = [&](int i, int32_t slot) {
-    const int64_t p0 = step_base(i);
-    if (i >= steps || p0 >= c) return;  // warp-uniform: nothing to load for this step
-    const int stage = i % kStages;
-    const bool in_clen = p0 + lane < c;
-    const bool ok = in_clen && slot >= 0 && slot < p.n_slots;
-    if (in_clen && !ok) dev::count_error(p.err_count);  // reference refuses it; here: score -inf
-    const int32_t use = ok ? slot : -1;
-    valid_ring = (valid_ring & ~(1u << stage)) | (static_cast<uint32_t>(ok) << stage);
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int ci = lane + 32 * q;
-      const int pp = ci >> 2, ch = ci & 3;
-      const int32_t s = __shfl_sync(kFullMask, use, pp);
-      const int64_t off = (static_cast<int64_t>(s) >> page_shift) * page_bytes + (s & page_mask) * kIndexerCodeBytes;
-      cp_async_16(&sm.kdata[warp][stage][pp * 16 + ((ch ^ chunk_swizzle(pp)) * 4)],
-                  s >= 0 ? p.index_k_cache + off + 16 * ch : p.index_k_cache, s >= 0 ? 16 : 0);
-    }
-    const int64_t soff = (static_cast<int64_t>(use) >> page_shift) * page_bytes + scale_base +
-                         (use & page_mask) * kIndexerScaleBytes;
-    cp_async_4(&sm.kscale[warp][stage][lane], ok ? p.index_k_cache + soff : p.index_k_cache, ok ? 4 : 0);
-  };
 
+  int32_t slot[S];
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    issue(s, load_slot(s));
-    cp_async_commit();
+  for (int i = 0; i < S; ++i) {
+    const int64_t j = run_step_base(tile_base, i) + lane;
+    slot[i] = j < run.cmax ? p.comp_slot_table[table_row + j] : -1;
   }
-  int32_t slot_next = load_slot(kStages - 1);
+#pragma unroll
+  for (int i = 0; i < S; ++i) {
+    const int64_t p0 = run_step_base(tile_base, i);
+    if (p0 < run.cmax) {  // warp-uniform
+      const bool in_c = p0 + lane < run.cmax;
+      const bool ok = in_c && slot[i] >= 0 && slot[i] < p.n_slots;
+      if (in_c && !ok) dev::count_error(p.err_count);  // reference refuses it; here: score -inf
+      run.valid_bits |= static_cast<uint32_t>(ok) << i;
+      const int32_t use = ok ? slot[i] : -1;
+      uint32_t* kd = kd_warp + i * (kStepPositions * 16);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int ci = lane + 32 * q;
+        const int pp = ci >> 2, ch = ci & 3;
+        const int32_t s = __shfl_sync(kFullMask, use, pp);
+        const int64_t off = (static_cast<int64_t>(s) >> page_shift) * page_bytes + (s & page_mask) * kIndexerCodeBytes;
+        cp_async_16(&kd[pp * 16 + ((ch ^ chunk_swizzle(pp)) * 4)], s >= 0 ? p.index_k_cache + off + 16 * ch : p.index_k_cache,
+                    s >= 0 ? 16 : 0);
+      }
+      const int64_t soff = (static_cast<int64_t>(use) >> page_shift) * page_bytes + scale_base +
+                           (use & page_mask) * kIndexerScaleBytes;
+      cp_async_4(&ks_warp[i * kStepPositions + lane], ok ? p.index_k_cache + soff : p.index_k_cache, ok ? 4 : 0);
+    }
+    cp_async_commit();  // one group per step, empty or not
+  }
+  return run;
+}
 
-  float* terms = sm.terms[warp];
-  for (int i = 0; i < steps; ++i) {
+// Compute of one issued run, by this warp: per step, the A fragments once, then per row the MMAs
+// and the epilogue. Leaves the warp's K buffers free (all its copies waited for).
+template <int S>
+__device__ void compute_run(const IndexerScoresParams& p, const RunCtx& run, int64_t row0, int64_t tile_base,
+                            const RowMeta* meta, const uint4* qfrag, const RowConst* rc, const uint32_t* kd_warp,
+                            const uint32_t* ks_warp, float* terms) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int g = lane >> 2, tq = lane & 3;
+  const int r0 = run.r0, r1 = run.r1;
+  const int64_t cmax = run.cmax;
+  const uint32_t valid_bits = run.valid_bits;
+  auto step_base = [&](int i) { return run_step_base(tile_base, i); };
+
+#pragma unroll
+  for (int i = 0; i < S; ++i) {
     const int64_t p0 = step_base(i);
     if (p0 >= p.score_stride) break;  // warp-uniform; later steps are further out
-    issue(i + kStages - 1, slot_next);
-    cp_async_commit();
-    slot_next = load_slot(i + kStages);  // used one step later: its latency hides behind this step
-    cp_async_wait<kStages - 1>();        // this lane's copies of step i have landed
-    __syncwarp();                        // ... and every other lane's
-
-    if (p0 >= c) {  // warp-uniform: nothing visible in this step
-      out_row[p0 + lane] = -__int_as_float(0x7f800000);
+    cp_async_wait_pending(S - 1 - i);  // this lane's copies of step i have landed
+    __syncwarp();                      // ... and every other lane's
+    if (p0 >= cmax) {  // warp-uniform: no row of the run sees this step
+      for (int r = r0; r < r1; ++r) p.scores[(row0 + r) * p.score_stride + p0 + lane] = -__int_as_float(0x7f800000);
       continue;
     }
-    const int stage = i % kStages;
-    const uint32_t* kd = sm.kdata[warp][stage];
-    const uint32_t* ks = sm.kscale[warp][stage];
+    const uint32_t* kd = kd_warp + i * (kStepPositions * 16);
+    const uint32_t* ks = ks_warp + i * kStepPositions;
+    const uint32_t vmask = __ballot_sync(kFullMask, (valid_bits >> i) & 1u);
+
+    // ---- A fragments (positions 16mt + g + 8r), decoded once for all rows of the run ----
+    // kf[mt]: every usable position of the m-tile has its 4 K block scales within 2^3 (fused_ok);
+    // then A carries 2^(ek_b - ek_min) and the K scale of every block is sk_min (for both paths).
+    uint32_t A[2][kBlocks][4];
+    uint32_t sc[2][2];
+    bool kf[2];
+    float s4[2][2], c4[2][2];  // sk_min / 4 and -1.5 * 2^23 * sk_min / 4 per (mt, r)
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
-      uint32_t kw[2][kBlocks], sc[2];
+      uint32_t kw[2][kBlocks];
+      bool pos_ok = true;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const int pp = 16 * mt + g + 8 * r;  // position of MMA rows g (r = 0) and g + 8 (r = 1)
+        const int pp = 16 * mt + g + 8 * r;
 #pragma unroll
         for (int b = 0; b < kBlocks; ++b) kw[r][b] = kd[pp * 16 + ((b ^ chunk_swizzle(pp)) * 4) + tq];
-        sc[r] = ks[pp];
+        sc[mt][r] = ks[pp];
+        pos_ok = pos_ok && (((vmask >> pp) & 1u) == 0u || fused_ok(sc[mt][r]));  // unusable: zeros, any path
       }
-      float term[2][8];
-      if (__all_sync(kFullMask, q_shifted && fused_ok(sc[0]) && fused_ok(sc[1]))) {
-        // Fused path: K's int8 values carry 2^(ek_b - ek_min), q's 2^(eq_b - eq_min), so the four
-        // k-steps accumulate I = sum_b isum_b * 2^(eq_b + ek_b - eq_min - ek_min) in one int32.
-        // Each block sum and every partial sum of ((b0 + b1) + b2) + b3 is an integer multiple of
-        // 2^Emin (Emin = eq_min + ek_min - 2) below 2^21 * 2^Emin (|isum_b| <= 4608, shifts <= 6),
-        // hence an exact fp32 number: the reference's rounded sums are exact here and equal
-        // I * 2^Emin, which the magic conversion and one power-of-two product give exactly.
-        uint32_t kmin[2];
-        float sk4min[2];
+      kf[mt] = __all_sync(kFullMask, pos_ok);
+      uint32_t kmin[2];
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          kmin[r] = min_byte(sc[r]);
-          sk4min[r] = num::mul_rn(num::f32_from_ue8m0(static_cast<uint8_t>(kmin[r])), 0.25f);
-        }
-        int acc[4][4];
+      for (int r = 0; r < 2; ++r) {
+        kmin[r] = kf[mt] ? min_byte(sc[mt][r]) : 0u;
+        s4[mt][r] = num::mul_rn(num::f32_from_ue8m0(static_cast<uint8_t>(kmin[r])), 0.25f);
+        c4[mt][r] = num::mul_rn(-kMagicFloat, s4[mt][r]);
+      }
 #pragma unroll
-        for (int b = 0; b < kBlocks; ++b) {
-          const uint32_t s0 = byte_of(sc[0], b) - kmin[0], s1 = byte_of(sc[1], b) - kmin[1];
-          const uint32_t lo0 = kTwiceLo << s0, hi0 = kTwiceHi << s0, lo1 = kTwiceLo << s1, hi1 = kTwiceHi << s1;
-          const uint32_t a[4] = {e2m1x4_to_s8(kw[0][b], lo0, hi0), e2m1x4_to_s8(kw[1][b], lo1, hi1),
-                                 e2m1x4_to_s8(kw[0][b] >> 16, lo0, hi0), e2m1x4_to_s8(kw[1][b] >> 16, lo1, hi1)};
+      for (int b = 0; b < kBlocks; ++b) {
+        const uint32_t s0 = kf[mt] ? byte_of(sc[mt][0], b) - kmin[0] : 0u;
+        const uint32_t s1 = kf[mt] ? byte_of(sc[mt][1], b) - kmin[1] : 0u;
+        const uint32_t lo0 = kTwiceLo << s0, hi0 = kTwiceHi << s0, lo1 = kTwiceLo << s1, hi1 = kTwiceHi << s1;
+        A[mt][b][0] = e2m1x4_to_s8(kw[0][b], lo0, hi0);
+        A[mt][b][1] = e2m1x4_to_s8(kw[1][b], lo1, hi1);
+        A[mt][b][2] = e2m1x4_to_s8(kw[0][b] >> 16, lo0, hi0);
+        A[mt][b][3] = e2m1x4_to_s8(kw[1][b] >> 16, lo1, hi1);
+      }
+    }
+
+    for (int r = r0; r < r1; ++r) {
+      float* out_row = p.scores + (row0 + r) * p.score_stride;
+      const int64_t c_r = meta[r].c;
+      if (p0 >= c_r) {  // warp-uniform
+        out_row[p0 + lane] = -__int_as_float(0x7f800000);
+        continue;
+      }
+      const uint32_t head_ok = meta[r].head_ok;
+      const RowConst& rcr = rc[r];
+      const uint4* qf = qfrag + static_cast<size_t>(r) * 4 * 32 * 2;
+      float qw[8];
+      {
+        const float4 a = *reinterpret_cast<const float4*>(&rcr.qw[8 * tq]);
+        const float4 b = *reinterpret_cast<const float4*>(&rcr.qw[8 * tq + 4]);
+        qw[0] = a.x, qw[1] = a.y, qw[2] = a.z, qw[3] = a.w, qw[4] = b.x, qw[5] = b.y, qw[6] = b.z, qw[7] = b.w;
+      }
 #pragma unroll
-          for (int n = 0; n < 4; ++n) {
-            if (b == 0) mma_s8_m16n8k32(acc[n], a, bq[n][0], kMagicBits);
-            else mma_s8_m16n8k32_acc(acc[n], a, bq[n][b]);
-          }
-        }
+      for (int mt = 0; mt < 2; ++mt) {
+        float term[2][8];
 #pragma unroll
-        for (int n = 0; n < 4; ++n)
-#pragma unroll
-          for (int r = 0; r < 2; ++r)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int hl = 2 * n + e;
-              const float isum = num::sub_rn(__int_as_float(acc[n][2 * r + e]), kMagicFloat);  // exact
-              const float dot = num::mul_rn(isum, num::mul_rn(sq[hl][0], sk4min[r]));
-              term[r][hl] = num::mul_rn(dot > 0.0f ? dot : 0.0f, wt[hl]);
-            }
-      } else {
-        // Per-block path (any scales): four exact block sums, combined like the reference.
-        float sk4[2][kBlocks];
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-#pragma unroll
-          for (int b = 0; b < kBlocks; ++b)
-            sk4[r][b] = num::mul_rn(num::f32_from_ue8m0(static_cast<uint8_t>(byte_of(sc[r], b))), 0.25f);
-        float dot[2][8];
-#pragma unroll
-        for (int b = 0; b < kBlocks; ++b) {
-          const uint32_t a[4] = {e2m1x4_to_s8_twice(kw[0][b]), e2m1x4_to_s8_twice(kw[1][b]),
-                                 e2m1x4_to_s8_twice(kw[0][b] >> 16), e2m1x4_to_s8_twice(kw[1][b] >> 16)};
-#pragma unroll
-          for (int n = 0; n < 4; ++n) {
+        for (int nt = 0; nt < 4; ++nt) {
+          const uint4 f01 = qf[(nt * 32 + lane) * 2], f23 = qf[(nt * 32 + lane) * 2 + 1];
+          const uint32_t B[kBlocks][2] = {{f01.x, f01.y}, {f01.z, f01.w}, {f23.x, f23.y}, {f23.z, f23.w}};
+          const uint32_t nt_heads = 0x03030303u << (2 * nt);  // heads 8tq' + 2nt + e of n-tile nt
+          if (kf[mt] && (head_ok & nt_heads) == nt_heads) {
+            // Fused path: the four k-steps accumulate I = sum_b isum_b * 2^(eq_b + ek_b - eq_min -
+            // ek_min) in one int32. Each block sum and every partial sum of ((b0 + b1) + b2) + b3 is
+            // an integer multiple of 2^Emin (Emin = eq_min + ek_min - 2) below 2^21 * 2^Emin
+            // (|isum_b| <= 4608, shifts <= 6), hence an exact fp32 number: the reference's rounded
+            // sums are exact here and its dot is D = I * 2^Emin. One FMA forms I * sk_min / 4
+            // exactly (the accumulator's float is 1.5 * 2^23 + I), relu keeps its sign, and one
+            // product with the exact sq_min * w rounds D * w once, like the reference.
             int acc[4];
-            mma_s8_m16n8k32(acc, a, bq[n][b], kMagicBits);
+            mma_s8_m16n8k32(acc, A[mt][0], B[0], kMagicBits);
+            mma_s8_m16n8k32_acc(acc, A[mt][1], B[1]);
+            mma_s8_m16n8k32_acc(acc, A[mt][2], B[2]);
+            mma_s8_m16n8k32_acc(acc, A[mt][3], B[3]);
 #pragma unroll
-            for (int r = 0; r < 2; ++r)
+            for (int rr = 0; rr < 2; ++rr)
 #pragma unroll
               for (int e = 0; e < 2; ++e) {
-                const int hl = 2 * n + e;
-                const float isum = num::sub_rn(__int_as_float(acc[2 * r + e]), kMagicFloat);  // exact
-                const float block_sum = num::mul_rn(isum, num::mul_rn(sq[hl][b], sk4[r][b]));
-                dot[r][hl] = b == 0 ? block_sum : num::add_rn(dot[r][hl], block_sum);
+                const int hl = 2 * nt + e;
+                const float y = __fmaf_rn(__int_as_float(acc[2 * rr + e]), s4[mt][rr], c4[mt][rr]);  // exact
+                term[rr][hl] = num::mul_rn(y > 0.0f ? y : 0.0f, qw[hl]);
+              }
+          } else {
+            // Per-block path (any scales): four exact block sums, combined like the reference.
+            float dot[2][2];
+#pragma unroll
+            for (int b = 0; b < kBlocks; ++b) {
+              int acc[4];
+              mma_s8_m16n8k32(acc, A[mt][b], B[b], kMagicBits);
+#pragma unroll
+              for (int rr = 0; rr < 2; ++rr)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                  const int head = 8 * tq + 2 * nt + e;
+                  const float sk4 = kf[mt] ? s4[mt][rr]
+                                           : num::mul_rn(num::f32_from_ue8m0(static_cast<uint8_t>(byte_of(sc[mt][rr], b))), 0.25f);
+                  const float isum = num::sub_rn(__int_as_float(acc[2 * rr + e]), kMagicFloat);  // exact
+                  const float block_sum = num::mul_rn(isum, num::mul_rn(rcr.sq[head][b], sk4));
+                  dot[rr][e] = b == 0 ? block_sum : num::add_rn(dot[rr][e], block_sum);
+                }
+            }
+#pragma unroll
+            for (int rr = 0; rr < 2; ++rr)
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const float d = dot[rr][e];
+                term[rr][2 * nt + e] = num::mul_rn(d > 0.0f ? d : 0.0f, rcr.wt[8 * tq + 2 * nt + e]);
               }
           }
         }
 #pragma unroll
-        for (int r = 0; r < 2; ++r)
-#pragma unroll
-          for (int hl = 0; hl < 8; ++hl) term[r][hl] = num::mul_rn(dot[r][hl] > 0.0f ? dot[r][hl] : 0.0f, wt[hl]);
+        for (int rr = 0; rr < 2; ++rr) {
+          float4* dst = reinterpret_cast<float4*>(terms + (16 * mt + g + 8 * rr) * kTransStride + 8 * tq);
+          dst[0] = make_float4(term[rr][0], term[rr][1], term[rr][2], term[rr][3]);
+          dst[1] = make_float4(term[rr][4], term[rr][5], term[rr][6], term[rr][7]);
+        }
       }
+      __syncwarp();
+      float score = 0.0f;
+      const float4* trow = reinterpret_cast<const float4*>(terms + lane * kTransStride);
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float4* dst = reinterpret_cast<float4*>(terms + (16 * mt + g + 8 * r) * kTransStride + 8 * tq);
-        dst[0] = make_float4(term[r][0], term[r][1], term[r][2], term[r][3]);
-        dst[1] = make_float4(term[r][4], term[r][5], term[r][6], term[r][7]);
+      for (int h4 = 0; h4 < kIndexerHeads / 4; ++h4) {
+        const float4 v = trow[h4];
+        score = num::add_rn(num::add_rn(num::add_rn(num::add_rn(score, v.x), v.y), v.z), v.w);
       }
+      const bool valid = ((valid_bits >> i) & 1u) != 0u && p0 + lane < c_r;
+      out_row[p0 + lane] = valid ? score : -__int_as_float(0x7f800000);
+      __syncwarp();  // the term buffer is rewritten by the next row
     }
-    __syncwarp();
-    float score = 0.0f;
-    const float4* row = reinterpret_cast<const float4*>(terms + lane * kTransStride);
-#pragma unroll
-    for (int h4 = 0; h4 < kIndexerHeads / 4; ++h4) {
-      const float4 v = row[h4];
-      score = num::add_rn(num::add_rn(num::add_rn(num::add_rn(score, v.x), v.y), v.z), v.w);
-    }
-    const bool valid = (valid_ring >> stage) & 1u;
-    out_row[p0 + lane] = valid ? score : -__int_as_float(0x7f800000);
-    __syncwarp();  // the term buffer and this stage are rewritten by later steps
   }
   cp_async_wait<0>();
+  __syncwarp();  // this warp's K buffers are free for the next run
+}
+
+// Grid (groups, tiles), 128 threads, dynamic shared memory smem_layout(S, group_rows).
+template <int S>
+__global__ void __launch_bounds__(kThreads, 3)
+    indexer_scores_kernel(const __grid_constant__ IndexerScoresParams p, int group_rows, int page_shift) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  const SmemLayout L = smem_layout(S, group_rows);
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  uint32_t* kd_warp = reinterpret_cast<uint32_t*>(smem) + warp * S * (kStepPositions * 16);
+  uint32_t* ks_warp = reinterpret_cast<uint32_t*>(smem + L.kscale) + warp * S * kStepPositions;
+  float* terms = reinterpret_cast<float*>(smem + L.terms) + warp * kStepPositions * kTransStride;
+  uint4* qfrag = reinterpret_cast<uint4*>(smem + L.qfrag);
+  RowConst* rc = reinterpret_cast<RowConst*>(smem + L.rc);
+  RowMeta* meta = reinterpret_cast<RowMeta*>(smem + L.meta);
+
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * group_rows;
+  const int n_rows = static_cast<int>(min(static_cast<int64_t>(group_rows), p.T - row0));
+  const int64_t tile_base = static_cast<int64_t>(blockIdx.y) * kWarps * kStepPositions * S;
+
+  // ---- row metadata (step metadata: read before the PDL wait), contained like the reference refuses it
+  if (static_cast<int>(threadIdx.x) < n_rows) {
+    const int64_t t = row0 + threadIdx.x;
+    const int32_t req = p.req[t];
+    int64_t c = p.clen[t];
+    bool row_error = false;
+    if (c < 0) { c = 0; row_error = true; }
+    if (c > p.score_stride) { c = p.score_stride; row_error = true; }
+    if (req < 0) {
+      c = 0;  // padded row: sees no position (not an error)
+    } else if (req >= p.comp_table_rows) {
+      if (c > 0) row_error = true;  // unknown request
+      c = 0;
+    } else if (c > p.comp_table_stride) {
+      c = p.comp_table_stride;
+      row_error = true;
+    }
+    if (row_error && blockIdx.y == 0) dev::count_error(p.err_count);
+    meta[threadIdx.x] = RowMeta{req, static_cast<int32_t>(c), 0u, 0};
+  }
+  __syncthreads();
+  int64_t c_any = 0;
+  for (int r = 0; r < n_rows; ++r) c_any = max(c_any, static_cast<int64_t>(meta[r].c));
+
+  dev::pdl_wait();  // q, weights, slot table and index K are written by predecessors
+
+  // ---- q of the group's rows, when some row sees a position of this tile (CTA-uniform) ----
+  // B fragments (n = head, 4 n-tiles of 8 heads, k = a block's 32 elements), head and k permuted
+  // so that lane (g, tq) accumulates heads 8tq..8tq+7 and its k-slots hold elements 8tq..8tq+7
+  // of the block, one 32-bit word of the packed codes (any permutation of k is fine: the block
+  // sum is an exact integer). A head whose 4 block scales fit the fused path (fused_ok) carries
+  // 2^(eq_b - eq_min) in its int8 values, and its scale is sq_min for every block (both paths).
+  // Thread i owns item (row r, n-tile i / 32, lane i % 32) of every row r, and the head constants
+  // of items i and i + 128 of (row, head). The loads are issued first, then the first run's
+  // slot-table loads and K copies, and only then are the q words decoded: one latency for all.
+  const bool has_work = tile_base < c_any;
+  const int n_item = static_cast<int>(threadIdx.x) >> 5, l_item = static_cast<int>(threadIdx.x) & 31;
+  const int head_item = 8 * ((l_item >> 2) >> 1) + 2 * n_item + ((l_item >> 2) & 1);  // MMA column g of n-tile n
+  const int tq_item = l_item & 3;
+  uint32_t q_hs[kMaxGroupRows] = {}, q_words[kMaxGroupRows][kBlocks] = {};
+  uint32_t c_hs[2] = {};
+  float c_w[2] = {};
+  if (has_work) {
+#pragma unroll
+    for (int r = 0; r < kMaxGroupRows; ++r)
+      if (r < n_rows) {
+        const int64_t hrow = (row0 + r) * kIndexerHeads + head_item;
+        q_hs[r] = *reinterpret_cast<const uint32_t*>(p.q_scales + hrow * kIndexerScaleBytes);
+#pragma unroll
+        for (int b = 0; b < kBlocks; ++b)
+          q_words[r][b] = *reinterpret_cast<const uint32_t*>(p.q_codes + hrow * kIndexerCodeBytes + 16 * b + 4 * tq_item);
+      }
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const int it = static_cast<int>(threadIdx.x) + kThreads * k;
+      if (it < n_rows * kIndexerHeads) {
+        const int64_t hrow = (row0 + it / kIndexerHeads) * kIndexerHeads + it % kIndexerHeads;
+        c_hs[k] = *reinterpret_cast<const uint32_t*>(p.q_scales + hrow * kIndexerScaleBytes);
+        c_w[k] = p.weights[hrow];
+      }
+    }
+  }
+
+  // ---- the first run of consecutive rows with the same req: issued before the q decode ----
+  int r1 = 1;
+  while (r1 < n_rows && meta[r1].req == meta[0].req) ++r1;
+  RunCtx run = issue_run<S>(p, page_shift, 0, r1, tile_base, meta, kd_warp, ks_warp);
+
+  if (has_work) {
+#pragma unroll
+    for (int r = 0; r < kMaxGroupRows; ++r)
+      if (r < n_rows) {
+        const uint32_t hs = q_hs[r];
+        const bool shifted = fused_ok(hs);
+        const uint32_t hmin = min_byte(hs);
+        uint32_t f[kBlocks][2];
+#pragma unroll
+        for (int b = 0; b < kBlocks; ++b) {
+          const uint32_t shift = shifted ? byte_of(hs, b) - hmin : 0u;
+          const uint32_t lo = kTwiceLo << shift, hi = kTwiceHi << shift;
+          f[b][0] = e2m1x4_to_s8(q_words[r][b], lo, hi);        // elements 8tq..8tq+3 -> k-slots 4tq..4tq+3
+          f[b][1] = e2m1x4_to_s8(q_words[r][b] >> 16, lo, hi);  // elements 8tq+4..8tq+7 -> k-slots 16+4tq..
+        }
+        uint4* dst = qfrag + ((r * 4 + n_item) * 32 + l_item) * 2;
+        dst[0] = make_uint4(f[0][0], f[0][1], f[1][0], f[1][1]);
+        dst[1] = make_uint4(f[2][0], f[2][1], f[3][0], f[3][1]);
+      }
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const int it = static_cast<int>(threadIdx.x) + kThreads * k;
+      if (it < n_rows * kIndexerHeads) {
+        const int r = it / kIndexerHeads, h = it % kIndexerHeads;
+        const uint32_t hs = c_hs[k];
+        const bool shifted = fused_ok(hs);
+        const uint32_t hmin = min_byte(hs);
+        const float sq_min = num::f32_from_ue8m0(static_cast<uint8_t>(hmin));
+#pragma unroll
+        for (int b = 0; b < kBlocks; ++b)
+          rc[r].sq[h][b] = shifted ? sq_min : num::f32_from_ue8m0(static_cast<uint8_t>(byte_of(hs, b)));
+        rc[r].wt[h] = c_w[k];
+        rc[r].qw[h] = num::mul_rn(sq_min, c_w[k]);
+        if (shifted && qw_exact(hmin, c_w[k])) atomicOr(&meta[r].head_ok, 1u << h);
+      }
+    }
+  }
+  __syncthreads();
+
+  // ---- runs (one per group for verify rows; the next one is issued when this one is done) ----
+  for (;;) {
+    compute_run<S>(p, run, row0, tile_base, meta, qfrag, rc, kd_warp, ks_warp, terms);
+    if (run.r1 >= n_rows) break;
+    int e = run.r1 + 1;
+    while (e < n_rows && meta[e].req == meta[run.r1].req) ++e;
+    run = issue_run<S>(p, page_shift, run.r1, e, tile_base, meta, kd_warp, ks_warp);
+  }
 
   dev::pdl_launch_dependents();  // after this thread's last store
 }
@@ -416,6 +583,8 @@ void run_indexer_scores(const IndexerScoresParams& p, cudaStream_t stream, bool 
   require(p.n_slots >= 0, who, "negative n_slots");
   require(p.comp_table_stride >= 0 && p.comp_table_rows >= 0, who, "negative slot table shape");
   require(p.steps_per_warp >= 0 && p.steps_per_warp <= kMaxSteps, who, "steps_per_warp must be in [0, 4]");
+  require(p.group_rows >= 1 && p.group_rows <= kMaxGroupRows, who,
+          "group_rows " + std::to_string(p.group_rows) + " must be in [1, " + std::to_string(kMaxGroupRows) + "]");
   if (p.T == 0) return;
   require(p.T <= 0x7fffffff, who, "T too large for one grid dimension");
   require(p.q_codes != nullptr && p.q_scales != nullptr && p.weights != nullptr && p.req != nullptr &&
@@ -429,24 +598,33 @@ void run_indexer_scores(const IndexerScoresParams& p, cudaStream_t stream, bool 
 
   int page_shift = 0;
   while ((1 << page_shift) < P) ++page_shift;
+  const int G = p.group_rows;
+  const int64_t groups = (p.T + G - 1) / G;
   // Steps per warp: 4 (512 positions per CTA) unless that leaves fewer than ~2 CTAs per SM of an
-  // H200 (132 SMs); then shorter tiles for more parallelism.
+  // H200 (132 SMs); then shorter tiles for more parallelism. (A CTA's q setup is amortized over
+  // its tile: multi-row groups prefer the longer tiles this gives them.)
   int steps = p.steps_per_warp;
   if (steps == 0) {
     steps = kMaxSteps;
-    auto ctas = [&](int s) { return p.T * ((p.score_stride + kThreads * s - 1) / (kThreads * s)); };
-    while (steps > 1 && ctas(steps) < 264) steps /= 2;
+    auto ctas = [&](int s) { return groups * ((p.score_stride + kThreads * s - 1) / (kThreads * s)); };
+    while (steps > 1 && ctas(steps) < 256) steps /= 2;
   }
   const int64_t tile = static_cast<int64_t>(kWarps) * kStepPositions * steps;
   const int64_t tiles = (p.score_stride + tile - 1) / tile;
   require(tiles <= 65535, who, "score_stride too large for the tile grid");
 
   LaunchConfig cfg;
-  cfg.grid = dim3(static_cast<unsigned>(p.T), static_cast<unsigned>(tiles), 1);
+  cfg.grid = dim3(static_cast<unsigned>(groups), static_cast<unsigned>(tiles), 1);
   cfg.block = dim3(kThreads, 1, 1);
+  cfg.smem_bytes = smem_layout(steps, G).total;
   cfg.stream = stream;
   cfg.pdl = pdl;
-  launch_kernel("indexer_scores", indexer_scores_kernel, cfg, p, steps, page_shift);
+  switch (steps) {
+    case 1: launch_kernel("indexer_scores", indexer_scores_kernel<1>, cfg, p, G, page_shift); break;
+    case 2: launch_kernel("indexer_scores", indexer_scores_kernel<2>, cfg, p, G, page_shift); break;
+    case 3: launch_kernel("indexer_scores", indexer_scores_kernel<3>, cfg, p, G, page_shift); break;
+    default: launch_kernel("indexer_scores", indexer_scores_kernel<4>, cfg, p, G, page_shift); break;
+  }
 }
 
 }  // namespace v4attn::kernels

@@ -2,7 +2,13 @@
 // mask applied by later index sources. Twins of ref::topk_to_slots, ref::candidate_mask and
 // ref::apply_candidate_mask (exact indices, exact tie order).
 //
-// Selection core (one CTA of 1024 threads per row). Each element i < n has a 32-bit key: the
+// Two versions of top-k and of the candidate mask: v2 (many CTAs per row, needs a workspace; see
+// the v2 section below) and v1 (one CTA of 1024 threads per row, no workspace; ~95 us for a 64K
+// row on an H200, which made it the critical path of the prepare cycle). run_* picks v2 when the
+// params carry a workspace.
+//
+// ---- v1 ----
+// v1 selection core (one CTA of 1024 threads per row). Each element i < n has a 32-bit key: the
 // order-preserving transform of its fp32 value (-0.0 folded onto +0.0, since the reference
 // compares floats and -0.0 == +0.0), or 0 for an element that can never be selected (value not
 // > -inf: -inf, NaN, masked). Valid keys are >= 0x00800000, so 0 is free. The reference order is
@@ -33,6 +39,8 @@
 // follows the CTA's last store.
 #include "v4attn/kernels/indexer_kernels.h"
 
+#include <algorithm>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
@@ -435,6 +443,520 @@ __global__ void __launch_bounds__(kThreads) candidate_mask_kernel(const __grid_c
   dev::pdl_launch_dependents();
 }
 
+// =================================================================================================
+// v2: many CTAs per row (grid (chunks, T), 512 threads), no grid-wide barrier.
+//
+// Each chunk CTA reads its chunk (4096 positions, or 1024 candidate blocks; each thread 8 / 2
+// consecutive elements, kept in registers), selects the chunk's own top k (same order: key
+// descending, index ascending) and writes it in index order to the chunk's fixed place in the
+// row's list (keys 0 pad the place to its capacity). The global top k is the top k of the union of
+// the chunk lists (an element among the global top k has fewer than k elements before it in the
+// global order, so also in its chunk's order). The CTA that arrives last at the row's counter
+// (threadfence + atomicAdd, the classic last-block pattern) merges: a radix select over the lists
+// (read from L2) and an ordered compaction over them (list order = chunk order then index order =
+// position order, so the output comes sorted by position and ties resolve to the lowest position
+// by construction). It resets the counter for the next launch. A row of one chunk is finished by
+// its own CTA without touching the workspace.
+//
+// Radix select (shared by both phases): digits of 12, 10 and 10 bits from the top of the key,
+// each a shared-memory histogram with warp-aggregated atomics and a block scan that finds the
+// digit of the k-th element; when at most k elements are valid the threshold is 0 (all valid).
+// Ordered compaction: per thread the count of ties (key == K*) and a block scan give each tie
+// its rank in index order (the first k_eq are kept); a second scan gives the output offsets.
+// The phases' global loads are issued in batches (all loads, then all uses) so that a thread
+// never waits for two dependent latencies per element.
+//
+// Bytes (top-k, one row of clen positions): the scores once (4 B per position), the chunk lists
+// (8 B per entry, written once, read at most twice from L2), the selected slot-table entries and
+// the output row.
+// PDL: clen and req are read before dev::pdl_wait(); scores, the mask and the workspace after it.
+// Every CTA triggers after its last store.
+// =================================================================================================
+namespace v2 {
+
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+constexpr int kTopkPer = 8;                                       // consecutive positions per thread
+constexpr int64_t kTopkChunk = int64_t{kThreads} * kTopkPer;      // 4096 positions per CTA
+constexpr int kMaskPer = 2;                                       // consecutive blocks per thread
+constexpr int64_t kMaskChunk = int64_t{kThreads} * kMaskPer;      // 1024 blocks per CTA
+constexpr int kMergePer = 16;                                     // list entries per thread per round
+constexpr int64_t kMergeRound = int64_t{kThreads} * kMergePer;    // 8192 (one round for 64K rows)
+constexpr int64_t kCounterBytes = kSelectMaxRows * 4;             // uint32 arrival counter per row
+
+struct Smem {
+  int hist[kHistBins];
+  int warp_total[kWarps];
+  int found_bin;
+  int found_above;
+  int is_last;
+};
+
+// Workspace: [kCounterBytes of counters] then per row keys[n_chunks * cap] (uint32, 0 = empty)
+// and idx[n_chunks * cap] (int32 positions or blocks).
+struct Layout {
+  int64_t n_chunks = 1, cap = 1;
+  __host__ __device__ int64_t idx_offset() const { return (n_chunks * cap * 4 + 15) / 16 * 16; }
+  __host__ __device__ int64_t row_bytes() const { return (idx_offset() + n_chunks * cap * 4 + 255) / 256 * 256; }
+  int64_t total(int64_t T) const { return kCounterBytes + T * row_bytes(); }
+};
+Layout make_layout(int64_t n_elems, int64_t chunk, int64_t k) {
+  Layout L;
+  L.n_chunks = std::max<int64_t>(1, (n_elems + chunk - 1) / chunk);
+  L.cap = std::max<int64_t>(1, std::min(k, chunk));
+  return L;
+}
+
+struct Args {
+  Layout lay;
+  uint8_t* ws = nullptr;
+  bool vec = false;  // the score rows are 16-byte aligned (float4 loads)
+};
+
+// Exclusive prefix sum of one int per thread over the CTA; `total` gets the sum. All threads call.
+__device__ __forceinline__ int block_excl_scan(int v, int& total, Smem& sm) {
+  const int lane = static_cast<int>(threadIdx.x) & 31, wid = static_cast<int>(threadIdx.x) >> 5;
+  int incl = v;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int n = __shfl_up_sync(kFullMask, incl, off);
+    if (lane >= off) incl += n;
+  }
+  if (lane == 31) sm.warp_total[wid] = incl;
+  __syncthreads();
+  if (wid == 0) {
+    int w = lane < kWarps ? sm.warp_total[lane] : 0;
+#pragma unroll
+    for (int off = 1; off < kWarps; off <<= 1) {
+      const int n = __shfl_up_sync(kFullMask, w, off);
+      if (lane >= off) w += n;
+    }
+    if (lane < kWarps) sm.warp_total[lane] = w;
+  }
+  __syncthreads();
+  const int excl = incl - v + (wid > 0 ? sm.warp_total[wid - 1] : 0);
+  total = sm.warp_total[kWarps - 1];
+  __syncthreads();  // warp_total is reused by the next scan
+  return excl;
+}
+
+// Histogram of digit (key >> shift) & (2^bits - 1) over the valid keys whose bits from
+// prefix_shift up equal `prefix` (all valid keys when prefix_shift == 32). visit(f) calls f(key)
+// for each of this thread's keys, the same number of times on every lane of a warp.
+template <class Visit>
+__device__ void hist_pass(const Visit& visit, int shift, int bits, int prefix_shift, uint32_t prefix, Smem& sm) {
+  const uint32_t digit_mask = (1u << bits) - 1u;
+  for (int i = threadIdx.x; i < (1 << bits); i += kThreads) sm.hist[i] = 0;
+  __syncthreads();
+  const unsigned lane = threadIdx.x & 31u;
+  visit([&](uint32_t key) {
+    const bool take = key != 0u && (prefix_shift >= 32 || (key >> prefix_shift) == prefix);
+    const uint32_t active = __ballot_sync(kFullMask, take);
+    if (take) {
+      const uint32_t digit = (key >> shift) & digit_mask;
+      const uint32_t peers = __match_any_sync(active, digit);  // ties cost one atomic per warp
+      if (lane == static_cast<unsigned>(__ffs(peers) - 1)) atomicAdd(&sm.hist[digit], __popc(peers));
+    }
+  });
+  __syncthreads();
+}
+
+// After a histogram of `bins` (a multiple of kThreads, <= 4096) bins: the digit holding the
+// k_rem-th largest element (1-based) and the number of elements in higher digits.
+// Precondition: the histogram's total >= k_rem >= 1.
+__device__ void find_digit(int k_rem, int bins, int& digit, int& above, Smem& sm) {
+  constexpr int kMaxPer = kHistBins / kThreads;
+  const int per = bins / kThreads;  // thread i owns the descending bins bins-1-per*i ... bins-per*(i+1)
+  const int top = bins - 1 - per * static_cast<int>(threadIdx.x);
+  int h[kMaxPer];
+  int sum = 0;
+#pragma unroll
+  for (int q = 0; q < kMaxPer; ++q) {
+    h[q] = q < per ? sm.hist[top - q] : 0;
+    sum += h[q];
+  }
+  int total;
+  int acc = block_excl_scan(sum, total, sm);
+  if (acc < k_rem && k_rem <= acc + sum) {
+#pragma unroll
+    for (int q = 0; q < kMaxPer; ++q) {
+      if (q < per && acc + h[q] >= k_rem) {
+        sm.found_bin = top - q;
+        sm.found_above = acc;
+        break;
+      }
+      acc += h[q];
+    }
+  }
+  __syncthreads();
+  digit = sm.found_bin;
+  above = sm.found_above;
+  __syncthreads();
+}
+
+// The key K* of the k-th largest valid key (k >= 1) and the number k_eq of elements equal to K*
+// that belong to the top k; thr = 0, k_eq = 0 when at most k keys are valid (select all valid).
+template <class Visit>
+__device__ void radix_select(const Visit& visit, int k, uint32_t& thr, int& k_eq, Smem& sm) {
+  int mine = 0;
+  visit([&](uint32_t key) { mine += key != 0u ? 1 : 0; });
+  int n_valid;
+  block_excl_scan(mine, n_valid, sm);
+  if (n_valid <= k) {
+    thr = 0u;
+    k_eq = 0;
+    return;
+  }
+  int d1, d2, d3, above;
+  hist_pass(visit, kShift1, kDigit1Bits, 32, 0u, sm);
+  find_digit(k, 1 << kDigit1Bits, d1, above, sm);
+  k -= above;
+  hist_pass(visit, kShift2, kDigit2Bits, kShift1, static_cast<uint32_t>(d1), sm);
+  find_digit(k, 1 << kDigit2Bits, d2, above, sm);
+  k -= above;
+  const uint32_t prefix = (static_cast<uint32_t>(d1) << kDigit2Bits) | static_cast<uint32_t>(d2);
+  hist_pass(visit, 0, kDigit3Bits, kShift2, prefix, sm);
+  find_digit(k, 1 << kDigit3Bits, d3, above, sm);
+  k -= above;
+  thr = (prefix << kDigit3Bits) | static_cast<uint32_t>(d3);
+  k_eq = k;
+}
+
+// Ordered compaction of one round: thread i owns the N consecutive elements i*N .. i*N+N-1 of the
+// round (rounds follow each other in element order). Selected: valid and (key > thr, or key == thr
+// among the first k_eq ties in element order counted from the first round). Calls
+// emit(selected_bits, first_output_offset) once per thread (bit e = element e). Updates eq_seen
+// and out_count (CTA-uniform).
+template <int N, class Emit>
+__device__ void select_round(const uint32_t (&key)[N], uint32_t thr, int k_eq, int& eq_seen, int& out_count, Smem& sm,
+                             const Emit& emit) {
+  int n_eq = 0;
+#pragma unroll
+  for (int e = 0; e < N; ++e) n_eq += (key[e] != 0u && key[e] == thr) ? 1 : 0;
+  int eq_total;
+  int eq_before = eq_seen + block_excl_scan(n_eq, eq_total, sm);
+  uint32_t sel = 0u;
+  int n_sel = 0;
+#pragma unroll
+  for (int e = 0; e < N; ++e) {
+    const bool valid = key[e] != 0u;
+    const bool is_eq = valid && key[e] == thr;
+    const bool take = valid && (key[e] > thr || (is_eq && eq_before < k_eq));
+    eq_before += is_eq ? 1 : 0;
+    sel |= static_cast<uint32_t>(take) << e;
+    n_sel += take ? 1 : 0;
+  }
+  int sel_total;
+  const int off = out_count + block_excl_scan(n_sel, sel_total, sm);  // ends with __syncthreads
+  emit(sel, off);
+  eq_seen += eq_total;
+  out_count += sel_total;
+}
+
+// The arrival of one chunk CTA at its row's counter; true for the last of n_active (which resets
+// the counter). Its list stores are made visible device-wide first; the last CTA fences again
+// before it reads the other lists (with ld.global.cg, from L2).
+__device__ bool arrive_last(uint32_t* counter, int64_t n_active, Smem& sm) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const uint32_t prev = atomicAdd(counter, 1u);
+    const bool last = static_cast<int64_t>(prev) + 1 == n_active;
+    if (last) atomicExch(counter, 0u);  // every CTA of the row has arrived
+    sm.is_last = last ? 1 : 0;
+  }
+  __syncthreads();
+  const bool last = sm.is_last != 0;
+  if (last) __threadfence();
+  return last;
+}
+
+// Row list of the workspace.
+struct RowList {
+  uint32_t* keys;
+  int32_t* idx;
+};
+__device__ __forceinline__ RowList row_list(const Args& a, int64_t t) {
+  uint8_t* base = a.ws + kCounterBytes + t * a.lay.row_bytes();
+  return {reinterpret_cast<uint32_t*>(base), reinterpret_cast<int32_t*>(base + a.lay.idx_offset())};
+}
+__device__ __forceinline__ uint32_t* row_counter(const Args& a, int64_t t) {
+  return reinterpret_cast<uint32_t*>(a.ws) + t;
+}
+
+// The chunk's list: selected (key, index) in index order at [0, n_sel), key 0 up to the capacity.
+template <int N>
+__device__ void write_chunk_list(const uint32_t (&key)[N], int64_t first, uint32_t thr, int k_eq, uint32_t* keys_l,
+                                 int32_t* idx_l, int64_t cap, Smem& sm) {
+  int eq_seen = 0, n_sel = 0;
+  select_round(key, thr, k_eq, eq_seen, n_sel, sm, [&](uint32_t sel, int off) {
+#pragma unroll
+    for (int e = 0; e < N; ++e)
+      if ((sel >> e) & 1u) {
+        keys_l[off] = key[e];
+        idx_l[off] = static_cast<int32_t>(first + e);
+        ++off;
+      }
+  });
+  for (int64_t i = n_sel + static_cast<int64_t>(threadIdx.x); i < cap; i += kThreads) keys_l[i] = 0u;
+}
+
+// Merge of a row's chunk lists (m_pad entries, keys 0 = empty): the top k in list order.
+// emit(selected_bits, offset, first_entry) per thread and round; returns the number selected.
+template <class Emit>
+__device__ int merge_lists(const RowList& list, int64_t m_pad, int k, Smem& sm, const Emit& emit) {
+  const int64_t rounds = (m_pad + kMergeRound - 1) / kMergeRound;
+  const uint32_t* keys = list.keys;
+  auto load_round = [&](int64_t r, uint32_t (&dst)[kMergePer]) {
+    const int64_t f0 = r * kMergeRound + int64_t{threadIdx.x} * kMergePer;
+#pragma unroll
+    for (int q = 0; q < kMergePer / 4; ++q) {
+      const int64_t f = f0 + 4 * q;
+      if (f + 4 <= m_pad) {
+        const uint4 v = __ldcg(reinterpret_cast<const uint4*>(keys + f));
+        dst[4 * q] = v.x;
+        dst[4 * q + 1] = v.y;
+        dst[4 * q + 2] = v.z;
+        dst[4 * q + 3] = v.w;
+      } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) dst[4 * q + i] = f + i < m_pad ? __ldcg(keys + f + i) : 0u;
+      }
+    }
+  };
+  uint32_t kept[kMergePer] = {};  // the only round's keys, when there is one round (rows up to 64K)
+  if (rounds == 1) load_round(0, kept);
+  auto visit = [&](auto&& f) {
+    if (rounds == 1) {
+#pragma unroll
+      for (int e = 0; e < kMergePer; ++e) f(kept[e]);
+    } else {
+      for (int64_t r = 0; r < rounds; ++r) {
+        uint32_t tmp[kMergePer];
+        load_round(r, tmp);
+#pragma unroll
+        for (int e = 0; e < kMergePer; ++e) f(tmp[e]);
+      }
+    }
+  };
+  uint32_t thr;
+  int k_eq;
+  radix_select(visit, k, thr, k_eq, sm);
+  int eq_seen = 0, n_sel = 0;
+  if (rounds == 1) {
+    select_round(kept, thr, k_eq, eq_seen, n_sel, sm,
+                 [&](uint32_t sel, int off) { emit(sel, off, int64_t{threadIdx.x} * kMergePer); });
+  } else {
+    for (int64_t r = 0; r < rounds; ++r) {
+      uint32_t tmp[kMergePer];
+      load_round(r, tmp);
+      const int64_t f0 = r * kMergeRound + int64_t{threadIdx.x} * kMergePer;
+      select_round(tmp, thr, k_eq, eq_seen, n_sel, sm, [&](uint32_t sel, int off) { emit(sel, off, f0); });
+    }
+  }
+  return n_sel;
+}
+
+// ---- top-k ----------------------------------------------------------------------------------------
+// This thread's 8 consecutive positions j0.. (key 0 past clen, for -inf / NaN, and where masked).
+__device__ __forceinline__ void load_score_keys(const float* row, const uint8_t* mask, int mask_block, int64_t c,
+                                                int64_t j0, bool vec, uint32_t (&key)[kTopkPer]) {
+  float v[kTopkPer];
+  if (vec && j0 + kTopkPer <= c) {
+    const float4 a = *reinterpret_cast<const float4*>(row + j0);
+    const float4 b = *reinterpret_cast<const float4*>(row + j0 + 4);
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+  } else {
+#pragma unroll
+    for (int e = 0; e < kTopkPer; ++e) v[e] = j0 + e < c ? row[j0 + e] : neg_inf();
+  }
+#pragma unroll
+  for (int e = 0; e < kTopkPer; ++e) key[e] = (j0 + e < c && v[e] > neg_inf()) ? value_key(v[e]) : 0u;
+  if (mask != nullptr && j0 < c) {
+    int64_t m = j0 / mask_block;
+    int r = static_cast<int>(j0 - m * mask_block);
+#pragma unroll
+    for (int e = 0; e < kTopkPer; ++e) {
+      if (j0 + e < c && mask[m] == 0) key[e] = 0u;
+      if (++r == mask_block) {
+        r = 0;
+        ++m;
+      }
+    }
+  }
+}
+
+// Writes the slots of the selected positions (gathered first, then stored) from `off` on.
+template <int N, class PosOf>
+__device__ __forceinline__ void store_slots(int32_t* out, int64_t out_stride, const int32_t* table, uint32_t sel,
+                                            int off, const PosOf& pos_of) {
+  int64_t pos[N] = {};
+#pragma unroll
+  for (int e = 0; e < N; ++e)
+    if ((sel >> e) & 1u) pos[e] = pos_of(e);
+  int32_t slot[N] = {};
+#pragma unroll
+  for (int e = 0; e < N; ++e)
+    if ((sel >> e) & 1u) slot[e] = table[pos[e]];
+#pragma unroll
+  for (int e = 0; e < N; ++e)
+    if ((sel >> e) & 1u) {
+      if (off < out_stride) out[off] = slot[e];
+      ++off;
+    }
+}
+
+__global__ void __launch_bounds__(kThreads, 2) indexer_topk_v2_kernel(const __grid_constant__ IndexerTopkParams p,
+                                                                        const Args a) {
+  __shared__ Smem sm;
+  const int64_t t = blockIdx.y, chunk = blockIdx.x;
+  const int32_t req = p.req[t];
+  bool err;
+  const int64_t c = clamp_row(req, p.clen[t], p, err);
+  if (err && chunk == 0 && threadIdx.x == 0) dev::count_error(p.err_count);
+  const int k = static_cast<int>(min(static_cast<int64_t>(p.topk), c));
+  const int64_t n_active = k == 0 ? 1 : (c + kTopkChunk - 1) / kTopkChunk;
+  if (chunk >= n_active) {  // CTA-uniform: past the row's positions
+    dev::pdl_launch_dependents();
+    return;
+  }
+
+  dev::pdl_wait();  // scores (and the mask) come from predecessors
+
+  const int64_t j0 = chunk * kTopkChunk + int64_t{threadIdx.x} * kTopkPer;
+  uint32_t key[kTopkPer];
+#pragma unroll
+  for (int e = 0; e < kTopkPer; ++e) key[e] = 0u;
+  if (k > 0)
+    load_score_keys(p.scores + t * p.score_stride,
+                    p.candidate_mask != nullptr ? p.candidate_mask + t * p.mask_stride : nullptr, p.mask_block, c, j0,
+                    a.vec, key);
+  uint32_t thr = kKeyNone;
+  int k_eq = 0;
+  const auto visit_keys = [&](auto&& f) {
+#pragma unroll
+    for (int e = 0; e < kTopkPer; ++e) f(key[e]);
+  };
+  if (k > 0) radix_select(visit_keys, k, thr, k_eq, sm);
+
+  int32_t* out = p.out + t * p.out_stride;
+  const int32_t* table = p.comp_slot_table + (req >= 0 ? static_cast<int64_t>(req) * p.comp_table_stride : 0);
+  int n_sel = 0;
+  if (n_active == 1) {  // the chunk's top k is the row's
+    int eq_seen = 0;
+    select_round(key, thr, k_eq, eq_seen, n_sel, sm, [&](uint32_t sel, int off) {
+      store_slots<kTopkPer>(out, p.out_stride, table, sel, off, [&](int e) { return j0 + e; });
+    });
+  } else {
+    const RowList list = row_list(a, t);
+    write_chunk_list(key, j0, thr, k_eq, list.keys + chunk * a.lay.cap, list.idx + chunk * a.lay.cap, a.lay.cap, sm);
+    if (!arrive_last(row_counter(a, t), n_active, sm)) {
+      dev::pdl_launch_dependents();
+      return;
+    }
+    n_sel = merge_lists(list, n_active * a.lay.cap, k, sm, [&](uint32_t sel, int off, int64_t f0) {
+      store_slots<kMergePer>(out, p.out_stride, table, sel, off,
+                             [&](int e) { return static_cast<int64_t>(__ldcg(list.idx + f0 + e)); });
+    });
+  }
+  for (int64_t i = n_sel + static_cast<int64_t>(threadIdx.x); i < p.out_stride; i += kThreads) out[i] = -1;
+
+  dev::pdl_launch_dependents();  // after this thread's last store
+}
+
+// ---- candidate mask -------------------------------------------------------------------------------
+// Key of candidate block b < n_blocks: max over its positions below clen (num::max_f from -inf,
+// as the reference; the sign of a zero maximum does not matter, +0 and -0 share a key), the
+// newest block pinned to +inf.
+__device__ __forceinline__ uint32_t block_key(const float* row, int64_t c, int block, int64_t b, int64_t newest,
+                                              bool vec8) {
+  if (b == newest) return value_key(__int_as_float(0x7f800000));
+  float v = neg_inf();
+  const int64_t j0 = b * block, j1 = min(j0 + block, c);
+  if (vec8 && j1 == j0 + 8) {
+    const float4 x = *reinterpret_cast<const float4*>(row + j0);
+    const float4 y = *reinterpret_cast<const float4*>(row + j0 + 4);
+    v = num::max_f(num::max_f(num::max_f(num::max_f(v, x.x), x.y), x.z), x.w);
+    v = num::max_f(num::max_f(num::max_f(num::max_f(v, y.x), y.y), y.z), y.w);
+  } else {
+    for (int64_t j = j0; j < j1; ++j) v = num::max_f(v, row[j]);
+  }
+  return v > neg_inf() ? value_key(v) : 0u;
+}
+
+__device__ __forceinline__ void zero_bytes(uint8_t* dst, int64_t n) {
+  for (int64_t i = threadIdx.x; i < n; i += kThreads) dst[i] = 0;
+}
+
+__global__ void __launch_bounds__(kThreads, 2) candidate_mask_v2_kernel(const __grid_constant__ CandidateMaskParams p,
+                                                                          const Args a) {
+  __shared__ Smem sm;
+  const int64_t t = blockIdx.y, chunk = blockIdx.x;
+  int64_t c = p.clen[t];
+  if (c < 0 || c > p.score_stride) {
+    if (chunk == 0 && threadIdx.x == 0) dev::count_error(p.err_count);
+    c = c < 0 ? 0 : p.score_stride;
+  }
+  const int64_t n_blocks = (c + p.block - 1) / p.block;
+  const int k = static_cast<int>(min(static_cast<int64_t>(p.topk_blocks), n_blocks));
+  const int64_t n_active = k == 0 ? 1 : (n_blocks + kMaskChunk - 1) / kMaskChunk;
+  if (chunk >= n_active) {
+    dev::pdl_launch_dependents();
+    return;
+  }
+
+  dev::pdl_wait();
+
+  const float* row = p.scores + t * p.score_stride;
+  uint8_t* mask = p.mask + t * p.mask_stride;
+  const int64_t b0 = chunk * kMaskChunk + int64_t{threadIdx.x} * kMaskPer;
+  const bool vec8 = a.vec && p.block == 8;
+  uint32_t key[kMaskPer];
+#pragma unroll
+  for (int e = 0; e < kMaskPer; ++e)
+    key[e] = (k > 0 && b0 + e < n_blocks) ? block_key(row, c, p.block, b0 + e, n_blocks - 1, vec8) : 0u;
+  uint32_t thr = kKeyNone;
+  int k_eq = 0;
+  const auto visit_keys = [&](auto&& f) {
+#pragma unroll
+    for (int e = 0; e < kMaskPer; ++e) f(key[e]);
+  };
+  if (k > 0) radix_select(visit_keys, k, thr, k_eq, sm);
+
+  if (n_active == 1) {  // the chunk's top k is the row's: the whole mask row from this CTA
+    zero_bytes(mask, p.mask_stride);
+    __syncthreads();  // the zeros are ordered before the ones below (same CTA)
+    int eq_seen = 0, n_sel = 0;
+    select_round(key, thr, k_eq, eq_seen, n_sel, sm, [&](uint32_t sel, int) {
+#pragma unroll
+      for (int e = 0; e < kMaskPer; ++e)
+        if ((sel >> e) & 1u) mask[b0 + e] = 1;
+    });
+  } else {
+    const RowList list = row_list(a, t);
+    write_chunk_list(key, b0, thr, k_eq, list.keys + chunk * a.lay.cap, list.idx + chunk * a.lay.cap, a.lay.cap, sm);
+    if (!arrive_last(row_counter(a, t), n_active, sm)) {
+      dev::pdl_launch_dependents();
+      return;
+    }
+    zero_bytes(mask, p.mask_stride);
+    __syncthreads();
+    merge_lists(list, n_active * a.lay.cap, k, sm, [&](uint32_t sel, int, int64_t f0) {
+      int32_t blk[kMergePer] = {};
+#pragma unroll
+      for (int e = 0; e < kMergePer; ++e)
+        if ((sel >> e) & 1u) blk[e] = __ldcg(list.idx + f0 + e);
+#pragma unroll
+      for (int e = 0; e < kMergePer; ++e)
+        if ((sel >> e) & 1u) mask[blk[e]] = 1;
+    });
+  }
+
+  dev::pdl_launch_dependents();
+}
+
+}  // namespace v2
+
 // ---- apply candidate mask ---------------------------------------------------------------------
 // Grid (ceil(score_stride / 1024), T), block 256: each thread 4 positions of one row.
 constexpr int kApplyThreads = 256;
@@ -463,8 +985,22 @@ __global__ void __launch_bounds__(kApplyThreads)
 void require(bool ok, const char* who, const std::string& what) {
   if (!ok) throw std::invalid_argument(std::string(who) + ": " + what);
 }
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 }  // namespace
+
+size_t indexer_topk_workspace_bytes(int64_t T, int64_t score_stride, int topk) {
+  require(T >= 0 && score_stride >= 0 && topk >= 0, "indexer_topk_workspace_bytes", "negative argument");
+  if (T > kSelectMaxRows) return 0;
+  return static_cast<size_t>(v2::make_layout(score_stride, v2::kTopkChunk, topk).total(T));
+}
+
+size_t candidate_mask_workspace_bytes(int64_t T, int64_t score_stride, int block, int topk_blocks) {
+  require(T >= 0 && score_stride >= 0 && topk_blocks >= 0 && block > 0, "candidate_mask_workspace_bytes",
+          "negative argument or block <= 0");
+  if (T > kSelectMaxRows) return 0;
+  return static_cast<size_t>(v2::make_layout((score_stride + block - 1) / block, v2::kMaskChunk, topk_blocks).total(T));
+}
 
 void run_indexer_topk(const IndexerTopkParams& p, cudaStream_t stream, bool pdl) {
   const char* who = "run_indexer_topk";
@@ -486,11 +1022,26 @@ void run_indexer_topk(const IndexerTopkParams& p, cudaStream_t stream, bool pdl)
   require(p.comp_slot_table != nullptr || p.comp_table_rows == 0, who, "null slot table");
 
   LaunchConfig cfg;
+  cfg.stream = stream;
+  cfg.pdl = pdl;
+  if (p.workspace != nullptr && p.T <= kSelectMaxRows) {
+    const v2::Layout lay = v2::make_layout(p.score_stride, v2::kTopkChunk, p.topk);
+    require(p.workspace_bytes >= static_cast<size_t>(lay.total(p.T)), who,
+            "workspace_bytes " + std::to_string(p.workspace_bytes) + " < indexer_topk_workspace_bytes = " +
+                std::to_string(lay.total(p.T)));
+    require(aligned16(p.workspace), who, "workspace must be 16-byte aligned");
+    v2::Args a;
+    a.lay = lay;
+    a.ws = static_cast<uint8_t*>(p.workspace);
+    a.vec = aligned16(p.scores) && p.score_stride % 4 == 0;
+    cfg.grid = dim3(static_cast<unsigned>(lay.n_chunks), static_cast<unsigned>(p.T), 1);
+    cfg.block = dim3(v2::kThreads, 1, 1);
+    launch_kernel("indexer_topk_v2", v2::indexer_topk_v2_kernel, cfg, p, a);
+    return;
+  }
   cfg.grid = dim3(static_cast<unsigned>(p.T), 1, 1);
   cfg.block = dim3(kThreads, 1, 1);
   cfg.smem_bytes = kSelectSmemBytes;
-  cfg.stream = stream;
-  cfg.pdl = pdl;
   launch_kernel("indexer_topk", indexer_topk_kernel, cfg, p);
 }
 
@@ -507,11 +1058,26 @@ void run_candidate_mask(const CandidateMaskParams& p, cudaStream_t stream, bool 
   require(p.scores != nullptr && p.clen != nullptr && p.mask != nullptr, who, "null pointer");
 
   LaunchConfig cfg;
+  cfg.stream = stream;
+  cfg.pdl = pdl;
+  if (p.workspace != nullptr && p.T <= kSelectMaxRows) {
+    const v2::Layout lay = v2::make_layout((p.score_stride + p.block - 1) / p.block, v2::kMaskChunk, p.topk_blocks);
+    require(p.workspace_bytes >= static_cast<size_t>(lay.total(p.T)), who,
+            "workspace_bytes " + std::to_string(p.workspace_bytes) + " < candidate_mask_workspace_bytes = " +
+                std::to_string(lay.total(p.T)));
+    require(aligned16(p.workspace), who, "workspace must be 16-byte aligned");
+    v2::Args a;
+    a.lay = lay;
+    a.ws = static_cast<uint8_t*>(p.workspace);
+    a.vec = aligned16(p.scores) && p.score_stride % 4 == 0;
+    cfg.grid = dim3(static_cast<unsigned>(lay.n_chunks), static_cast<unsigned>(p.T), 1);
+    cfg.block = dim3(v2::kThreads, 1, 1);
+    launch_kernel("candidate_mask_v2", v2::candidate_mask_v2_kernel, cfg, p, a);
+    return;
+  }
   cfg.grid = dim3(static_cast<unsigned>(p.T), 1, 1);
   cfg.block = dim3(kThreads, 1, 1);
   cfg.smem_bytes = kSelectSmemBytes;
-  cfg.stream = stream;
-  cfg.pdl = pdl;
   launch_kernel("candidate_mask", candidate_mask_kernel, cfg, p);
 }
 

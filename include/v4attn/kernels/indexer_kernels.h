@@ -18,6 +18,18 @@
 // predecessor before its first global read and lets its successor launch after its last store).
 // Values that live on the device (pos, req, clen, slots) cannot be checked on the host: the
 // kernels contain them (skip or clamp) and count each case in `err_count` (nullable).
+//
+// Selection workspace (top-k and candidate mask, "v2"): with `workspace` set, the selection runs
+// on many CTAs per row (each chunk of a row selects its own top k, the last chunk CTA to finish
+// merges the chunk lists; no grid-wide barrier, deterministic: every list has a fixed place and
+// the merge does not depend on which CTA runs it). The workspace is device memory of at least
+// indexer_topk_workspace_bytes / candidate_mask_workspace_bytes for the launch's T and score
+// stride (a buffer sized for the largest launch serves every smaller one, and one buffer can serve
+// both ops), ZERO-FILLED ONCE when allocated; every launch leaves it ready for the next (the
+// per-row arrival counters, the only part that must be zero, are reset by the merging CTA).
+// Launches that share a workspace must be ordered (one stream, or events; PDL is fine: the
+// workspace is touched only after griddepcontrol.wait). With `workspace` null the
+// one-CTA-per-row kernel ("v1") runs.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -33,11 +45,13 @@ constexpr int kIndexerHeads = 32;     // index_n_heads (the scores kernel is wri
 constexpr int kIndexerHeadDim = 128;  // index_head_dim
 constexpr int kIndexerCodeBytes = 64; // e2m1 pairs per head (or per index-K slot)
 constexpr int kIndexerScaleBytes = 4; // ue8m0 per head (one per 32 values)
+constexpr int64_t kSelectMaxRows = 4096;  // v2 selection: rows per launch (arrival counters)
 
 // ---- q pack + head weights ------------------------------------------------------------------
-// Grid: T CTAs of 128 threads; one CTA owns one row (all heads). Thread (h, b) quantizes block b
-// (32 values) of head h. Row t with pos outside [0, max_pos) is skipped (its codes and scales
-// are not written; weights are) and counted.
+// Grid: (T, ceil(heads / 4)) CTAs of 256 threads; one CTA owns 4 heads of one row, one thread one
+// pair of values (a 32-value quant block = 16 threads, its amax a 16-lane butterfly max). Row t
+// with pos outside [0, max_pos) is skipped (its codes and scales are not written; weights are) and
+// counted once.
 struct IndexerQPackParams {
   const num::bf16_t* qi = nullptr;        // [T, qi_stride], head h at h*128 (wq_b_idx output)
   int64_t qi_stride = 0;                  // >= heads*128, multiple of 8 (16-byte rows)
@@ -60,14 +74,17 @@ void run_indexer_q_pack(const IndexerQPackParams& p, cudaStream_t stream, bool p
 float indexer_weight_scale(int heads_total);
 
 // ---- scores ---------------------------------------------------------------------------------
-// Grid: (T, position tiles); one CTA owns one row and a tile of positions; 4 warps, each takes
-// 32 positions per step (int8 tensor-core MMAs give the exact 32-element block sums).
-// Bytes: 68 B of index K + 4 B of slot table per visible position, 4 B of score per stride slot.
+// Grid: (ceil(T / group_rows), position tiles); one CTA owns a group of consecutive rows and a
+// tile of positions; 4 warps, each takes 32 positions per step (int8 tensor-core MMAs give the
+// exact 32-element block sums). Rows of a group with the same req (the verify rows of one
+// request) share one read of the index K of the tile; a group is processed as runs of equal req.
+// Bytes: 68 B of index K + 4 B of slot table per position read, 4 B of score per stride slot.
 // K slot of position j: comp_slot_table[req[t] * comp_table_stride + j]. req < 0 is a padded row
 // (all -inf, like the reference). Device-side containment of what the reference refuses: a slot
-// outside [0, n_slots) gives score -inf for that position (counted once per position); a row with
-// req >= comp_table_rows sees nothing, a clen outside [0, min(score_stride, comp_table_stride)] is
-// clamped into it (counted once per row).
+// outside [0, n_slots) gives score -inf for that position (counted once per read: once per
+// position and run of equal-req rows of a group); a row with req >= comp_table_rows sees
+// nothing, a clen outside [0, min(score_stride, comp_table_stride)] is clamped into it (counted
+// once per row).
 // Bit-exact against the reference (which uses ldexp) whenever the scale exponents of each
 // (q block, K block) pair satisfy -146 <= eq + ek - 2 <= 127 (the fp32 powers of two the kernel
 // forms exist; 3 of margin for the shifted-q form); real activations are far inside (|e| < ~20).
@@ -88,15 +105,18 @@ struct IndexerScoresParams {
   int64_t T = 0;
   unsigned long long* err_count = nullptr;    // device counter (nullable)
   int steps_per_warp = 0;                 // tuning: 32-position steps per warp per CTA (1..4);
-                                          // 0 = automatic (4, fewer when T * tiles is small)
+                                          // 0 = automatic (4, fewer when the grid is small)
+  int group_rows = 1;                     // rows per CTA, 1..8: consecutive rows of one request
+                                          // share the K reads (verify: the rows per request;
+                                          // decode: 1). Any value is correct for any batch.
 };
 void run_indexer_scores(const IndexerScoresParams& p, cudaStream_t stream, bool pdl);
 
 // ---- candidate mask (candidate source layer) ------------------------------------------------
-// Grid: T CTAs of 1024 threads; one CTA owns one row. Block score = max over `block` positions
-// (< clen), the block holding clen-1 pinned to +inf; the top min(topk_blocks, n_blocks) blocks
-// with score > -inf (ties: lower block first) get 1, every other byte of the row's
-// [0, mask_stride) gets 0.
+// Block score = max over `block` positions (< clen), the block holding clen-1 pinned to +inf; the
+// top min(topk_blocks, n_blocks) blocks with score > -inf (ties: lower block first) get 1, every
+// other byte of the row's [0, mask_stride) gets 0.
+// v2 (workspace set): grid (chunks of 1024 blocks, T), 512 threads. v1: T CTAs of 1024 threads.
 struct CandidateMaskParams {
   const float* scores = nullptr;          // [T, score_stride]
   int64_t score_stride = 0;
@@ -107,7 +127,13 @@ struct CandidateMaskParams {
   uint8_t* mask = nullptr;                // [T, mask_stride]
   int64_t mask_stride = 0;                // >= ceil(score_stride / block)
   unsigned long long* err_count = nullptr;    // device counter (nullable)
+  void* workspace = nullptr;              // v2 selection workspace (see the top); null: v1
+  size_t workspace_bytes = 0;             // >= candidate_mask_workspace_bytes(T, score_stride, ...)
 };
+// Workspace bytes for run_candidate_mask with T rows of score_stride positions (monotone in every
+// argument). 0 when v2 cannot run such a launch (T > kSelectMaxRows): run_candidate_mask then
+// runs v1 whatever the workspace.
+size_t candidate_mask_workspace_bytes(int64_t T, int64_t score_stride, int block, int topk_blocks);
 void run_candidate_mask(const CandidateMaskParams& p, cudaStream_t stream, bool pdl);
 
 // In place: scores[t, j] = -inf for j < clen[t] with mask[t, j / block] == 0. Entries j >= clen
@@ -125,13 +151,15 @@ struct ApplyCandidateMaskParams {
 void run_apply_candidate_mask(const ApplyCandidateMaskParams& p, cudaStream_t stream, bool pdl);
 
 // ---- top-k -> slots -------------------------------------------------------------------------
-// Grid: T CTAs of 1024 threads; one CTA owns one row. req and clen are contained like the scores
-// kernel's (req < 0: all -1). k = min(topk, clen) best scores among
-// positions j < clen with score > -inf (ties: lower position first), output sorted by position,
-// mapped through comp_slot_table[req * stride + j], then -1 up to out_stride. Selection: radix
-// select (11 + 11 + 10 bits) of the order-preserving key of each score, then a bitmap over
-// positions compacted in position order (sorted output, exact tie order). -0.0 and +0.0 are one
-// key (they compare equal, as in the reference).
+// req and clen are contained like the scores kernel's (req < 0: all -1). k = min(topk, clen) best
+// scores among positions j < clen with score > -inf (ties: lower position first), output sorted
+// by position, mapped through comp_slot_table[req * stride + j], then -1 up to out_stride.
+// Selection: radix select (12 + 10 + 10 bits) of the order-preserving key of each score, then an
+// ordered compaction (sorted output, exact tie order). -0.0 and +0.0 are one key (they compare
+// equal, as in the reference).
+// v2 (workspace set): grid (chunks of 4096 positions, T), 512 threads: each chunk CTA selects
+// its chunk's top k, the row's last CTA merges (a row of one chunk is finished by its CTA).
+// v1 (workspace null): T CTAs of 1024 threads, one per row.
 // With candidate_mask set, position j < clen counts as -inf when mask[j / mask_block] == 0
 // (= apply_candidate_mask then top-k, without rewriting the scores).
 struct IndexerTopkParams {
@@ -150,7 +178,13 @@ struct IndexerTopkParams {
   int32_t* out = nullptr;                 // [T, out_stride]
   int64_t out_stride = 0;                 // multiple of 64, >= topk
   unsigned long long* err_count = nullptr;    // device counter (nullable)
+  void* workspace = nullptr;              // v2 selection workspace (see the top); null: v1
+  size_t workspace_bytes = 0;             // >= indexer_topk_workspace_bytes(T, score_stride, topk)
 };
+// Workspace bytes for run_indexer_topk with T rows of score_stride positions and this topk
+// (monotone in every argument). 0 when v2 cannot run such a launch (T > kSelectMaxRows):
+// run_indexer_topk then runs v1 whatever the workspace.
+size_t indexer_topk_workspace_bytes(int64_t T, int64_t score_stride, int topk);
 void run_indexer_topk(const IndexerTopkParams& p, cudaStream_t stream, bool pdl);
 
 }  // namespace v4attn::kernels
