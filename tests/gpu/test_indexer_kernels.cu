@@ -156,8 +156,17 @@ std::vector<bf16_t> random_bf16(size_t n, std::mt19937_64& rng, float sigma = 1.
 // q head (all heads of the row) and of a K slot (all 16 slots of an MMA tile) lie within 2^3 of
 // each other, and a per-block one otherwise. kWide feeds the per-block path only, kNarrow the
 // fused path only, kMixed both (even rows narrow, odd rows wide; 98% of the K slots narrow).
-enum class ScaleMix { kWide, kNarrow, kMixed };
-const char* mix_name(ScaleMix m) { return m == ScaleMix::kWide ? "wide" : (m == ScaleMix::kNarrow ? "narrow" : "mixed"); }
+// kHeadMixed: q heads narrow or wide at random (70% narrow) within every row, so the n-tiles of
+// one row take different paths (the kernel decides per m-tile, row and n-tile of 8 heads).
+enum class ScaleMix { kWide, kNarrow, kMixed, kHeadMixed };
+const char* mix_name(ScaleMix m) {
+  switch (m) {
+    case ScaleMix::kWide: return "wide";
+    case ScaleMix::kNarrow: return "narrow";
+    case ScaleMix::kMixed: return "mixed";
+    default: return "head-mixed";
+  }
+}
 
 // 4 scale bytes of one vector: a base in 2^-11 .. 2^-1 plus 0..span per block.
 void vector_scales(uint8_t* s4, int span, std::mt19937_64& rng) {
@@ -176,7 +185,10 @@ ref::IndexerQ random_q(int64_t T, std::mt19937_64& rng, ScaleMix mix = ScaleMix:
   for (auto& b : q.codes) b = static_cast<uint8_t>(rng());
   for (int64_t t = 0; t < T; ++t) {
     const bool narrow = mix == ScaleMix::kNarrow || (mix == ScaleMix::kMixed && t % 2 == 0);
-    for (int h = 0; h < q.heads; ++h) vector_scales(&q.scales[(t * q.heads + h) * 4], narrow ? 3 : 20, rng);
+    for (int h = 0; h < q.heads; ++h) {
+      const bool head_narrow = mix == ScaleMix::kHeadMixed ? rng() % 10 < 7 : narrow;
+      vector_scales(&q.scales[(t * q.heads + h) * 4], head_narrow ? 3 : 20, rng);
+    }
   }
   for (int64_t t = 0; t < T; ++t) {
     const int h = static_cast<int>(rng() % q.heads), b = static_cast<int>(rng() % 4);
@@ -202,7 +214,8 @@ IndexKPool random_pool(int64_t n_slots, int page, std::mt19937_64& rng, ScaleMix
   pool.bytes.resize(static_cast<size_t>(pool.layout.pool_bytes(n_slots)));
   for (auto& b : pool.bytes) b = static_cast<uint8_t>(rng());
   for (int64_t s = 0; s < n_slots; ++s) {
-    const bool narrow = mix == ScaleMix::kNarrow || (mix == ScaleMix::kMixed && rng() % 100 < 98);
+    const bool narrow = mix == ScaleMix::kNarrow ||
+                        ((mix == ScaleMix::kMixed || mix == ScaleMix::kHeadMixed) && rng() % 100 < 98);
     vector_scales(&pool.bytes[pool.layout.scale_offset(s)], narrow ? 3 : 12, rng);
   }
   return pool;
@@ -269,7 +282,8 @@ struct GpuScores {
 enum class LateScoresInput { kQCodes, kCache };
 
 GpuScores gpu_scores(const ScoresProblem& pb, const std::vector<int32_t>& table_override = {}, int steps = 0,
-                     Launch mode = Launch::kPlain, LateScoresInput late = LateScoresInput::kQCodes) {
+                     Launch mode = Launch::kPlain, LateScoresInput late = LateScoresInput::kQCodes,
+                     int group_rows = 1) {
   const int64_t T = pb.T();
   auto d_codes = to_device(pb.q.codes);
   auto d_scales = to_device(pb.q.scales);
@@ -297,6 +311,7 @@ GpuScores gpu_scores(const ScoresProblem& pb, const std::vector<int32_t>& table_
   p.T = T;
   p.err_count = err.get();
   p.steps_per_warp = steps;
+  p.group_rows = group_rows;
   {
     TestStream stream;
     DeviceBuffer<uint8_t> staging;
@@ -308,9 +323,10 @@ GpuScores gpu_scores(const ScoresProblem& pb, const std::vector<int32_t>& table_
   return {out.download_checked(), err.read()};
 }
 
-void check_scores(const ScoresProblem& pb, const std::string& what, int steps = 0, Launch mode = Launch::kPlain) {
+void check_scores(const ScoresProblem& pb, const std::string& what, int steps = 0, Launch mode = Launch::kPlain,
+                  int group_rows = 1) {
   const auto want = reference_scores(pb);
-  const auto got = gpu_scores(pb, {}, steps, mode);
+  const auto got = gpu_scores(pb, {}, steps, mode, LateScoresInput::kQCodes, group_rows);
   EXPECT_EQ(got.errors, 0u) << what;
   expect_same_bytes(got.scores, want, what, pb.score_stride);
 }
@@ -369,7 +385,28 @@ std::vector<int32_t> reference_topk(const TopkProblem& pb) {
   return out;
 }
 
-std::vector<int32_t> gpu_topk(const TopkProblem& pb, unsigned long long* errors = nullptr, Launch mode = Launch::kPlain) {
+// Selection versions: v1 = one CTA per row (no workspace), v2 = many CTAs per row (workspace).
+enum class Sel { kV1, kV2 };
+constexpr Sel kSels[] = {Sel::kV1, Sel::kV2};
+std::string sel_name(Sel v) { return v == Sel::kV1 ? "v1" : "v2"; }
+
+// A zero-filled selection workspace of at least `bytes` (the stack's contract: zeroed once).
+DeviceBuffer<uint8_t> zeroed_workspace(size_t bytes) {
+  DeviceBuffer<uint8_t> ws(std::max<size_t>(bytes, 16));
+  ws.fill_bytes(0);
+  return ws;
+}
+
+// v2 runs on `ws` when given (kept across calls: its counters must come back zeroed), else on a
+// fresh zeroed workspace of exactly the launch's size.
+std::vector<int32_t> gpu_topk(const TopkProblem& pb, unsigned long long* errors = nullptr, Launch mode = Launch::kPlain,
+                              Sel sel = Sel::kV1, DeviceBuffer<uint8_t>* ws = nullptr) {
+  const size_t ws_bytes = kernels::indexer_topk_workspace_bytes(pb.T, pb.stride, pb.topk);
+  DeviceBuffer<uint8_t> own_ws;
+  if (sel == Sel::kV2 && ws == nullptr) {
+    own_ws = zeroed_workspace(ws_bytes);
+    ws = &own_ws;
+  }
   auto d_scores = to_device(pb.scores);
   auto d_req = to_device(pb.req);
   auto d_clen = to_device(pb.clen);
@@ -395,6 +432,11 @@ std::vector<int32_t> gpu_topk(const TopkProblem& pb, unsigned long long* errors 
   p.out = out.get();
   p.out_stride = pb.out_stride;
   p.err_count = err.get();
+  if (sel == Sel::kV2) {
+    p.workspace = ws->get();
+    p.workspace_bytes = ws->bytes();
+    EXPECT_GE(ws->bytes(), ws_bytes);
+  }
   {
     TestStream stream;
     DeviceBuffer<float> staging;
@@ -441,7 +483,14 @@ std::vector<uint8_t> reference_mask(const MaskProblem& pb) {
   return m;
 }
 
-std::vector<uint8_t> gpu_mask(const MaskProblem& pb, Launch mode = Launch::kPlain) {
+std::vector<uint8_t> gpu_mask(const MaskProblem& pb, Launch mode = Launch::kPlain, Sel sel = Sel::kV1,
+                              DeviceBuffer<uint8_t>* ws = nullptr) {
+  const size_t ws_bytes = kernels::candidate_mask_workspace_bytes(pb.T, pb.stride, pb.block, pb.topk_blocks);
+  DeviceBuffer<uint8_t> own_ws;
+  if (sel == Sel::kV2 && ws == nullptr) {
+    own_ws = zeroed_workspace(ws_bytes);
+    ws = &own_ws;
+  }
   auto d_scores = to_device(pb.scores);
   auto d_clen = to_device(pb.clen);
   PoisonedOutput<uint8_t> out(static_cast<size_t>(pb.T * pb.mask_stride));
@@ -456,6 +505,11 @@ std::vector<uint8_t> gpu_mask(const MaskProblem& pb, Launch mode = Launch::kPlai
   p.mask = out.get();
   p.mask_stride = pb.mask_stride;
   p.err_count = err.get();
+  if (sel == Sel::kV2) {
+    p.workspace = ws->get();
+    p.workspace_bytes = ws->bytes();
+    EXPECT_GE(ws->bytes(), ws_bytes);
+  }
   {
     TestStream stream;
     DeviceBuffer<float> staging;
@@ -524,12 +578,13 @@ struct QPackOut {
   std::vector<float> weights;
   unsigned long long errors = 0;
 };
-QPackOut gpu_qpack(const QPackInputs& in, Launch mode) {
+// heads < 32: the first `heads` heads of each row (the stack's tensor-parallel compact heads).
+QPackOut gpu_qpack(const QPackInputs& in, Launch mode, int heads = kernels::kIndexerHeads) {
   auto d_qi = to_device(in.qi_strided);
   auto d_w = to_device(in.wproj_strided);
   auto d_pos = to_device(in.pos);
   auto d_table = to_device(in.table);
-  const int64_t H = kernels::kIndexerHeads;
+  const int64_t H = heads;
   PoisonedOutput<uint8_t> codes(static_cast<size_t>(in.T * H * 64));
   PoisonedOutput<uint8_t> scales(static_cast<size_t>(in.T * H * 4));
   PoisonedOutput<float> weights(static_cast<size_t>(in.T * H));
@@ -547,6 +602,8 @@ QPackOut gpu_qpack(const QPackInputs& in, Launch mode) {
   p.q_scales = scales.get();
   p.weights = weights.get();
   p.err_count = err.get();
+  p.heads = heads;
+  p.heads_total = kernels::kIndexerHeads;
   {
     TestStream stream;
     DeviceBuffer<bf16_t> staging;
@@ -575,6 +632,29 @@ TEST(GpuIndexerQPack, BytesMatchReference) {
     expect_same_bytes(got.scales, want.scales, what + " scales", 32 * 4);
     expect_same_bytes(got.weights, want_w, what + " weights", 32);
   }
+}
+
+TEST(GpuIndexerQPack, FewerHeadsMatchReference) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5eed0003);
+  // 16 heads (4 CTAs of 4 heads per row) and 5 (a partial last CTA), strided inputs.
+  for (int heads : {16, 5})
+    for (int64_t T : {1, 6}) {
+      const auto in = make_qpack_inputs(T, 64, 16, rng);
+      std::vector<bf16_t> qi_c, wp_c;  // the reference's contiguous [T, heads*128] and [T, heads]
+      for (int64_t t = 0; t < T; ++t) {
+        qi_c.insert(qi_c.end(), in.qi.begin() + t * 4096, in.qi.begin() + t * 4096 + heads * 128);
+        wp_c.insert(wp_c.end(), in.wproj.begin() + t * 32, in.wproj.begin() + t * 32 + heads);
+      }
+      const auto want = ref::indexer_q_pack(qi_c.data(), T, heads, in.pos.data(), in.table.data(), in.max_pos);
+      const auto want_w = ref::indexer_weights(wp_c.data(), T, heads, kernels::kIndexerHeads);
+      const auto got = gpu_qpack(in, T == 6 ? Launch::kPdlLate : Launch::kPlain, heads);
+      const std::string what = "heads " + std::to_string(heads) + " T=" + std::to_string(T);
+      EXPECT_EQ(got.errors, 0u) << what;
+      expect_same_bytes(got.codes, want.codes, what + " codes", heads * 64);
+      expect_same_bytes(got.scales, want.scales, what + " scales", heads * 4);
+      expect_same_bytes(got.weights, want_w, what + " weights", heads);
+    }
 }
 
 TEST(GpuIndexerQPack, WeightScaleIsOneOver64) {
@@ -618,7 +698,7 @@ TEST(GpuIndexerScores, EdgeLengthsMatchReferenceBitForBit) {
   V4_REQUIRE_GPU();
   std::mt19937_64 rng(0x5eed0101);
   // clen 0, 1, 63, 64, 1000, 5000 on six rows of six requests; the stride leaves -inf tails.
-  for (ScaleMix mix : {ScaleMix::kWide, ScaleMix::kNarrow, ScaleMix::kMixed}) {
+  for (ScaleMix mix : {ScaleMix::kWide, ScaleMix::kNarrow, ScaleMix::kMixed, ScaleMix::kHeadMixed}) {
     const auto pb = make_scores_problem({0, 1, 2, 3, 4, 5}, {0, 1, 63, 64, 1000, 5000}, 6, 5056, rng, mix);
     check_scores(pb, std::string("edge lengths, ") + mix_name(mix) + " scales");
   }
@@ -629,18 +709,26 @@ TEST(GpuIndexerScores, TileSizesAndPdlGiveTheSameBits) {
   std::mt19937_64 rng(0x5eed0102);
   const auto pb = make_scores_problem({1, 0, 1}, {1500, 700, 1537}, 2, 1600, rng);
   const auto want = reference_scores(pb);
-  for (int steps : {1, 2, 3, 4}) {
-    const auto got = gpu_scores(pb, {}, steps, steps == 3 ? Launch::kPdl : Launch::kPlain);
-    EXPECT_EQ(got.errors, 0u);
-    expect_same_bytes(got.scores, want, "steps " + std::to_string(steps), pb.score_stride);
-  }
+  // group_rows 3: the three rows in one CTA as three runs (req 1, 0, 1).
+  for (int group_rows : {1, 3})
+    for (int steps : {1, 2, 3, 4}) {
+      const auto got = gpu_scores(pb, {}, steps, steps == 3 ? Launch::kPdl : Launch::kPlain, LateScoresInput::kQCodes,
+                                  group_rows);
+      EXPECT_EQ(got.errors, 0u);
+      expect_same_bytes(got.scores, want, "steps " + std::to_string(steps) + " group_rows " + std::to_string(group_rows),
+                        pb.score_stride);
+    }
   // PDL with late inputs: q (from the q-pack kernel) and the index-K cache (from the index-K
   // store) are only read after griddepcontrol.wait.
-  for (LateScoresInput late : {LateScoresInput::kQCodes, LateScoresInput::kCache}) {
-    const auto got = gpu_scores(pb, {}, 0, Launch::kPdlLate, late);
-    EXPECT_EQ(got.errors, 0u);
-    expect_same_bytes(got.scores, want, late == LateScoresInput::kQCodes ? "late q" : "late K", pb.score_stride);
-  }
+  for (int group_rows : {1, 3})
+    for (LateScoresInput late : {LateScoresInput::kQCodes, LateScoresInput::kCache}) {
+      const auto got = gpu_scores(pb, {}, 0, Launch::kPdlLate, late, group_rows);
+      EXPECT_EQ(got.errors, 0u);
+      expect_same_bytes(got.scores, want,
+                        std::string(late == LateScoresInput::kQCodes ? "late q" : "late K") + " group_rows " +
+                            std::to_string(group_rows),
+                        pb.score_stride);
+    }
 }
 
 TEST(GpuIndexerScores, FullContext65536MatchesReference) {
@@ -686,7 +774,10 @@ TEST(GpuIndexerScores, VerifyBatchWithPaddedRowsAndSmallPages) {
   }
   for (int page : {64, 16}) {
     const auto pb = make_scores_problem(req, clen, 4, 2112, rng, page == 64 ? ScaleMix::kNarrow : ScaleMix::kMixed, page);
-    check_scores(pb, "verify, page " + std::to_string(page));
+    // group_rows 6: one request per CTA; 4 and 8: groups straddle requests (several runs per CTA).
+    for (int group_rows : {1, 6, 4, 8})
+      check_scores(pb, "verify, page " + std::to_string(page) + ", group_rows " + std::to_string(group_rows), 0,
+                   Launch::kPlain, group_rows);
   }
 }
 
@@ -727,6 +818,66 @@ TEST(GpuIndexerScores, BadRowMetadataIsContainedAndCounted) {
   expect_same_bytes(got.scores, want, "contained rows", pb.score_stride);
 }
 
+TEST(GpuIndexerScores, GroupedVerifyRowsMatchReferenceAndSharedReadsCountOnce) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5eed0108);
+  // 2 requests x 6 verify rows at ~6000 positions (several tiles, head-mixed paths), 2 padded rows.
+  std::vector<int32_t> req, clen;
+  for (int r = 0; r < 2; ++r)
+    for (int v = 0; v < 6; ++v) {
+      req.push_back(r);
+      clen.push_back(5995 + 3 * r + v);
+    }
+  req.push_back(-1);
+  clen.push_back(0);
+  req.push_back(-1);
+  clen.push_back(17);  // stale clen of a padded row: sees nothing, not an error
+  const auto pb = make_scores_problem(req, clen, 2, 6016, rng, ScaleMix::kHeadMixed);
+  for (int group_rows : {6, 1, 7})
+    for (int steps : {0, 1, 3})
+      check_scores(pb, "grouped verify, group_rows " + std::to_string(group_rows) + " steps " + std::to_string(steps),
+                   steps, Launch::kPlain, group_rows);
+
+  // Bad slots: position 17 is seen by all 6 rows of request 0, position 5998 only by its rows 4
+  // and 5 (clen 5999, 6000). Each row's score there is -inf; the error is counted once per read:
+  // per row with group_rows 1, once per request run with group_rows 6.
+  auto bad = pb.table.v;
+  bad[17] = -5;
+  bad[5998] = static_cast<int32_t>(pb.pool.n_slots);
+  auto want = reference_scores(pb);
+  for (int t = 0; t < 6; ++t) want[t * pb.score_stride + 17] = -kInf;
+  for (int t = 4; t < 6; ++t) want[t * pb.score_stride + 5998] = -kInf;
+  for (int group_rows : {1, 6}) {
+    const auto got = gpu_scores(pb, bad, 0, Launch::kPlain, LateScoresInput::kQCodes, group_rows);
+    EXPECT_EQ(got.errors, group_rows == 1 ? 8u : 2u) << "group_rows " << group_rows;
+    expect_same_bytes(got.scores, want, "bad slots, group_rows " + std::to_string(group_rows), pb.score_stride);
+  }
+}
+
+TEST(GpuIndexerScores, ExtremeWeightsKeepBothPathsExact) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5eed0109);
+  // Head weights where sq_min * w is not an exact fp32 number (the fused path's precondition):
+  // subnormal and tiny weights (the product underflows), 2^126 (it overflows on the larger q
+  // scales), besides +0, -0 and ordinary ones. The kernel must fall back per n-tile and still
+  // give the reference's bits (terms may be subnormal or +inf; weights are all >= 0 where huge,
+  // so a sum never meets inf - inf).
+  for (ScaleMix mix : {ScaleMix::kNarrow, ScaleMix::kHeadMixed}) {
+    auto pb = make_scores_problem({0, 0, 1, 1}, {700, 701, 950, 64}, 2, 960, rng, mix);
+    for (int64_t t = 0; t < pb.T(); ++t) {
+      float* w = pb.w.data() + t * kernels::kIndexerHeads;
+      w[1] = 0.0f;
+      w[2] = -0.0f;
+      w[3] = std::ldexp(1.0f, -120);
+      w[4] = -std::ldexp(1.0f, -135);  // subnormal
+      w[9] = std::ldexp(1.0f, 126);
+      w[17] = std::ldexp(1.5f, -130);   // subnormal
+      w[30] = -std::ldexp(1.0f, -118);
+    }
+    for (int group_rows : {1, 2}) check_scores(pb, std::string("extreme weights, ") + mix_name(mix), 0, Launch::kPlain, group_rows);
+  }
+}
+
 // =================================================================================================
 // top-k
 // =================================================================================================
@@ -736,7 +887,8 @@ TEST(GpuIndexerTopk, TiesMaskedAndShortRowsMatchReference) {
   std::mt19937_64 rng(0x5eed0201);
   const std::vector<int32_t> clen = {0, 1, 100, 511, 512, 513, 700, 5000, 20000, 65536};
   const auto pb = make_topk_problem(clen, 65536, 512, 576, rng, /*ties=*/true);
-  expect_same_bytes(gpu_topk(pb), reference_topk(pb), "tie-heavy", pb.out_stride);
+  const auto want = reference_topk(pb);
+  for (Sel v : kSels) expect_same_bytes(gpu_topk(pb, nullptr, Launch::kPlain, v), want, "tie-heavy " + sel_name(v), pb.out_stride);
 }
 
 TEST(GpuIndexerTopk, DecodeBatchesMatchReference) {
@@ -753,8 +905,10 @@ TEST(GpuIndexerTopk, DecodeBatchesMatchReference) {
       pb.clen[T - 2] = 0;
     }
     const Launch mode = T == 6 ? Launch::kPdlLate : (T == 8 ? Launch::kPdl : Launch::kPlain);
-    expect_same_bytes(gpu_topk(pb, nullptr, mode), reference_topk(pb),
-                      "T=" + std::to_string(T) + " " + launch_name(mode), pb.out_stride);
+    const auto want = reference_topk(pb);
+    for (Sel v : kSels)
+      expect_same_bytes(gpu_topk(pb, nullptr, mode, v), want,
+                        "T=" + std::to_string(T) + " " + launch_name(mode) + " " + sel_name(v), pb.out_stride);
   }
 }
 
@@ -767,10 +921,12 @@ TEST(GpuIndexerTopk, AllEqualScoresTakeTheLowestPositions) {
   // Row 1: the equal run starts at 100 after -inf positions; one larger value at the end.
   for (int64_t j = 0; j < 100; ++j) pb.scores[1 * pb.stride + j] = -kInf;
   pb.scores[1 * pb.stride + 2999] = 1.0f;
-  const auto got = gpu_topk(pb);
-  expect_same_bytes(got, reference_topk(pb), "all equal", pb.out_stride);
-  // Independent of the reference: row 0 is the slots of positions 0..511.
-  for (int i = 0; i < 512; ++i) ASSERT_EQ(got[i], pb.table.v[pb.req[0] * pb.table.stride + i]) << i;
+  for (Sel v : kSels) {
+    const auto got = gpu_topk(pb, nullptr, Launch::kPlain, v);
+    expect_same_bytes(got, reference_topk(pb), "all equal " + sel_name(v), pb.out_stride);
+    // Independent of the reference: row 0 is the slots of positions 0..511.
+    for (int i = 0; i < 512; ++i) ASSERT_EQ(got[i], pb.table.v[pb.req[0] * pb.table.stride + i]) << sel_name(v) << " " << i;
+  }
 }
 
 TEST(GpuIndexerTopk, OtherKAndWidths) {
@@ -780,7 +936,10 @@ TEST(GpuIndexerTopk, OtherKAndWidths) {
     const std::vector<int32_t> clen = {0, 63, 2000, 2049, 9000};
     const int64_t out_stride = std::max<int64_t>(64, (topk + 63) / 64 * 64);
     const auto pb = make_topk_problem(clen, 9024, topk, out_stride, rng, topk % 2 == 0);
-    expect_same_bytes(gpu_topk(pb), reference_topk(pb), "topk " + std::to_string(topk), pb.out_stride);
+    const auto want = reference_topk(pb);
+    for (Sel v : kSels)
+      expect_same_bytes(gpu_topk(pb, nullptr, Launch::kPlain, v), want, "topk " + std::to_string(topk) + " " + sel_name(v),
+                        pb.out_stride);
   }
 }
 
@@ -790,8 +949,10 @@ TEST(GpuIndexerTopk, RowsLongerThanOneOutputChunk) {
   // > 65536 positions: the general path with several 65536-position output chunks.
   for (bool ties : {false, true}) {
     const auto pb = make_topk_problem({65537, 70000, 131072}, 131072, 512, 512, rng, ties);
-    expect_same_bytes(gpu_topk(pb), reference_topk(pb), std::string("long rows, ties ") + (ties ? "on" : "off"),
-                      pb.out_stride);
+    const auto want = reference_topk(pb);
+    for (Sel v : kSels)
+      expect_same_bytes(gpu_topk(pb, nullptr, Launch::kPlain, v), want,
+                        std::string("long rows, ties ") + (ties ? "on " : "off ") + sel_name(v), pb.out_stride);
   }
 }
 
@@ -805,8 +966,10 @@ TEST(GpuIndexerTopk, FusedCandidateMaskEqualsApplyThenTopk) {
     pb.mask_stride = 8192 + 64;
     pb.mask.resize(static_cast<size_t>(pb.T * pb.mask_stride));
     for (auto& m : pb.mask) m = (rng() % 4 == 0) ? 1 : 0;
-    expect_same_bytes(gpu_topk(pb), reference_topk(pb), std::string("masked, ties ") + (ties ? "on" : "off"),
-                      pb.out_stride);
+    const auto want = reference_topk(pb);
+    for (Sel v : kSels)
+      expect_same_bytes(gpu_topk(pb, nullptr, Launch::kPlain, v), want,
+                        std::string("masked, ties ") + (ties ? "on " : "off ") + sel_name(v), pb.out_stride);
   }
 }
 
@@ -817,16 +980,98 @@ TEST(GpuIndexerTopk, BadRowMetadataIsContainedAndCounted) {
   auto want = reference_topk(pb);
   pb.req[1] = 3;       // unknown request (3 table rows): all -1
   pb.clen[2] = 5000;   // past the stride: clamped to 1024
-  unsigned long long errors = 0;
-  const auto got = gpu_topk(pb, &errors);
-  EXPECT_EQ(errors, 2u);
   std::fill_n(want.begin() + 512, 512, -1);
   auto pb2 = pb;
   pb2.req[1] = 0;
   pb2.clen = {600, 600, 1024};
   const auto want2 = reference_topk(pb2);
   std::copy_n(want2.begin() + 1024, 512, want.begin() + 1024);
-  expect_same_bytes(got, want, "contained rows", pb.out_stride);
+  for (Sel v : kSels) {
+    unsigned long long errors = 0;
+    const auto got = gpu_topk(pb, &errors, Launch::kPlain, v);
+    EXPECT_EQ(errors, 2u) << sel_name(v);
+    expect_same_bytes(got, want, "contained rows " + sel_name(v), pb.out_stride);
+  }
+}
+
+TEST(GpuIndexerTopk, V2EdgeLengthsUpTo131072MatchReference) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5eed0208);
+  // One chunk (4096 positions) per v2 CTA: rows of 0, 1, k-1, k, k+1 positions, chunk edges, and
+  // 16 / 32 chunks (one and two merge rounds of 8192 list entries).
+  const std::vector<int32_t> clen = {0, 1, 511, 512, 513, 4095, 4096, 4097, 8193, 65536, 131072};
+  for (bool ties : {true, false}) {
+    const auto pb = make_topk_problem(clen, 131072, 512, 576, rng, ties);
+    const auto want = reference_topk(pb);
+    for (Sel v : kSels)
+      expect_same_bytes(gpu_topk(pb, nullptr, ties ? Launch::kPdlLate : Launch::kPlain, v), want,
+                        std::string("edge lengths, ties ") + (ties ? "on " : "off ") + sel_name(v), pb.out_stride);
+  }
+}
+
+TEST(GpuIndexerTopk, V2TiesAcrossChunksAndMergeRounds) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5eed0209);
+  auto pb = make_topk_problem({131072, 131072, 20000, 9000}, 131072, 512, 512, rng, false);
+  // Row 0: all equal (every chunk lists its first 512, the merge keeps positions 0..511).
+  for (int64_t j = 0; j < 131072; ++j) pb.scores[j] = 0.5f;
+  // Row 1: equal values everywhere except 300 larger ones spread over the last chunks: the
+  // threshold's ties come from the first chunk, the larger ones from the last.
+  for (int64_t j = 0; j < 131072; ++j) pb.scores[1 * pb.stride + j] = -2.0f;
+  for (int i = 0; i < 300; ++i) pb.scores[1 * pb.stride + 131071 - 17 * i] = 3.0f + static_cast<float>(i % 5);
+  // Row 2: 3 distinct values with the k-th in the middle one; its ties span every chunk.
+  for (int64_t j = 0; j < 20000; ++j) pb.scores[2 * pb.stride + j] = j % 97 == 0 ? 9.0f : (j % 7 == 0 ? 1.0f : -1.0f);
+  // Row 3: -0.0 and +0.0 interleaved (one key), some -inf and NaN, a few positives.
+  for (int64_t j = 0; j < 9000; ++j) {
+    float x = (j % 2) ? -0.0f : 0.0f;
+    if (j % 11 == 0) x = -kInf;
+    if (j % 13 == 0) x = std::numeric_limits<float>::quiet_NaN();
+    if (j % 1000 == 999) x = 1.0f;
+    pb.scores[3 * pb.stride + j] = x;
+  }
+  const auto want = reference_topk(pb);
+  for (Sel v : kSels) {
+    const auto got = gpu_topk(pb, nullptr, Launch::kPlain, v);
+    expect_same_bytes(got, want, "ties across chunks " + sel_name(v), pb.out_stride);
+    for (int i = 0; i < 512; ++i)  // independent of the reference
+      ASSERT_EQ(got[i], pb.table.v[pb.req[0] * pb.table.stride + i]) << sel_name(v) << " " << i;
+  }
+}
+
+TEST(GpuIndexerTopk, V2IsDeterministicAndItsWorkspaceIsReusable) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5eed020a);
+  // One workspace (zeroed once) for every launch below, of different shapes and both ops, in an
+  // order where a small launch follows a large one and vice versa: each launch must leave it
+  // ready for the next, and the same input must give the same bytes every time.
+  const size_t bytes = std::max(kernels::indexer_topk_workspace_bytes(64, 131072, 2048),
+                                kernels::candidate_mask_workspace_bytes(64, 131072, 8, 2048));
+  auto ws = zeroed_workspace(bytes);
+  std::vector<int32_t> clen_a(64);
+  for (auto& c : clen_a) c = static_cast<int32_t>(rng() % 65537);
+  clen_a[5] = 65536;
+  const auto a = make_topk_problem(clen_a, 65536, 512, 512, rng, true);
+  auto b = make_topk_problem({131072, 70000, 4097}, 131072, 2048, 2048, rng, false);
+  b.mask_block = 8;
+  b.mask_stride = 131072 / 8;
+  b.mask.resize(static_cast<size_t>(b.T * b.mask_stride));
+  for (auto& m : b.mask) m = (rng() % 3 == 0) ? 1 : 0;
+  MaskProblem c;
+  c.clen = {65536, 30000, 1, 0, 8 * 1024 + 3};
+  c.T = 5;
+  c.stride = 65536;
+  c.mask_stride = 8192;
+  c.scores = tie_heavy_scores(c.T, c.stride, c.clen, rng, 5);
+  const auto want_a = reference_topk(a), want_b = reference_topk(b);
+  const auto want_c = reference_mask(c);
+  const auto first_a = gpu_topk(a, nullptr, Launch::kPlain, Sel::kV2, &ws);
+  expect_same_bytes(first_a, want_a, "A #1");
+  for (int rep = 0; rep < 3; ++rep) {
+    expect_same_bytes(gpu_topk(b, nullptr, rep == 1 ? Launch::kPdl : Launch::kPlain, Sel::kV2, &ws), want_b, "B masked");
+    expect_same_bytes(gpu_mask(c, Launch::kPlain, Sel::kV2, &ws), want_c, "C mask");
+    const auto again = gpu_topk(a, nullptr, rep == 2 ? Launch::kPdlLate : Launch::kPlain, Sel::kV2, &ws);
+    ASSERT_EQ(std::memcmp(again.data(), first_a.data(), again.size() * sizeof(int32_t)), 0) << "A differs on run " << rep;
+  }
 }
 
 // =================================================================================================
@@ -848,8 +1093,11 @@ TEST(GpuIndexerCandidateMask, MatchesReference) {
     for (int64_t t = 0; t < pb.T; ++t)
       for (int64_t j = 800; j < std::min<int64_t>(clen[t], 880); ++j) pb.scores[t * pb.stride + j] = -kInf;
     const Launch mode = ties ? Launch::kPdlLate : Launch::kPlain;
-    expect_same_bytes(gpu_mask(pb, mode), reference_mask(pb),
-                      std::string("mask, ties ") + (ties ? "on " : "off ") + launch_name(mode), pb.mask_stride);
+    const auto want = reference_mask(pb);
+    for (Sel v : kSels)
+      expect_same_bytes(gpu_mask(pb, mode, v), want,
+                        std::string("mask, ties ") + (ties ? "on " : "off ") + launch_name(mode) + " " + sel_name(v),
+                        pb.mask_stride);
   }
 }
 
@@ -865,7 +1113,10 @@ TEST(GpuIndexerCandidateMask, MaskWiderThanOneOutputChunk) {
   pb.scores = random_scores(pb.T, pb.stride, pb.clen, rng);
   for (int budget : {2048, 70000}) {
     pb.topk_blocks = budget;
-    expect_same_bytes(gpu_mask(pb), reference_mask(pb), "wide mask, budget " + std::to_string(budget), pb.mask_stride);
+    const auto want = reference_mask(pb);
+    for (Sel v : kSels)
+      expect_same_bytes(gpu_mask(pb, Launch::kPlain, v), want, "wide mask, budget " + std::to_string(budget) + " " + sel_name(v),
+                        pb.mask_stride);
   }
 }
 
@@ -883,9 +1134,33 @@ TEST(GpuIndexerCandidateMask, OtherBlockSizesAndBudgets) {
       pb.mask_stride = (pb.stride + block - 1) / block + 3;
       pb.clen = clen;
       pb.scores = tie_heavy_scores(pb.T, pb.stride, clen, rng, 4);
-      expect_same_bytes(gpu_mask(pb), reference_mask(pb),
-                        "block " + std::to_string(block) + " budget " + std::to_string(budget), pb.mask_stride);
+      const auto want = reference_mask(pb);
+      for (Sel v : kSels)
+        expect_same_bytes(gpu_mask(pb, Launch::kPlain, v), want,
+                          "block " + std::to_string(block) + " budget " + std::to_string(budget) + " " + sel_name(v),
+                          pb.mask_stride);
     }
+  }
+}
+
+TEST(GpuIndexerCandidateMask, V2ChunkEdgesMatchReference) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5eed0305);
+  // v2 CTAs take 1024 blocks each: rows of 1023, 1024, 1025, 2048, 2049 and 16384 blocks (with
+  // partial last blocks), budgets below, at and above a chunk, and above the row.
+  const std::vector<int32_t> clen = {8 * 1023, 8 * 1024, 8 * 1024 + 1, 8 * 2048 - 3, 8 * 2049, 131072};
+  for (int budget : {100, 1024, 2048, 5000, 20000}) {
+    MaskProblem pb;
+    pb.T = static_cast<int64_t>(clen.size());
+    pb.stride = 131072;
+    pb.mask_stride = 16384 + 40;
+    pb.clen = clen;
+    pb.topk_blocks = budget;
+    pb.scores = budget % 2 == 0 ? tie_heavy_scores(pb.T, pb.stride, clen, rng, 3) : random_scores(pb.T, pb.stride, clen, rng);
+    const auto want = reference_mask(pb);
+    for (Sel v : kSels)
+      expect_same_bytes(gpu_mask(pb, Launch::kPlain, v), want, "budget " + std::to_string(budget) + " " + sel_name(v),
+                        pb.mask_stride);
   }
 }
 
@@ -924,13 +1199,16 @@ TEST(GpuIndexerCandidateMask, ApplyMatchesReference) {
 TEST(GpuIndexerChain, QPackScoresMaskTopkMatchReference) {
   V4_REQUIRE_GPU();
   std::mt19937_64 rng(0x5eed0401);
-  const int64_t T = 8, stride = 3072;
+  // 8 rows, 2 per request (consecutive), clen up to ~9000 of a 9216 stride: the v2 selection
+  // merges up to 3 chunks per row.
+  const int64_t T = 8, stride = 9216;
   const auto in = make_qpack_inputs(T, 0, 0, rng);
   std::vector<int32_t> req(T), clen(T);
   for (int64_t t = 0; t < T; ++t) {
     req[t] = static_cast<int32_t>(t / 2);
-    clen[t] = static_cast<int32_t>(rng() % 3000 + 1);
+    clen[t] = static_cast<int32_t>(rng() % 9000 + 1);
   }
+  clen[3] = 9216;
   // Reference chain.
   ScoresProblem pb;
   pb.q = ref::indexer_q_pack(in.qi.data(), T, 32, in.pos.data(), in.table.data(), in.max_pos);
@@ -942,102 +1220,117 @@ TEST(GpuIndexerChain, QPackScoresMaskTopkMatchReference) {
   pb.score_stride = stride;
   const auto ref_scores = reference_scores(pb);
   const int64_t mask_stride = stride / 8;
+  const int budget = 300;
   std::vector<uint8_t> ref_mask(static_cast<size_t>(T * mask_stride));
-  ref::candidate_mask(ref_scores.data(), T, stride, clen.data(), 8, 64, ref_mask.data(), mask_stride);
+  ref::candidate_mask(ref_scores.data(), T, stride, clen.data(), 8, budget, ref_mask.data(), mask_stride);
   auto masked = ref_scores;
   ref::apply_candidate_mask(masked.data(), T, stride, clen.data(), 8, ref_mask.data(), mask_stride);
   std::vector<int32_t> ref_out(static_cast<size_t>(T * 512));
   ref::topk_to_slots(masked.data(), T, stride, clen.data(), 512, req.data(), pb.table.v.data(), pb.table.stride,
                      ref_out.data(), 512);
 
-  // GPU chain on one stream with PDL between the kernels.
-  cudaStream_t stream;
-  V4_CUDA_CHECK(cudaStreamCreate(&stream));
   auto d_qi = to_device(in.qi);
   auto d_wp = to_device(in.wproj);
   auto d_pos = to_device(in.pos);
   auto d_table = to_device(in.table);
-  DeviceBuffer<uint8_t> d_codes(T * 32 * 64), d_scales(T * 32 * 4);
-  DeviceBuffer<float> d_w(T * 32), d_scores(T * stride);
-  DeviceBuffer<uint8_t> d_mask(T * mask_stride);
-  DeviceBuffer<int32_t> d_out(T * 512);
-  d_scores.fill_bytes(kPoison);
-  d_mask.fill_bytes(kPoison);
-  d_out.fill_bytes(kPoison);
   auto d_cache = to_device(pb.pool.bytes);
   auto d_slots = to_device(pb.table.v);
   auto d_req = to_device(req);
   auto d_clen = to_device(clen);
-  V4_CUDA_CHECK(cudaDeviceSynchronize());
+  // One workspace for the mask and the top-k (the stack's sharing), sized for both.
+  auto ws = zeroed_workspace(std::max(kernels::indexer_topk_workspace_bytes(T, stride, 512),
+                                      kernels::candidate_mask_workspace_bytes(T, stride, 8, budget)));
+  for (Sel v : kSels) {
+    const int group_rows = v == Sel::kV1 ? 1 : 2;
+    const std::string what = sel_name(v) + " group_rows " + std::to_string(group_rows);
+    // GPU chain on one stream with PDL between the kernels.
+    cudaStream_t stream;
+    V4_CUDA_CHECK(cudaStreamCreate(&stream));
+    DeviceBuffer<uint8_t> d_codes(T * 32 * 64), d_scales(T * 32 * 4);
+    DeviceBuffer<float> d_w(T * 32), d_scores(T * stride);
+    DeviceBuffer<uint8_t> d_mask(T * mask_stride);
+    DeviceBuffer<int32_t> d_out(T * 512);
+    d_codes.fill_bytes(kPoison);
+    d_scales.fill_bytes(kPoison);
+    d_scores.fill_bytes(kPoison);
+    d_mask.fill_bytes(kPoison);
+    d_out.fill_bytes(kPoison);
+    V4_CUDA_CHECK(cudaDeviceSynchronize());
 
-  kernels::IndexerQPackParams qp;
-  qp.qi = d_qi.get();
-  qp.qi_stride = 32 * 128;
-  qp.wproj_out = d_wp.get();
-  qp.wproj_stride = 32;
-  qp.pos = d_pos.get();
-  qp.rope_table = d_table.get();
-  qp.max_pos = in.max_pos;
-  qp.T = T;
-  qp.q_codes = d_codes.get();
-  qp.q_scales = d_scales.get();
-  qp.weights = d_w.get();
-  kernels::run_indexer_q_pack(qp, stream, true);
-  kernels::IndexerScoresParams sp;
-  sp.q_codes = d_codes.get();
-  sp.q_scales = d_scales.get();
-  sp.weights = d_w.get();
-  sp.index_k_cache = d_cache.get();
-  sp.layout = pb.pool.layout;
-  sp.n_slots = pb.pool.n_slots;
-  sp.req = d_req.get();
-  sp.clen = d_clen.get();
-  sp.comp_slot_table = d_slots.get();
-  sp.comp_table_stride = pb.table.stride;
-  sp.comp_table_rows = pb.table.rows;
-  sp.scores = d_scores.get();
-  sp.score_stride = stride;
-  sp.T = T;
-  kernels::run_indexer_scores(sp, stream, true);
-  kernels::CandidateMaskParams cp;
-  cp.scores = d_scores.get();
-  cp.score_stride = stride;
-  cp.clen = d_clen.get();
-  cp.T = T;
-  cp.block = 8;
-  cp.topk_blocks = 64;
-  cp.mask = d_mask.get();
-  cp.mask_stride = mask_stride;
-  kernels::run_candidate_mask(cp, stream, true);
-  kernels::IndexerTopkParams tp;
-  tp.scores = d_scores.get();
-  tp.score_stride = stride;
-  tp.clen = d_clen.get();
-  tp.req = d_req.get();
-  tp.T = T;
-  tp.comp_slot_table = d_slots.get();
-  tp.comp_table_stride = pb.table.stride;
-  tp.comp_table_rows = pb.table.rows;
-  tp.candidate_mask = d_mask.get();
-  tp.mask_stride = mask_stride;
-  tp.mask_block = 8;
-  tp.topk = 512;
-  tp.out = d_out.get();
-  tp.out_stride = 512;
-  kernels::run_indexer_topk(tp, stream, true);
-  V4_CUDA_CHECK_LAUNCH();
-  V4_CUDA_CHECK(cudaStreamSynchronize(stream));
+    kernels::IndexerQPackParams qp;
+    qp.qi = d_qi.get();
+    qp.qi_stride = 32 * 128;
+    qp.wproj_out = d_wp.get();
+    qp.wproj_stride = 32;
+    qp.pos = d_pos.get();
+    qp.rope_table = d_table.get();
+    qp.max_pos = in.max_pos;
+    qp.T = T;
+    qp.q_codes = d_codes.get();
+    qp.q_scales = d_scales.get();
+    qp.weights = d_w.get();
+    kernels::run_indexer_q_pack(qp, stream, true);
+    kernels::IndexerScoresParams sp;
+    sp.q_codes = d_codes.get();
+    sp.q_scales = d_scales.get();
+    sp.weights = d_w.get();
+    sp.index_k_cache = d_cache.get();
+    sp.layout = pb.pool.layout;
+    sp.n_slots = pb.pool.n_slots;
+    sp.req = d_req.get();
+    sp.clen = d_clen.get();
+    sp.comp_slot_table = d_slots.get();
+    sp.comp_table_stride = pb.table.stride;
+    sp.comp_table_rows = pb.table.rows;
+    sp.scores = d_scores.get();
+    sp.score_stride = stride;
+    sp.T = T;
+    sp.group_rows = group_rows;
+    kernels::run_indexer_scores(sp, stream, true);
+    kernels::CandidateMaskParams cp;
+    cp.scores = d_scores.get();
+    cp.score_stride = stride;
+    cp.clen = d_clen.get();
+    cp.T = T;
+    cp.block = 8;
+    cp.topk_blocks = budget;
+    cp.mask = d_mask.get();
+    cp.mask_stride = mask_stride;
+    kernels::IndexerTopkParams tp;
+    tp.scores = d_scores.get();
+    tp.score_stride = stride;
+    tp.clen = d_clen.get();
+    tp.req = d_req.get();
+    tp.T = T;
+    tp.comp_slot_table = d_slots.get();
+    tp.comp_table_stride = pb.table.stride;
+    tp.comp_table_rows = pb.table.rows;
+    tp.candidate_mask = d_mask.get();
+    tp.mask_stride = mask_stride;
+    tp.mask_block = 8;
+    tp.topk = 512;
+    tp.out = d_out.get();
+    tp.out_stride = 512;
+    if (v == Sel::kV2) {
+      cp.workspace = tp.workspace = ws.get();
+      cp.workspace_bytes = tp.workspace_bytes = ws.bytes();
+    }
+    kernels::run_candidate_mask(cp, stream, true);
+    kernels::run_indexer_topk(tp, stream, true);
+    V4_CUDA_CHECK_LAUNCH();
+    V4_CUDA_CHECK(cudaStreamSynchronize(stream));
 
-  std::vector<float> got_scores(static_cast<size_t>(T * stride));
-  d_scores.download(got_scores.data(), got_scores.size());
-  std::vector<uint8_t> got_mask(static_cast<size_t>(T * mask_stride));
-  d_mask.download(got_mask.data(), got_mask.size());
-  std::vector<int32_t> got_out(static_cast<size_t>(T * 512));
-  d_out.download(got_out.data(), got_out.size());
-  V4_CUDA_CHECK(cudaStreamDestroy(stream));
-  expect_same_bytes(got_scores, ref_scores, "chain scores", stride);
-  expect_same_bytes(got_mask, ref_mask, "chain mask", mask_stride);
-  expect_same_bytes(got_out, ref_out, "chain top-k", 512);
+    std::vector<float> got_scores(static_cast<size_t>(T * stride));
+    d_scores.download(got_scores.data(), got_scores.size());
+    std::vector<uint8_t> got_mask(static_cast<size_t>(T * mask_stride));
+    d_mask.download(got_mask.data(), got_mask.size());
+    std::vector<int32_t> got_out(static_cast<size_t>(T * 512));
+    d_out.download(got_out.data(), got_out.size());
+    V4_CUDA_CHECK(cudaStreamDestroy(stream));
+    expect_same_bytes(got_scores, ref_scores, "chain scores " + what, stride);
+    expect_same_bytes(got_mask, ref_mask, "chain mask " + what, mask_stride);
+    expect_same_bytes(got_out, ref_out, "chain top-k " + what, 512);
+  }
 }
 
 // =================================================================================================
@@ -1104,6 +1397,11 @@ TEST(GpuIndexerHostChecks, BadShapesAreRefusedBeforeLaunch) {
     p = valid_scores_params();
     p.steps_per_warp = 5;
     EXPECT_THROW(kernels::run_indexer_scores(p, nullptr, false), std::invalid_argument);
+    for (int g : {0, 9}) {
+      p = valid_scores_params();
+      p.group_rows = g;
+      EXPECT_THROW(kernels::run_indexer_scores(p, nullptr, false), std::invalid_argument) << "group_rows " << g;
+    }
     p = valid_scores_params();
     p.T = -1;
     EXPECT_THROW(kernels::run_indexer_scores(p, nullptr, false), std::invalid_argument);
@@ -1122,6 +1420,14 @@ TEST(GpuIndexerHostChecks, BadShapesAreRefusedBeforeLaunch) {
     p = valid_topk_params();
     p.out = nullptr;
     EXPECT_THROW(kernels::run_indexer_topk(p, nullptr, false), std::invalid_argument);
+    // v2: a workspace smaller than the launch needs, or misaligned.
+    p = valid_topk_params();
+    p.workspace = fake_ptr<uint8_t>();
+    p.workspace_bytes = kernels::indexer_topk_workspace_bytes(p.T, p.score_stride, p.topk) - 1;
+    EXPECT_THROW(kernels::run_indexer_topk(p, nullptr, false), std::invalid_argument);
+    p.workspace = reinterpret_cast<void*>(uintptr_t{0x10008});
+    p.workspace_bytes = kernels::indexer_topk_workspace_bytes(p.T, p.score_stride, p.topk);
+    EXPECT_THROW(kernels::run_indexer_topk(p, nullptr, false), std::invalid_argument);
   }
   {
     kernels::CandidateMaskParams p;
@@ -1134,6 +1440,10 @@ TEST(GpuIndexerHostChecks, BadShapesAreRefusedBeforeLaunch) {
     EXPECT_THROW(kernels::run_candidate_mask(p, nullptr, false), std::invalid_argument);
     p.mask_stride = 128;
     p.block = 0;
+    EXPECT_THROW(kernels::run_candidate_mask(p, nullptr, false), std::invalid_argument);
+    p.block = 8;
+    p.workspace = fake_ptr<uint8_t>();
+    p.workspace_bytes = kernels::candidate_mask_workspace_bytes(p.T, p.score_stride, p.block, p.topk_blocks) - 1;
     EXPECT_THROW(kernels::run_candidate_mask(p, nullptr, false), std::invalid_argument);
     kernels::ApplyCandidateMaskParams a;
     a.scores = fake_ptr<float>();
@@ -1165,6 +1475,33 @@ TEST(GpuIndexerHostChecks, BadShapesAreRefusedBeforeLaunch) {
     p.heads_total = 16;
     EXPECT_THROW(kernels::run_indexer_q_pack(p, nullptr, false), std::invalid_argument);
   }
+}
+
+TEST(GpuIndexerHostChecks, SelectionWorkspaceSizes) {
+  using kernels::candidate_mask_workspace_bytes;
+  using kernels::indexer_topk_workspace_bytes;
+  // Monotone in every argument (a buffer sized for the largest launch serves the smaller ones).
+  size_t prev = 0;
+  for (int64_t T : {1, 6, 64, 512})
+    for (int64_t stride : {64, 4096, 4160, 65536, 131072})
+      for (int k : {0, 1, 512, 2048}) {
+        const size_t b = indexer_topk_workspace_bytes(T, stride, k);
+        EXPECT_GT(b, 0u);
+        EXPECT_LE(indexer_topk_workspace_bytes(T, stride, k), indexer_topk_workspace_bytes(T + 1, stride, k));
+        EXPECT_LE(b, indexer_topk_workspace_bytes(T, stride + 64, k));
+        EXPECT_LE(b, indexer_topk_workspace_bytes(T, stride, k + 1));
+        EXPECT_LE(candidate_mask_workspace_bytes(T, stride, 8, k), candidate_mask_workspace_bytes(T + 1, stride + 8, 8, k + 1));
+        prev = b;
+      }
+  EXPECT_GT(prev, 0u);
+  // A 64K-position verify row: 16 chunk lists of 512 entries (8 B each) plus the counters.
+  EXPECT_GE(indexer_topk_workspace_bytes(6, 65536, 512), size_t{6} * 16 * 512 * 8);
+  EXPECT_LT(indexer_topk_workspace_bytes(6, 65536, 512), size_t{1} << 20);
+  // Beyond the rows v2 serves: 0 (the launchers run v1).
+  EXPECT_EQ(indexer_topk_workspace_bytes(kernels::kSelectMaxRows + 1, 4096, 512), 0u);
+  EXPECT_EQ(candidate_mask_workspace_bytes(kernels::kSelectMaxRows + 1, 4096, 8, 2048), 0u);
+  EXPECT_THROW(indexer_topk_workspace_bytes(-1, 4096, 512), std::invalid_argument);
+  EXPECT_THROW(candidate_mask_workspace_bytes(1, 4096, 0, 2048), std::invalid_argument);
 }
 
 TEST(GpuIndexerHostChecks, EmptyBatchLaunchesNothing) {
