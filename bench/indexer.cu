@@ -1,26 +1,35 @@
-// Benchmark of the lightning-indexer kernels (include/v4attn/kernels/indexer_kernels.h): scores,
-// top-k -> slots, candidate mask (q pack is a tiny per-row kernel and is covered by the tests).
+// Benchmark of the lightning-indexer kernels (include/v4attn/kernels/indexer_kernels.h): q pack,
+// scores, top-k -> slots, candidate mask, and the chain of one index-source layer.
 //
 // For every context length clen (--clen, default 4096 and 65536), batch shape (--shape: "decode" =
 // T rows of T requests, the worst case for K traffic; "verify" = T/6 requests x 6 consecutive rows
 // (clen-5 .. clen), padded to T with rows of req -1) and row count T: build seeded random inputs
 // (random e2m1 codes, realistic scale bytes, per-request slot tables of 64-slot pages in shuffled
-// page order), validate against the CPU reference (scores: rows 0 and the last real row, bit for
-// bit; top-k and candidate mask: every row, fed the GPU scores), then time each kernel with CUDA
-// events around each launch (5 warm-ups, then --reps launches, a 128 MB memset before each one so
-// that every launch starts with a cold L2) and report the median.
+// page order), validate against the CPU reference (q pack: every byte; scores: rows 0 and the last
+// real row, bit for bit; top-k and candidate mask: every row of both versions, fed the GPU
+// scores; the chain: its q pack and its top-k), then time each kernel with CUDA events around each
+// launch (5 warm-ups, then --reps launches, a 128 MB memset before each one so that every launch
+// starts with a cold L2) and report the median.
 //
 // "bytes" is what the kernel must move at least: scores = index K of every distinct (request,
 // position) (68 B) + the slot table entries (4 B) + the score row writes (4 B x score_stride) + q;
 // top-k = one read of the visible scores + the selected slot table entries + the output;
-// candidate mask = one read of the visible scores + the mask bytes. "floor" is that at 4.27 TB/s.
-// top-k reads its row 4 times (3 radix passes + output) when clen > topk, so its ratio is >= ~4
-// with a cold L2 (the row stays in L2 after the first pass in a real step).
+// candidate mask = one read of the visible scores + the mask bytes; q pack = qi + weights_proj
+// output in, codes + scales + weights out. "floor" is that at 4.27 TB/s. Single launches pay the
+// launch latency (~2-3 us), which dominates the small kernels.
 //
-// Versions: scores "auto" (the launcher's tile choice) and "s1", "s2", "s4" (32-position steps per
-// warp per CTA, i.e. 128 / 256 / 512 positions per CTA) on narrow scales (each vector's 4 block
-// scales within 2^1, like real quantized activations: the kernel's fused path), and "wide" (auto
-// tiles, independent block scales: the per-block path); the others "v1".
+// Versions:
+//  - scores "auto" (the launcher's tile choice) and "s1", "s2", "s4" (32-position steps per warp
+//    per CTA, i.e. 128 / 256 / 512 positions per CTA) on narrow scales (each vector's 4 block
+//    scales within 2^1, like real quantized activations: the kernel's fused path), and "wide"
+//    (auto tiles, independent block scales: the per-block path), all one row per CTA
+//    (group_rows 1); verify shapes add "g6" and "g6-wide" (group_rows 6: the 6 rows of a request
+//    in one CTA, one read of their K).
+//  - top-k and candidate mask "v1" (one CTA per row) and "v2" (many CTAs per row, workspace).
+//  - q pack "v2" (one thread per pair of values).
+//  - chain "idx": q pack -> scores (g6 for verify) -> top-k v2, and "idx+mask": with the
+//    candidate mask v2 before the top-k (the candidate source layer), captured once in a CUDA
+//    graph with PDL between the kernels; each replay timed like a kernel (cold L2).
 //
 // Usage: bench_indexer [--T 1,6,8,48,64] [--clen 4096,65536] [--shape decode,verify] [--reps 100]
 //                      [--json FILE]
@@ -97,9 +106,15 @@ struct Problem {
   std::vector<float> w;
   std::vector<uint8_t> cache;
   std::vector<int32_t> table, req, row_clen;
-  DeviceBuffer<uint8_t> d_codes, d_scales, d_cache, d_mask;
-  DeviceBuffer<float> d_w, d_scores;
-  DeviceBuffer<int32_t> d_table, d_req, d_clen, d_out;
+  DeviceBuffer<uint8_t> d_codes, d_scales, d_cache, d_mask, d_ws;
+  DeviceBuffer<float> d_w, d_scores, d_rope;
+  DeviceBuffer<int32_t> d_table, d_req, d_clen, d_out, d_pos;
+  DeviceBuffer<bf16_t> d_qi, d_wproj;
+  // q pack inputs (the chain): qi [T, 32*128], weights_proj output [T, 32], pos, a RoPE table.
+  std::vector<bf16_t> qi, wproj;
+  std::vector<int32_t> pos;
+  std::vector<float> rope;
+  int64_t max_pos = 0;
   int64_t distinct_positions = 0;  // sum over requests of their largest clen
   int64_t visible_positions = 0;   // sum over rows of clen
 };
@@ -176,10 +191,33 @@ Problem make_problem(const std::string& shape, int T, int64_t clen, bool wide) {
   pb.d_scores.resize(static_cast<size_t>(T * pb.stride));
   pb.d_mask.resize(static_cast<size_t>(T * pb.mask_stride));
   pb.d_out.resize(static_cast<size_t>(T) * kTopk);
+
+  // q pack inputs: qi ~ N(0, 1) bf16, weights_proj output ~ N(0, 2), positions near clen.
+  pb.max_pos = 8192;
+  RopeParams rp;
+  rp.base = 160000.0;
+  rp.yarn = true;
+  pb.rope = build_rope_table(rp, pb.max_pos);
+  std::normal_distribution<float> nq(0.0f, 1.0f);
+  pb.qi.resize(static_cast<size_t>(T) * kHeads * 128);
+  for (auto& x : pb.qi) x = num::bf16_from_f32(nq(rng()));
+  pb.wproj.resize(static_cast<size_t>(T) * kHeads);
+  for (auto& x : pb.wproj) x = num::bf16_from_f32(nd(rng()));
+  pb.pos.resize(static_cast<size_t>(T));
+  for (auto& x : pb.pos) x = static_cast<int32_t>(rng()() % pb.max_pos);
+  pb.d_qi = to_device(pb.qi);
+  pb.d_wproj = to_device(pb.wproj);
+  pb.d_pos = to_device(pb.pos);
+  pb.d_rope = to_device(pb.rope);
+  // One selection workspace for top-k and the candidate mask, zeroed once (the stack's contract).
+  const size_t ws = std::max(kn::indexer_topk_workspace_bytes(T, pb.stride, kTopk),
+                             kn::candidate_mask_workspace_bytes(T, pb.stride, kMaskBlock, kCandidateBlocks));
+  pb.d_ws.resize(std::max<size_t>(ws, 16));
+  pb.d_ws.fill_bytes(0);
   return pb;
 }
 
-kn::IndexerScoresParams scores_params(const Problem& pb, int steps) {
+kn::IndexerScoresParams scores_params(const Problem& pb, int steps, int group_rows = 1) {
   kn::IndexerScoresParams p;
   p.q_codes = pb.d_codes.get();
   p.q_scales = pb.d_scales.get();
@@ -196,9 +234,25 @@ kn::IndexerScoresParams scores_params(const Problem& pb, int steps) {
   p.score_stride = pb.stride;
   p.T = pb.T;
   p.steps_per_warp = steps;
+  p.group_rows = group_rows;
   return p;
 }
-kn::IndexerTopkParams topk_params(const Problem& pb) {
+kn::IndexerQPackParams qpack_params(const Problem& pb) {
+  kn::IndexerQPackParams p;
+  p.qi = pb.d_qi.get();
+  p.qi_stride = int64_t{kHeads} * 128;
+  p.wproj_out = pb.d_wproj.get();
+  p.wproj_stride = kHeads;
+  p.pos = pb.d_pos.get();
+  p.rope_table = pb.d_rope.get();
+  p.max_pos = pb.max_pos;
+  p.T = pb.T;
+  p.q_codes = pb.d_codes.get();
+  p.q_scales = pb.d_scales.get();
+  p.weights = pb.d_w.get();
+  return p;
+}
+kn::IndexerTopkParams topk_params(const Problem& pb, bool v2) {
   kn::IndexerTopkParams p;
   p.scores = pb.d_scores.get();
   p.score_stride = pb.stride;
@@ -211,9 +265,13 @@ kn::IndexerTopkParams topk_params(const Problem& pb) {
   p.topk = kTopk;
   p.out = pb.d_out.get();
   p.out_stride = kTopk;
+  if (v2) {
+    p.workspace = pb.d_ws.get();
+    p.workspace_bytes = pb.d_ws.bytes();
+  }
   return p;
 }
-kn::CandidateMaskParams mask_params(const Problem& pb) {
+kn::CandidateMaskParams mask_params(const Problem& pb, bool v2) {
   kn::CandidateMaskParams p;
   p.scores = pb.d_scores.get();
   p.score_stride = pb.stride;
@@ -223,14 +281,18 @@ kn::CandidateMaskParams mask_params(const Problem& pb) {
   p.topk_blocks = kCandidateBlocks;
   p.mask = pb.d_mask.get();
   p.mask_stride = pb.mask_stride;
+  if (v2) {
+    p.workspace = pb.d_ws.get();
+    p.workspace_bytes = pb.d_ws.bytes();
+  }
   return p;
 }
 
 // ---- validation ---------------------------------------------------------------------------------
 // Scores of rows 0 and the last real row against the reference (a two-row sub-batch).
-bool validate_scores(Problem& pb, cudaStream_t s) {
+bool validate_scores(Problem& pb, cudaStream_t s, int group_rows = 1) {
   pb.d_scores.fill_bytes(0xAB, s);
-  kn::run_indexer_scores(scores_params(pb, 0), s, false);
+  kn::run_indexer_scores(scores_params(pb, 0, group_rows), s, false);
   V4_CUDA_CHECK(cudaStreamSynchronize(s));
   const auto got = to_host(pb.d_scores, static_cast<size_t>(pb.T) * pb.stride);
   int last = pb.T - 1;
@@ -260,12 +322,13 @@ bool validate_scores(Problem& pb, cudaStream_t s) {
   return true;
 }
 
-bool validate_topk_and_mask(Problem& pb, cudaStream_t s, bool& mask_ok) {
+// Top-k and candidate mask of one version against the reference, both fed the GPU scores.
+bool validate_topk_and_mask(Problem& pb, cudaStream_t s, bool v2, bool& mask_ok) {
   kn::run_indexer_scores(scores_params(pb, 0), s, false);
   pb.d_out.fill_bytes(0xAB, s);
   pb.d_mask.fill_bytes(0xAB, s);
-  kn::run_indexer_topk(topk_params(pb), s, false);
-  kn::run_candidate_mask(mask_params(pb), s, false);
+  kn::run_indexer_topk(topk_params(pb, v2), s, false);
+  kn::run_candidate_mask(mask_params(pb, v2), s, false);
   V4_CUDA_CHECK(cudaStreamSynchronize(s));
   const auto scores = to_host(pb.d_scores, static_cast<size_t>(pb.T) * pb.stride);
   const auto out = to_host(pb.d_out, static_cast<size_t>(pb.T) * kTopk);
@@ -278,6 +341,49 @@ bool validate_topk_and_mask(Problem& pb, cudaStream_t s, bool& mask_ok) {
                       want_mask.data(), pb.mask_stride);
   mask_ok = mask == want_mask;
   return out == want;
+}
+
+// The chain of one index-source layer (optionally with the candidate mask of the candidate source,
+// whose mask then also filters the top-k, like a later index source would), on stream s with PDL.
+void issue_chain(const Problem& pb, cudaStream_t s, bool with_mask) {
+  const int group_rows = pb.shape == "verify" ? 6 : 1;
+  kn::run_indexer_q_pack(qpack_params(pb), s, true);
+  kn::run_indexer_scores(scores_params(pb, 0, group_rows), s, true);
+  kn::IndexerTopkParams tp = topk_params(pb, true);
+  if (with_mask) {
+    kn::run_candidate_mask(mask_params(pb, true), s, true);
+    tp.candidate_mask = pb.d_mask.get();
+    tp.mask_stride = pb.mask_stride;
+    tp.mask_block = kMaskBlock;
+  }
+  kn::run_indexer_topk(tp, s, true);
+}
+
+// The chain's q pack bytes against the reference, and its top-k (and mask) against the reference
+// fed the chain's own scores.
+bool validate_chain(Problem& pb, cudaStream_t s, bool with_mask) {
+  pb.d_codes.fill_bytes(0xAB, s);
+  pb.d_out.fill_bytes(0xAB, s);
+  pb.d_mask.fill_bytes(0xAB, s);
+  issue_chain(pb, s, with_mask);
+  V4_CUDA_CHECK(cudaStreamSynchronize(s));
+  const auto q = ref::indexer_q_pack(pb.qi.data(), pb.T, kHeads, pb.pos.data(), pb.rope.data(), pb.max_pos);
+  const auto w = ref::indexer_weights(pb.wproj.data(), pb.T, kHeads, kHeads);
+  bool ok = to_host(pb.d_codes, q.codes.size()) == q.codes && to_host(pb.d_scales, q.scales.size()) == q.scales &&
+            to_host(pb.d_w, w.size()) == w;
+  auto scores = to_host(pb.d_scores, static_cast<size_t>(pb.T) * pb.stride);
+  if (with_mask) {
+    std::vector<uint8_t> want_mask(static_cast<size_t>(pb.T * pb.mask_stride));
+    ref::candidate_mask(scores.data(), pb.T, pb.stride, pb.row_clen.data(), kMaskBlock, kCandidateBlocks,
+                        want_mask.data(), pb.mask_stride);
+    ok = ok && to_host(pb.d_mask, want_mask.size()) == want_mask;
+    ref::apply_candidate_mask(scores.data(), pb.T, pb.stride, pb.row_clen.data(), kMaskBlock, want_mask.data(),
+                              pb.mask_stride);
+  }
+  std::vector<int32_t> want(static_cast<size_t>(pb.T) * kTopk);
+  ref::topk_to_slots(scores.data(), pb.T, pb.stride, pb.row_clen.data(), kTopk, pb.req.data(), pb.table.data(),
+                     pb.stride, want.data(), kTopk);
+  return ok && to_host(pb.d_out, want.size()) == want;
 }
 
 // ---- timing ---------------------------------------------------------------------------------------
@@ -340,11 +446,11 @@ int main(int argc, char** argv) {
 
     std::vector<Row> rows;
     bool all_valid = true;
-    std::printf("%-14s %-5s %-6s %5s %7s %11s %11s %9s %7s %s\n", "kernel", "ver", "shape", "T", "clen", "median_us",
+    std::printf("%-14s %-8s %-6s %5s %7s %11s %11s %9s %7s %s\n", "kernel", "ver", "shape", "T", "clen", "median_us",
                 "bytes", "floor_us", "ratio", "valid");
     auto report = [&](Row r) {
       all_valid = all_valid && r.valid;
-      std::printf("%-14s %-5s %-6s %5d %7lld %11.2f %11lld %9.3f %7.2f %s\n", r.kernel.c_str(), r.version.c_str(),
+      std::printf("%-14s %-8s %-6s %5d %7lld %11.2f %11lld %9.3f %7.2f %s\n", r.kernel.c_str(), r.version.c_str(),
                   r.shape.c_str(), r.T, static_cast<long long>(r.clen), r.median_us, static_cast<long long>(r.bytes),
                   r.floor_us(), r.median_us / r.floor_us(), r.valid ? "ok" : "MISMATCH");
       std::fflush(stdout);
@@ -354,70 +460,85 @@ int main(int argc, char** argv) {
       for (const auto& shape : shapes)
         for (int T : Ts) {
           if (shape == "verify" && T < 6) continue;  // a verify block is 6 rows
+          const bool verify = shape == "verify";
+          auto row_of = [&](const std::string& kernel, const std::string& version, int64_t bytes, bool valid,
+                            double us) {
+            Row r;
+            r.kernel = kernel;
+            r.version = version;
+            r.shape = shape;
+            r.T = T;
+            r.clen = clen;
+            r.bytes = bytes;
+            r.valid = valid;
+            r.median_us = us;
+            report(r);
+          };
           auto scores_bytes = [&](const Problem& pb) {
             return pb.distinct_positions * (kn::kIndexerCodeBytes + kn::kIndexerScaleBytes) +
                    pb.distinct_positions * 4 + int64_t{pb.T} * pb.stride * 4 + int64_t{pb.T} * kHeads * (64 + 4 + 4);
           };
-          {  // wide scales: the per-block path (auto tiles)
+          {  // wide scales: the per-block path (auto tiles), one row per CTA and (verify) 6
             Problem wide = make_problem(shape, T, clen, /*wide=*/true);
             V4_CUDA_CHECK(cudaDeviceSynchronize());
-            const auto p = scores_params(wide, 0);
-            Row r;
-            r.kernel = "scores";
-            r.version = "wide";
-            r.shape = shape;
-            r.T = T;
-            r.clen = clen;
-            r.bytes = scores_bytes(wide);
-            r.valid = validate_scores(wide, stream);
-            r.median_us = median_us([&](cudaStream_t s) { kn::run_indexer_scores(p, s, false); }, reps, flush, stream);
-            report(r);
+            for (int g : verify ? std::vector<int>{1, 6} : std::vector<int>{1}) {
+              const auto p = scores_params(wide, 0, g);
+              const bool ok = validate_scores(wide, stream, g);
+              row_of("scores", g == 1 ? "wide" : "g6-wide", scores_bytes(wide), ok,
+                     median_us([&](cudaStream_t s) { kn::run_indexer_scores(p, s, false); }, reps, flush, stream));
+            }
           }
           Problem pb = make_problem(shape, T, clen, /*wide=*/false);
           V4_CUDA_CHECK(cudaDeviceSynchronize());
           const bool scores_ok = validate_scores(pb, stream);
-          bool mask_ok = false;
-          const bool topk_ok = validate_topk_and_mask(pb, stream, mask_ok);
           for (int steps : {0, 1, 2, 4}) {  // narrow scales: the fused path
+            static const char* const kStepNames[] = {"auto", "s1", "s2", "s3", "s4"};
             const auto p = scores_params(pb, steps);
-            Row r;
-            r.kernel = "scores";
-            r.version = steps == 0 ? "auto" : "s" + std::to_string(steps);
-            r.shape = shape;
-            r.T = T;
-            r.clen = clen;
-            r.bytes = scores_bytes(pb);
-            r.valid = scores_ok;
-            r.median_us = median_us([&](cudaStream_t s) { kn::run_indexer_scores(p, s, false); }, reps, flush, stream);
-            report(r);
+            row_of("scores", kStepNames[steps], scores_bytes(pb), scores_ok,
+                   median_us([&](cudaStream_t s) { kn::run_indexer_scores(p, s, false); }, reps, flush, stream));
+          }
+          if (verify) {
+            const auto p = scores_params(pb, 0, 6);
+            const bool ok = validate_scores(pb, stream, 6);
+            row_of("scores", "g6", scores_bytes(pb), ok,
+                   median_us([&](cudaStream_t s) { kn::run_indexer_scores(p, s, false); }, reps, flush, stream));
           }
           // Top-k and the candidate mask read the scores the scores kernel left in d_scores.
-          kn::run_indexer_scores(scores_params(pb, 0), stream, false);
-          {
-            const auto p = topk_params(pb);
-            Row r;
-            r.kernel = "topk";
-            r.version = "v1";
-            r.shape = shape;
-            r.T = T;
-            r.clen = clen;
-            r.bytes = pb.visible_positions * 4 + int64_t{pb.T} * kTopk * (4 + 4);
-            r.valid = topk_ok;
-            r.median_us = median_us([&](cudaStream_t s) { kn::run_indexer_topk(p, s, false); }, reps, flush, stream);
-            report(r);
+          const int64_t topk_bytes = pb.visible_positions * 4 + int64_t{pb.T} * kTopk * (4 + 4);
+          const int64_t mask_bytes = pb.visible_positions * 4 + int64_t{pb.T} * pb.mask_stride;
+          for (bool v2 : {false, true}) {
+            bool mask_ok = false;
+            const bool topk_ok = validate_topk_and_mask(pb, stream, v2, mask_ok);
+            kn::run_indexer_scores(scores_params(pb, 0), stream, false);
+            const auto tp = topk_params(pb, v2);
+            row_of("topk", v2 ? "v2" : "v1", topk_bytes, topk_ok,
+                   median_us([&](cudaStream_t s) { kn::run_indexer_topk(tp, s, false); }, reps, flush, stream));
+            const auto mp = mask_params(pb, v2);
+            row_of("candidate_mask", v2 ? "v2" : "v1", mask_bytes, mask_ok,
+                   median_us([&](cudaStream_t s) { kn::run_candidate_mask(mp, s, false); }, reps, flush, stream));
           }
+          // q pack, then the chains (q pack overwrites the random q of d_codes: done last).
+          const int64_t qpack_bytes = int64_t{pb.T} * (kHeads * 128 * 2 + kHeads * 2 + kHeads * (64 + 4 + 4) + 4);
           {
-            const auto p = mask_params(pb);
-            Row r;
-            r.kernel = "candidate_mask";
-            r.version = "v1";
-            r.shape = shape;
-            r.T = T;
-            r.clen = clen;
-            r.bytes = pb.visible_positions * 4 + int64_t{pb.T} * pb.mask_stride;
-            r.valid = mask_ok;
-            r.median_us = median_us([&](cudaStream_t s) { kn::run_candidate_mask(p, s, false); }, reps, flush, stream);
-            report(r);
+            const auto qp = qpack_params(pb);
+            const bool ok = validate_chain(pb, stream, false);  // checks the q pack bytes too
+            row_of("qpack", "v2", qpack_bytes, ok,
+                   median_us([&](cudaStream_t s) { kn::run_indexer_q_pack(qp, s, false); }, reps, flush, stream));
+          }
+          for (bool with_mask : {false, true}) {
+            const bool ok = validate_chain(pb, stream, with_mask);
+            cudaGraph_t graph;
+            cudaGraphExec_t exec;
+            V4_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+            issue_chain(pb, stream, with_mask);
+            V4_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+            V4_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+            const double us =
+                median_us([&](cudaStream_t s) { V4_CUDA_CHECK(cudaGraphLaunch(exec, s)); }, reps, flush, stream);
+            V4_CUDA_CHECK(cudaGraphExecDestroy(exec));
+            V4_CUDA_CHECK(cudaGraphDestroy(graph));
+            row_of("chain", with_mask ? "idx+mask" : "idx",
+                   qpack_bytes + scores_bytes(pb) + topk_bytes + (with_mask ? mask_bytes : 0), ok, us);
           }
         }
 
