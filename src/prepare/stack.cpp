@@ -206,6 +206,8 @@ struct GpuPrepareStack::Impl {
   uint8_t* iq_scales_c = nullptr;
   float* iw_c = nullptr;
   float* scores = nullptr;       // [max_rows, max score stride]
+  uint8_t* select_ws = nullptr;  // multi-CTA top-k / candidate mask workspace (zeroed once; null: v1 kernels)
+  size_t select_ws_bytes = 0;
 
   bool has_step = false;
   StepMeta step_meta;
@@ -412,6 +414,18 @@ void GpuPrepareStack::Impl::init() {
       iw_c = alloc<float>(static_cast<size_t>(R) * Hi);
     }
     scores = alloc<float>(static_cast<size_t>(R) * std::max<int64_t>(max_score_stride, 64));
+    // One workspace serves the top-k of every index source and the candidate mask: they run in
+    // order (like the shared scores buffer: each layer's side lanes join before the next layer),
+    // and each launch leaves it ready for the next (zeroed once here).
+    select_ws_bytes = kn::indexer_topk_workspace_bytes(R, std::max<int64_t>(max_score_stride, 64), c.index_topk);
+    if (mask_stride > 0)
+      select_ws_bytes = std::max(select_ws_bytes,
+                                 kn::candidate_mask_workspace_bytes(R, score_stride_r[cand_ratio], c.candidate_block_size,
+                                                                    c.candidate_topk_blocks));
+    if (select_ws_bytes > 0) {  // 0: more rows than v2 serves; the v1 kernels run
+      select_ws = alloc<uint8_t>(select_ws_bytes);
+      zero(select_ws, select_ws_bytes);
+    }
   }
 
   // GEMM workspaces: the largest split-K need of any GEMM of the cycle, one per lane.
@@ -834,6 +848,8 @@ void GpuPrepareStack::Impl::issue_idx(int L, int T, cudaStream_t s) {
     p.score_stride = score_stride_r[r];
     p.T = T;
     p.err_count = err.get();
+    // Verify rows of one request are consecutive: one CTA scores them on one read of their K.
+    p.group_rows = info.kind == StepKind::kVerify ? std::clamp(rows_per_request, 1, 8) : 1;
     kn::run_indexer_scores(p, s, false);
   }
   if (l.is_candidate_source) {
@@ -847,6 +863,8 @@ void GpuPrepareStack::Impl::issue_idx(int L, int T, cudaStream_t s) {
     p.mask = cand_mask;
     p.mask_stride = mask_stride;
     p.err_count = err.get();
+    p.workspace = select_ws;
+    p.workspace_bytes = select_ws_bytes;
     kn::run_candidate_mask(p, s, false);
   }
   kn::IndexerTopkParams p;
@@ -867,6 +885,8 @@ void GpuPrepareStack::Impl::issue_idx(int L, int T, cudaStream_t s) {
   p.out = topk[static_cast<size_t>(L)];
   p.out_stride = topk_width;
   p.err_count = err.get();
+  p.workspace = select_ws;
+  p.workspace_bytes = select_ws_bytes;
   kn::run_indexer_topk(p, s, false);
 }
 
