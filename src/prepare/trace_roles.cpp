@@ -23,8 +23,9 @@ bool is_window_k(const TraceRecord& r) {
   return r.kind == TraceKind::kKernel && contains(r.name, "window_k_store_kernel");
 }
 bool is_fp8_gemm(const TraceRecord& r) {
+  // Every fp8 GEMM version: v1 (gemm_tc_kernel<true, ...>), v2 (gemm_fp8_wgmma_kernel), v0.
   return r.kind == TraceKind::kKernel && (contains(r.name, "gemm_tc_kernel<true") || contains(r.name, "gemm_tc_kernel<(bool)1") ||
-                                          contains(r.name, "gemm_fp8_simple_kernel"));
+                                          contains(r.name, "gemm_fp8_wgmma") || contains(r.name, "gemm_fp8_simple_kernel"));
 }
 
 using RecordKey = std::tuple<uint32_t, uint64_t, uint64_t, uint32_t, uint64_t>;

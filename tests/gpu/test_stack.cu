@@ -203,6 +203,14 @@ TEST(GpuStackHost, ClassifierFindsTheWqbGemmByStreamOrder) {
   const KernelClassifier c2 = prepare::make_stack_classifier(split);
   EXPECT_EQ(c2(split[0]), KernelRole::kWqbGemm);
   EXPECT_EQ(c2(split[2]), KernelRole::kOther);
+
+  // The wgmma GEMM (v2, the stack's default) is recognised too (the gap column read "-" on the
+  // H200 before this: run 8).
+  const char* wgmma = "v4attn::kernels::(anonymous namespace)::gemm_fp8_wgmma_kernel<2, 8>(v4attn::kernels::detail::WgmmaParams)";
+  std::vector<TraceRecord> v2 = {kernel(wgmma, 7, 0, 10), kernel(qrope, 7, 9, 30)};
+  const KernelClassifier c3 = prepare::make_stack_classifier(v2);
+  EXPECT_EQ(c3(v2[0]), KernelRole::kWqbGemm);
+  EXPECT_EQ(analyze_cycle(v2, c3).early_launches, 1);
 }
 
 // ================================ against the CPU reference ============================================
