@@ -19,9 +19,12 @@ struct LaunchConfig {
   // Programmatic dependent launch: the kernel may start before its stream predecessor finishes;
   // it must call pdl_wait() (griddepcontrol.wait) before reading anything the predecessor writes.
   bool pdl = false;
+  // Thread-block cluster shape (sm_90); {1, 1, 1} = no cluster attribute. The grid must be a
+  // multiple of it in every dimension.
+  dim3 cluster{1, 1, 1};
 };
 
-// V4ATTN_LAUNCH_DEBUG=1 prints every launch (name, grid, block, smem, pdl) to stderr.
+// V4ATTN_LAUNCH_DEBUG=1 prints every launch (name, grid, block, smem, pdl, cluster) to stderr.
 bool launch_debug_enabled();
 
 template <class... KArgs, class... Args>
@@ -37,15 +40,22 @@ void launch_kernel(const char* name, void (*kernel)(KArgs...), const LaunchConfi
   lc.blockDim = cfg.block;
   lc.dynamicSmemBytes = cfg.smem_bytes;
   lc.stream = cfg.stream;
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = cfg.pdl ? 1 : 0;
   lc.attrs = attr;
   lc.numAttrs = 1;
+  if (cfg.cluster.x * cfg.cluster.y * cfg.cluster.z > 1) {
+    attr[1].id = cudaLaunchAttributeClusterDimension;
+    attr[1].val.clusterDim.x = cfg.cluster.x;
+    attr[1].val.clusterDim.y = cfg.cluster.y;
+    attr[1].val.clusterDim.z = cfg.cluster.z;
+    lc.numAttrs = 2;
+  }
   if (launch_debug_enabled())
-    std::fprintf(stderr, "[v4attn launch] %s grid(%u,%u,%u) block(%u,%u,%u) smem %zu pdl %d\n", name,
+    std::fprintf(stderr, "[v4attn launch] %s grid(%u,%u,%u) block(%u,%u,%u) smem %zu pdl %d%s\n", name,
                  cfg.grid.x, cfg.grid.y, cfg.grid.z, cfg.block.x, cfg.block.y, cfg.block.z,
-                 cfg.smem_bytes, cfg.pdl ? 1 : 0);
+                 cfg.smem_bytes, cfg.pdl ? 1 : 0, lc.numAttrs > 1 ? " (cluster launch)" : "");
   V4_CUDA_CHECK(cudaLaunchKernelEx(&lc, kernel, static_cast<KArgs>(args)...));
 }
 
