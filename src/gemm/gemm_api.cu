@@ -1,5 +1,6 @@
 // Public entry points of the GEMM family: validate once (std::invalid_argument, nothing launched),
-// then dispatch to v0 (gemm_simple.cu), v1 (gemm_tc.cu, gemm_f32.cu) or v2 (gemm_wgmma.cu).
+// then dispatch to v0 (gemm_simple.cu), v1 (gemm_tc.cu, gemm_f32.cu), v2 (gemm_wgmma.cu) or v3
+// (gemm_wgmma_pipelined.cu).
 #include <algorithm>
 #include <string>
 
@@ -24,16 +25,19 @@ void check_rows_groups(const char* who, int m, int groups) {
   if (groups < 1 || groups > 65535) fail(who, "groups must be 1..65535");
 }
 
-// v1 / v2 need m <= 64 and, when the plan splits K, a workspace large enough; v2 needs the CTA's
-// K range to fit in shared memory.
+// v1 / v2 / v3 need m <= 64 and, when the plan splits K, a workspace large enough (v3: never);
+// v2 / v3 need the CTA's K range to fit in shared memory.
 GemmPlan check_tc(const char* who, GemmVersion version, int m, int64_t n, int64_t k, int groups, int force_splits,
                   int force_mtiles, const GemmWorkspace& ws, int force_stages = 0) {
   if (m > kGemmMaxRows) fail(who, "tensor-core versions take m <= 64 (got " + std::to_string(m) + ")");
-  const GemmPlan plan = version == GemmVersion::kWgmma
-                            ? plan_gemm_wgmma(m, n, k, groups, force_splits, force_mtiles, force_stages)
-                            : plan_gemm(version, m, n, k, groups, force_splits, force_mtiles);
-  if (version == GemmVersion::kWgmma && plan.stages < 1)
-    fail(who, "v2: the K range of one CTA (" + std::to_string((k / kGemmBlock + plan.splits - 1) / plan.splits) +
+  const GemmPlan plan =
+      version == GemmVersion::kWgmma            ? plan_gemm_wgmma(m, n, k, groups, force_splits, force_mtiles, force_stages)
+      : version == GemmVersion::kWgmmaPipelined ? plan_gemm_wgmma_pipelined(m, n, k, groups, force_splits, force_mtiles,
+                                                                            force_stages)
+                                                : plan_gemm(version, m, n, k, groups, force_splits, force_mtiles);
+  if ((version == GemmVersion::kWgmma || version == GemmVersion::kWgmmaPipelined) && plan.stages < 1)
+    fail(who, std::string(version == GemmVersion::kWgmma ? "v2" : "v3") + ": the K range of one CTA (" +
+                  std::to_string((k / kGemmBlock + plan.splits - 1) / plan.splits) +
                   " blocks) does not fit in shared memory; use more splits");
   if (plan.tiles_n > 65535 * 64 || plan.splits > 65535) fail(who, "grid too large");
   if (plan.splits > 1) {
@@ -52,6 +56,7 @@ const char* gemm_version_name(GemmVersion v) {
     case GemmVersion::kSimple: return "v0 simple";
     case GemmVersion::kTensorCore: return "v1 tensor-core";
     case GemmVersion::kWgmma: return "v2 wgmma";
+    case GemmVersion::kWgmmaPipelined: return "v3 wgmma-pipelined";
   }
   return "?";
 }
@@ -68,6 +73,7 @@ GemmPlan plan_gemm(GemmVersion version, int m, int64_t n, int64_t k, int groups,
     }
     case GemmVersion::kTensorCore: return plan_gemm_tc(m, n, k, groups, force_splits, force_mtiles);
     case GemmVersion::kWgmma: return plan_gemm_wgmma(m, n, k, groups, force_splits, force_mtiles);
+    case GemmVersion::kWgmmaPipelined: return plan_gemm_wgmma_pipelined(m, n, k, groups, force_splits, force_mtiles);
   }
   throw std::invalid_argument("plan_gemm: unknown version");
 }
@@ -106,6 +112,14 @@ void run_gemm_fp8(const Fp8GemmParams& p, const GemmWorkspace& ws, GemmVersion v
       detail::launch_gemm_fp8_wgmma(p, plan, ws, stream, pdl);
       return;
     }
+    case GemmVersion::kWgmmaPipelined: {
+      if (p.force_stages < 0) fail(who, "force_stages < 0");
+      if (p.v3_int_mask < -1 || p.v3_int_mask > 15) fail(who, "v3_int_mask must be -1 (default) or 0..15");
+      const GemmPlan plan =
+          check_tc(who, version, p.m, p.n, p.k, p.groups, p.force_splits, p.force_mtiles, ws, p.force_stages);
+      detail::launch_gemm_fp8_wgmma_pipelined(p, plan, stream, pdl);
+      return;
+    }
   }
   fail(who, "unknown version");
 }
@@ -126,7 +140,8 @@ void run_gemm_bf16(const Bf16GemmParams& p, const GemmWorkspace& ws, GemmVersion
   switch (version) {
     case GemmVersion::kSimple: detail::launch_gemm_bf16_simple(p, stream, pdl); return;
     case GemmVersion::kTensorCore:
-    case GemmVersion::kWgmma: {  // no v2 of the bf16 GEMM: v1
+    case GemmVersion::kWgmma:
+    case GemmVersion::kWgmmaPipelined: {  // no v2 / v3 of the bf16 GEMM: v1
       const GemmPlan plan =
           check_tc(who, GemmVersion::kTensorCore, p.m, p.n, p.k, p.groups, p.force_splits, p.force_mtiles, ws);
       detail::launch_gemm_bf16_tc(p, plan, ws, stream, pdl);
@@ -152,7 +167,8 @@ void run_gemm_f32(const F32GemmParams& p, GemmVersion version, cudaStream_t stre
   switch (version) {
     case GemmVersion::kSimple: detail::launch_gemm_f32_simple(p, stream, pdl); return;
     case GemmVersion::kTensorCore:
-    case GemmVersion::kWgmma: detail::launch_gemm_f32_warp(p, stream, pdl); return;  // no v2: v1
+    case GemmVersion::kWgmma:
+    case GemmVersion::kWgmmaPipelined: detail::launch_gemm_f32_warp(p, stream, pdl); return;  // no v2 / v3: v1
   }
   fail(who, "unknown version");
 }

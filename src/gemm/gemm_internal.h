@@ -29,6 +29,10 @@ void launch_gemm_bf16_tc(const Bf16GemmParams& p, const GemmPlan& plan, const Ge
 void launch_gemm_fp8_wgmma(const Fp8GemmParams& p, const GemmPlan& plan, const GemmWorkspace& ws, cudaStream_t stream,
                            bool pdl);
 
+// v3: pipelined wgmma + TMA, split-K in a cluster (gemm_wgmma_pipelined.cu); `plan` comes from
+// plan_gemm_wgmma_pipelined with the params' overrides. No workspace.
+void launch_gemm_fp8_wgmma_pipelined(const Fp8GemmParams& p, const GemmPlan& plan, cudaStream_t stream, bool pdl);
+
 // v1 of the fp32 GEMM: CUDA cores (gemm_f32.cu).
 void launch_gemm_f32_warp(const F32GemmParams& p, cudaStream_t stream, bool pdl);
 

@@ -29,7 +29,19 @@
 //    exponent and truncated), which would move many bf16 outputs, beyond the spec's allowance.
 //    run_gemm_bf16 / run_gemm_f32 accept kWgmma and run their v1 (no v2 of those yet), so one
 //    version setting can drive a whole stack.
-//    What to use: fp8 GEMMs with m <= 64: kWgmma (best_fp8_gemm_version); bf16 / fp32: kTensorCore.
+//  - kWgmmaPipelined (v3, fp8 only; M <= 64): v2's design (same CTA roles, TMA ring, f16 wgmma with
+//    the weight as A from registers) with (1) the consumer loop software-pipelined over two block-sum
+//    register sets (the wgmmas of the next tile-block are in flight while the CUDA cores fold the
+//    previous one into the accumulators and widen the next weights), (2) the weight widening split
+//    between the cvt instruction and integer ops (Hopper's conversion pipe is slow; the integer
+//    form yields weight * 2^-8 exactly and that block's scale carries 2^8; Fp8GemmParams::
+//    v3_int_mask picks the blocks), (3) the per-block scale products sa * sw precomputed per stage
+//    by the converter warps, (4) split-K (S <= 8) inside a thread-block cluster: the partial tiles
+//    are reduced through distributed shared memory in split order, no global workspace and no
+//    arrival counters, (5) a coalesced (shared-memory staged) bf16 epilogue.
+//    run_gemm_bf16 / run_gemm_f32 accept it and run their v1.
+//    What to use: fp8 GEMMs with m <= 64: kWgmma (best_fp8_gemm_version; v3 is the candidate to
+//    replace it once measured); bf16 / fp32: kTensorCore.
 //
 // Numerics of v1 (what differs from the reference, and why it stays within the spec's allowance):
 //  - fp8: per 32-wide K block b, the tensor core forms blocksum(b) of the 32 exact products
@@ -46,6 +58,14 @@
 //    form the block sum, then the same fma; split-K over contiguous K ranges reduced in split
 //    order, like v1, but with v2's own S per shape (plan_gemm_wgmma), so v1 and v2 may differ from
 //    each other by the split structure too (both within the spec's allowance of the reference).
+//  - v3 (kWgmmaPipelined): v2's numerics (block sum by the tensor core from zero, one fma per block
+//    with the exact scale product, blocks in order per output, split-K reduced in split order), its
+//    own S per shape (<= 8, the cluster size). In integer-widened blocks the block sum is exactly
+//    2^-8 times the true one and the scale product exactly 2^8 times sa * sw, so the fma rounds the
+//    same exact product once (assumes sa * sw * 2^8 does not overflow, and the tensor core takes f16
+//    subnormals, which e4m3 subnormal weights become: tested with subnormal-only exact data). Its
+//    intra-block order differs from v2's in those blocks (other byte-to-k assignment), so v2 and v3
+//    may differ by 1 ulp in rare elements, like v1 and v2.
 //  - split-K (S > 1): CTA s sums its contiguous range of K blocks in order (from +0); the partial
 //    sums are added in the fixed order ((P0 + P1) + P2) + ... by the last CTA to finish a tile,
 //    so results never depend on timing. S depends only on (n, k, groups), never on M, so a token's
@@ -75,7 +95,7 @@ using num::bf16_t;
 constexpr int kGemmBlock = 32;    // K block of the fp8 GEMM / act quant; N block of weight scales
 constexpr int kGemmMaxRows = 64;  // M limit of the tensor-core versions
 
-enum class GemmVersion : int { kSimple = 0, kTensorCore = 1, kWgmma = 2 };
+enum class GemmVersion : int { kSimple = 0, kTensorCore = 1, kWgmma = 2, kWgmmaPipelined = 3 };
 const char* gemm_version_name(GemmVersion v);
 // The fastest exact-enough fp8 version for m rows: kWgmma for 1 <= m <= 64, kSimple otherwise
 // (no tensor-core version takes more than 64 rows).
@@ -109,36 +129,41 @@ struct GemmWorkspace {
 };
 void init_gemm_workspace(const GemmWorkspace& ws, cudaStream_t stream);
 
-// How v1 / v2 cut a problem (exposed for the bench, tests and the engine's workspace sizing).
+// How v1 / v2 / v3 cut a problem (exposed for the bench, tests and the engine's workspace sizing).
 // S, warp_mtiles, block_n and tiles_n depend only on (n, k, groups, overrides), never on m.
 struct GemmPlan {
   int warp_mtiles = 1;   // v1: 16-row weight tiles per warp (1 or 2), a CTA (4 warps) owns 64 * this rows;
-                         // v2: m64 tiles per consumer warpgroup (1 or 2), a CTA owns 128 * this rows
+                         // v2, v3: m64 tiles per consumer warpgroup (1 or 2), a CTA owns 128 * this rows
   int block_n = 64;      // weight rows per CTA
   int tiles_n = 0;       // ceil(n / block_n)
   int splits = 1;        // S: K ranges (CTAs) per output tile
   size_t workspace_bytes = 0;  // for m rows (0 when splits == 1)
-  int stages = 0;        // v2: TMA ring depth for this m (0 = the CTA's K range does not fit: refused)
-  size_t smem_bytes = 0; // v2: dynamic shared memory per CTA for this m
+  int stages = 0;        // v2, v3: TMA ring depth for this m (0 = the CTA's K range does not fit: refused)
+  size_t smem_bytes = 0; // v2, v3: dynamic shared memory per CTA for this m
+  int cluster = 1;       // v3: CTAs per thread-block cluster (= splits; its split-K needs no workspace)
 };
 // force_splits / force_mtiles: 0 = automatic (the default everywhere); tests use them to reach
 // every code path on small shapes.
 GemmPlan plan_gemm_tc(int m, int64_t n, int64_t k, int groups, int force_splits = 0, int force_mtiles = 0);
 GemmPlan plan_gemm_wgmma(int m, int64_t n, int64_t k, int groups, int force_splits = 0, int force_mtiles = 0,
                          int force_stages = 0);
+// v3: force_splits is capped at 8 (the cluster size); workspace_bytes is always 0.
+GemmPlan plan_gemm_wgmma_pipelined(int m, int64_t n, int64_t k, int groups, int force_splits = 0, int force_mtiles = 0,
+                                   int force_stages = 0);
 // The plan `version` uses (kSimple: no split, no workspace).
 GemmPlan plan_gemm(GemmVersion version, int m, int64_t n, int64_t k, int groups, int force_splits = 0,
                    int force_mtiles = 0);
 // Workspace bytes for any m <= m_max with the automatic plan of ANY version (what an engine
-// allocates: the same workspace then serves v1 and v2, which both leave their counters zero).
+// allocates: the same workspace then serves v1 and v2, which both leave their counters zero; v3
+// needs none).
 size_t gemm_workspace_bytes(int m_max, int64_t n, int64_t k, int groups = 1);
 
 // ---- FP8 block-scaled GEMM --------------------------------------------------------------------
 // out[m, n] = bf16( sum over K blocks b in order of blocksum(b) * sa[m, b] * sw[n/32, b] ).
-// Requirements: n % 32 == 0, k % 32 == 0, 1 <= groups; v1, v2: m <= 64 and a workspace when the
-// plan splits K; v2: the plan's stages >= 1 (the K range of a CTA fits in shared memory; always
-// true for the automatic plan) and, with groups > 1, group strides that do not make the groups
-// overlap (TMA tensor maps). Alignment (all versions): a_q, w 16-byte aligned; a_stride,
+// Requirements: n % 32 == 0, k % 32 == 0, 1 <= groups; v1, v2, v3: m <= 64; v1, v2: a workspace
+// when the plan splits K; v2, v3: the plan's stages >= 1 (the K range of a CTA fits in shared
+// memory; always true for the automatic plan) and, with groups > 1, group strides that do not make
+// the groups overlap (TMA tensor maps). Alignment (all versions): a_q, w 16-byte aligned; a_stride,
 // a_group_stride and w_group_stride multiples of 16.
 struct Fp8GemmParams {
   const uint8_t* a_q = nullptr;      // [m, k] e4m3 codes (run_act_quant_fp8 output); row r at a_q + r * a_stride
@@ -156,8 +181,12 @@ struct Fp8GemmParams {
   int groups = 1;
   int64_t a_group_stride = 0, a_scale_group_stride = 0, w_group_stride = 0, w_scale_group_stride = 0,
           out_group_stride = 0;
-  int force_splits = 0, force_mtiles = 0;  // v1 / v2 plan overrides (0 = automatic)
-  int force_stages = 0;                    // v2: TMA ring depth override (0 = automatic; capped by what fits)
+  int force_splits = 0, force_mtiles = 0;  // v1 / v2 / v3 plan overrides (0 = automatic)
+  int force_stages = 0;                    // v2, v3: TMA ring depth override (0 = automatic; capped by what fits)
+  // v3 tuning (outputs do not depend on it beyond the rare 1-ulp intra-block reordering): bit j
+  // (j = 0..3) set = K block j of every 128-byte stage widens its weight codes with integer ops
+  // (ALU pipe) instead of cvt (conversion pipe). -1 = default (0b1010: half on each pipe).
+  int v3_int_mask = -1;
 };
 void run_gemm_fp8(const Fp8GemmParams& p, const GemmWorkspace& ws, GemmVersion version, cudaStream_t stream,
                   bool pdl);

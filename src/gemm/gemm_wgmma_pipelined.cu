@@ -1,0 +1,758 @@
+// v3 of the fp8 GEMM (GemmVersion::kWgmmaPipelined): v2's Hopper wgmma + TMA design with the
+// consumer loop software-pipelined, the weight widening split between the cvt pipe and the integer
+// pipe, the scale products precomputed per stage, and the split-K reduction done inside a
+// thread-block cluster through distributed shared memory (no global workspace).
+//
+// Grid (tiles_n, S, groups), cluster (1, S, 1) when S > 1, block 384 = 3 warpgroups, one CTA per SM.
+// One CTA owns block_n = 128 * MT weight rows (rows tile * block_n ..) x all m tokens x one
+// contiguous range of K blocks (split s of S; S <= 8, S depends only on (n, k, groups)). The S CTAs
+// of one output tile form one cluster.
+//
+// Roles (registers as v2: producer warpgroup setmaxnreg 40, consumers 232):
+//  - warpgroup 0, warp 0, lane 0: producer, exactly as v2 (per 128-byte stage of K = 4 K blocks: one
+//    TMA box of weights [block_n x 128 B] and one of activation codes [NP x 128 B], 128B swizzle,
+//    onto the stage's `full` mbarrier; weight boxes of the first ring fill before dev::pdl_wait()).
+//  - warpgroup 0, warps 1..3: converters. Per stage: the activation codes widened to f16 into an Xf
+//    slot (ring of 2; wgmma's 128B-swizzle K-major B layout, as v2), and the table of scale products
+//    ss[block][32-row group][token] = sa * sw (* 2^8 for integer-widened blocks, below), so that the
+//    consumers do one fma per accumulator and nothing else.
+//  - warpgroups 1, 2: consumers, MT m64 tiles each. The work of a warpgroup is a sequence of units
+//    u = (K block b, tile mt) in the order b = 0, 1, ..., tiles inner. Unit u: ldmatrix.x4 of the
+//    weight bytes, widening to f16 A fragments, two chained wgmma m64nNPk16 (the first with
+//    scale-d = 0) into a block-sum register set, commit. Two block-sum sets (and two A fragment
+//    sets) alternate: the wgmmas of unit u + 1 are issued BEFORE waiting for unit u
+//    (wgmma.wait_group 1), so the tensor core works on u + 1 while the CUDA cores fold u's block
+//    sums into the accumulators and widen the weights of u + 2. The fma order per accumulator is
+//    still b = 0, 1, 2, ... (the units of one tile are folded in block order). The loop runs in
+//    straight-line iterations of 8 units (one stage at MT = 2, two at MT = 1) that drain the last
+//    unit with wait_group 0: ptxas serializes every wgmma of a kernel (C7514) when a wgmma stays
+//    in flight across a loop back-edge while block sums are read in the loop, or when the issue /
+//    wait pattern depends on run-time conditions; units past the CTA's K range are issued as
+//    dummies (their block sums are never read) to keep the pattern static.
+//
+// Weight widening (per K block j = b % 4 of a stage, `int_mask` bit j):
+//  - cvt (bit clear): cvt.rn.f16x2.e4m3x2 on the byte pairs (4t, 4t+1) / (4t+2, 4t+3) of a
+//    thread's word, exactly as v2 (the activations use the same instruction on the same pairs).
+//  - integer (bit set): the bytes placed into f16 bit patterns (hopper_ptx.cuh), which gives the
+//    weight value * 2^-8 exactly, pairs (4t, 4t+2) / (4t+1, 4t+3); the converters widen the
+//    activations of such a block with the same integer ops followed by an exact * 256 (so the
+//    activations are exact), writing them at the matching logical k. The block sum is then exactly
+//    2^-8 * the true block sum (every product is scaled by the same power of two; the tensor core's
+//    accumulation is scale-invariant far from the fp32 underflow range, and the smallest product is
+//    2^-17 * 2^-9), and the scale product of that block carries the 2^8 back: ss = sa * (sw * 2^8).
+//  Why both: Hopper's conversion pipe (F2FP) is slow, so a consumer that widens everything with
+//  cvt is bound by it; the integer path costs ~3.5 ALU instructions per pair instead of one F2FP.
+//  Mixing them (default: blocks 1 and 3 of every stage integer, 0b1010) loads both pipes.
+//
+// Numerics (identical to v1 / v2 up to the order of additions inside a block, spec section 6):
+//  - per block b, the tensor core forms the block sum of the 32 exact products (fp32 accumulation)
+//    in some order; acc = fma(blocksum', ss, acc) with blocksum' * ss == blocksum * sa * sw exactly
+//    (powers of two), so one rounding per block like the reference's acc + (blocksum * sa) * sw.
+//    Blocks in increasing K order from +0. Assumes sa * sw < 2^119 (so that sa * sw * 2^8 does not
+//    overflow; any real weight / activation scales), and that the tensor core takes f16 subnormal
+//    inputs as they are (the integer-widened e4m3 subnormal weights; tested).
+//  - split-K (S > 1): the CTA of split s sums its contiguous range of K blocks; the partials are
+//    added in the fixed order ((P0 + P1) + P2) + ... exactly as v1 / v2 (never timing-dependent).
+//
+// Epilogue:
+//  - S == 1: the accumulators are rounded to bf16 into shared memory ([NP][block_n + 8], conflict-
+//    free), then written out in 16-byte pieces of rows (scalar stores when the output is not aligned).
+//  - S > 1: each CTA stores its fp32 partial tile in its own shared memory ([NP][block_n + 4]), the
+//    cluster synchronises, and CTA s reduces elements [s * E / S, (s + 1) * E / S) of the tile
+//    (E = m * block_n / 4 float4 pieces), reading the S partials from the cluster's shared memory in
+//    split order; a second cluster barrier keeps every CTA's shared memory alive until all reads are
+//    done. All 384 threads take part in both cluster barriers.
+//
+// Shared memory (1024-aligned base): W slots [stages][block_n][128 B], Xc slots [stages][NP][128 B]
+// (TMA, 128B swizzle), Xf slots [2][2 K-halves][NP][128 B] (f16), ss [2][4][block_n/32][NP] fp32;
+// the epilogue reuses this region (all of it is dead by then); then decoded weight scales
+// [block_n/32][kb_cta] and activation scales [kb_cta][NP] (fp32), then the mbarriers.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+#include <algorithm>
+#include <mutex>
+#include <string>
+
+#include "gemm/gemm_internal.h"
+#include "gemm/hopper_ptx.cuh"
+#include "gemm/wgmma_f16.cuh"
+#include "kernels/device_common.cuh"
+#include "runtime/launch.h"
+
+namespace v4attn::kernels {
+
+namespace {
+
+using namespace hopper;
+
+constexpr int kWarpgroupThreads = 128;
+constexpr int kConsumerWarpgroups = 2;
+constexpr int kThreads = kWarpgroupThreads * (1 + kConsumerWarpgroups);  // 384
+constexpr int kConsumerThreads = kWarpgroupThreads * kConsumerWarpgroups;  // 256
+constexpr int kConverterThreads = 96;                                       // warps 1..3
+constexpr int kStageK = 128;                           // K bytes per stage (one 128B-swizzle row)
+constexpr int kBlocksPerStage = kStageK / kGemmBlock;  // 4
+constexpr int kXfSlots = 2;
+constexpr int kMaxStages = 8;
+constexpr int kSmemLimit = 227 * 1024;  // sm_90 opt-in dynamic shared memory per block
+constexpr int kSmemAlign = 1024;        // 128B-swizzle atoms (TMA destination, wgmma operand)
+constexpr int kTargetCtas = 132;        // H100 / H200 SXM: one CTA per SM
+constexpr int kMaxCtaBlocks = 96;       // K blocks per CTA in the automatic plan (scale arrays)
+constexpr int kMaxClusterSplits = 8;    // portable cluster size: S <= 8
+constexpr int kDefaultIntMask = 0xA;    // blocks 1 and 3 of each stage widened with integer ops
+constexpr uint32_t kConsumerBarrierId = 1;  // named barrier of the 256 consumers
+constexpr uint32_t kProducerRegs = 40, kConsumerRegs = 232;
+constexpr float kIntWidenScale = 256.0f;  // integer-widened weights are x * 2^-8
+static_assert(kWarpgroupThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= kThreads * 168,
+              "setmaxnreg split must fit the CTA's register pool (168 per thread at launch)");
+
+// Byte offsets inside the CTA's shared memory (from the 1024-aligned base); host and device use the
+// same function, so the launcher sizes exactly what the kernel addresses.
+struct SmemLayout {
+  uint32_t w = 0, xc = 0, xf = 0, ss = 0, epi = 0, sw = 0, sa = 0, bar = 0, total = 0;
+};
+__host__ __device__ constexpr uint32_t epilogue_bytes(int block_n, int np) {
+  // S > 1: fp32 [np][block_n + 4]; S == 1: bf16 [np][block_n + 8] (smaller).
+  return static_cast<uint32_t>(np * (block_n + 4) * 4);
+}
+__host__ __device__ constexpr SmemLayout smem_layout(int block_n, int np, int stages, int max_split_blocks) {
+  SmemLayout l;
+  uint32_t off = 0;
+  l.w = off;
+  off += static_cast<uint32_t>(stages * block_n * kStageK);
+  l.xc = off;
+  off += static_cast<uint32_t>(stages * np * kStageK);
+  l.xf = off;
+  off += static_cast<uint32_t>(kXfSlots * np * kStageK * 2);
+  l.ss = off;
+  off += static_cast<uint32_t>(kXfSlots * kBlocksPerStage * (block_n / 32) * np * 4);
+  l.epi = 0;  // overlaps the rings: used only after the main loop
+  off = off > epilogue_bytes(block_n, np) ? off : epilogue_bytes(block_n, np);
+  off = (off + 15u) & ~15u;
+  l.sw = off;
+  off += static_cast<uint32_t>((block_n / 32) * max_split_blocks * 4);
+  l.sa = off;  // 16-aligned: (block_n / 32) * 4 bytes is a multiple of 16
+  off += static_cast<uint32_t>(max_split_blocks * np * 4);
+  off = (off + 7u) & ~7u;
+  l.bar = off;  // full[stages], empty[stages], xready[2], xfree[2]
+  off += static_cast<uint32_t>((2 * stages + 2 * kXfSlots) * 8);
+  l.total = off;
+  return l;
+}
+size_t smem_request(const SmemLayout& l) { return static_cast<size_t>(l.total) + kSmemAlign; }
+
+struct Wgmma3Params {
+  CUtensorMap tmap_w;  // weights [groups][n][k] bytes; box {128, block_n, 1}, 128B swizzle
+  CUtensorMap tmap_x;  // activation codes [groups][m][k] (row stride a_stride); box {128, NP, 1}, 128B swizzle
+  const uint8_t* w_scale = nullptr;  // [groups][n/32, k_blocks] ue8m0, dense
+  const uint8_t* a_scale = nullptr;  // [groups][m, k_blocks]; row r at a_scale + r * a_scale_stride
+  bf16_t* out = nullptr;             // [groups][m, n]; row r at out + r * out_stride
+  int64_t a_scale_stride = 0, out_stride = 0;
+  int64_t w_scale_group_stride = 0, a_scale_group_stride = 0, out_group_stride = 0;
+  int m = 0, n = 0, k_blocks = 0, splits = 1;
+  int stages = 0;            // ring depth (1..kMaxStages)
+  int max_split_blocks = 0;  // ceil(k_blocks / splits): capacity of the scale arrays
+  int int_mask = kDefaultIntMask;  // bit j: block j of every stage widened with integer ops
+  int out_vec = 0;           // 2: 16-byte output stores allowed, 1: 8-byte, 0: scalar only
+};
+
+// Consumer state that does not change over the main loop (one warpgroup, one thread).
+struct ConsumerCtx {
+  uint32_t w_base;     // shared address of W slot 0 + this thread's ldmatrix row offset (tile 0)
+  uint32_t xf_base;    // shared address of Xf slot 0
+  uint32_t bar_full, bar_empty, bar_xready, bar_xfree;
+  const float* ss_base;  // ss slot 0 + this thread's (row group of tile 0, token pair) offset
+  int stages, nkb, n_iter, int_mask;
+  int ld_chunk;        // 0 / 1: which 16-byte chunk of the block pair this lane addresses
+  int ld_swz;          // ldmatrix row & 7 (the 128B swizzle of its row)
+};
+
+// One stage as the consumer loop sees it (computed once per stage, used by its 4 * MT units).
+// A stage index past the CTA's last stage (the absent second stage of a last MT = 1 iteration)
+// refers to the last stage's slots with nb = 0: its units are dummies.
+struct StageRef {
+  uint32_t w_slot, xf_slot;            // shared addresses (W: incl. this thread's ldmatrix row)
+  const float* ss;                     // scale products of the stage (this thread's row group / tokens)
+  uint32_t full, empty, xready, xfree; // barrier addresses
+  uint32_t full_parity, xready_parity;
+  int nb;                              // K blocks of the stage (0: not a stage of this CTA)
+};
+template <int MT, int NP>
+__device__ __forceinline__ StageRef stage_ref(const ConsumerCtx& c, int it) {
+  constexpr int BN = kConsumerWarpgroups * 64 * MT;
+  StageRef r;
+  const bool real = it < c.n_iter;
+  const int ite = real ? it : c.n_iter - 1;
+  const int round = ite / c.stages, s = ite - round * c.stages, x = ite & 1;
+  r.w_slot = c.w_base + static_cast<uint32_t>(s * BN * kStageK);
+  r.xf_slot = c.xf_base + static_cast<uint32_t>(x * NP * kStageK * 2);
+  r.ss = c.ss_base + x * kBlocksPerStage * (BN / 32) * NP;
+  r.full = c.bar_full + 8u * static_cast<uint32_t>(s);
+  r.empty = c.bar_empty + 8u * static_cast<uint32_t>(s);
+  r.xready = c.bar_xready + 8u * static_cast<uint32_t>(x);
+  r.xfree = c.bar_xfree + 8u * static_cast<uint32_t>(x);
+  r.full_parity = static_cast<uint32_t>(round & 1);
+  r.xready_parity = static_cast<uint32_t>((ite >> 1) & 1);
+  r.nb = real ? min(kBlocksPerStage, c.nkb - ite * kBlocksPerStage) : 0;
+  return r;
+}
+
+// The main loop of a consumer warpgroup runs in iterations of 8 units, a unit being (K block,
+// m64 tile): MT = 2: one stage (4 blocks x 2 tiles), MT = 1: two stages (2 x 4 blocks). Unit K
+// (0..7, static) of an iteration uses register set K & 1.
+template <int MT>
+constexpr int kStagesPerIter = MT == 2 ? 1 : 2;
+template <int MT, int K>
+struct Unit {
+  static constexpr int stage = MT == 2 ? 0 : K >> 2;  // stage of the iteration
+  static constexpr int j = MT == 2 ? K >> 1 : K & 3;  // block of the stage
+  static constexpr int mt = MT == 2 ? K & 1 : 0;      // tile of the warpgroup
+  static constexpr int buf = K & 1;
+  static constexpr bool first_of_stage = j == 0 && mt == 0;
+  static constexpr bool last_of_stage = j == kBlocksPerStage - 1 && mt == MT - 1;
+};
+
+// Issues unit K of the iteration into register set K & 1: waits for the stage's data on its first
+// unit, ldmatrix + widening, waits for the stage's f16 activations, two wgmmas, commit; releases
+// the stage's weight slot after its last unit.
+// Units beyond the CTA's K range (blocks past a partial last stage, or the absent second stage of a
+// last MT = 1 iteration) are dummies: the iteration's code is straight-line (every unit issues
+// exactly one wgmma group, every wait is static), which ptxas needs to keep the wgmmas
+// asynchronous. A dummy reads operands of the CTA's last stage (never refilled: no stage follows)
+// and its block sums are never read; it does no barrier waits or arrivals.
+template <int MT, int NP, int K>
+__device__ __forceinline__ void issue_unit(const ConsumerCtx& c, const StageRef (&sr)[2], uint32_t (&af)[2][2][4],
+                                           float (&d)[2][NP / 2]) {
+  using U = Unit<MT, K>;
+  const StageRef& r = sr[U::stage];
+  const bool stage_real = r.nb > 0;
+  if (U::first_of_stage && stage_real) mbar_wait(r.full, r.full_parity);
+  uint32_t q[4];
+  const int chunk = 2 * U::j + c.ld_chunk;
+  ldmatrix_x4(q, r.w_slot + static_cast<uint32_t>(U::mt * 64 * kStageK + ((chunk ^ c.ld_swz) << 4)));
+  // q[0] / q[1]: rows g / g + 8, bytes 4t..4t+3 of the block's first 16 bytes (wgmma 0);
+  // q[2] / q[3]: the same of its second 16 bytes (wgmma 1). A fragment (PTX ALayout_64x16):
+  // a0 = (row g, k 2t..2t+1), a1 = (row g+8, k 2t..), a2 = (row g, k 2t+8..), a3 = (row g+8, k 2t+8..).
+  if ((c.int_mask >> U::j) & 1) {
+#pragma unroll
+    for (int sp = 0; sp < 2; ++sp) {
+      af[U::buf][sp][0] = e4m3x4_even_to_f16x2_scaled(q[2 * sp]);
+      af[U::buf][sp][1] = e4m3x4_even_to_f16x2_scaled(q[2 * sp + 1]);
+      af[U::buf][sp][2] = e4m3x4_odd_to_f16x2_scaled(q[2 * sp]);
+      af[U::buf][sp][3] = e4m3x4_odd_to_f16x2_scaled(q[2 * sp + 1]);
+    }
+  } else {
+#pragma unroll
+    for (int sp = 0; sp < 2; ++sp) {
+      af[U::buf][sp][0] = e4m3x2_lo_to_f16x2(q[2 * sp]);
+      af[U::buf][sp][1] = e4m3x2_lo_to_f16x2(q[2 * sp + 1]);
+      af[U::buf][sp][2] = e4m3x2_hi_to_f16x2(q[2 * sp]);
+      af[U::buf][sp][3] = e4m3x2_hi_to_f16x2(q[2 * sp + 1]);
+    }
+  }
+  if (U::first_of_stage && stage_real) mbar_wait(r.xready, r.xready_parity);
+  const uint64_t desc0 = make_desc_sw128(r.xf_slot + static_cast<uint32_t>((U::j >> 1) * NP * kStageK + (U::j & 1) * 64));
+  wgmma_fence();  // A fragments written and the block-sum set last read by ordinary instructions
+  wgmma::WgmmaF16<NP>::mma(d[U::buf], af[U::buf][0], desc0, 0);      // block sum from zero
+  wgmma::WgmmaF16<NP>::mma(d[U::buf], af[U::buf][1], desc0 + 2, 1);  // + 32 bytes: the second 16 logical k
+  wgmma_commit();
+  // Every weight byte of the stage is in registers (the widenings consumed the ldmatrix results and
+  // the wgmmas consumed the widenings): the slot may be refilled.
+  if (U::last_of_stage && stage_real) mbar_arrive(r.empty);
+}
+
+// Step of unit K: issue unit K + 1 into the other register set and wait for unit K (wait_group 1:
+// at most the group just issued stays in flight; the last unit of the iteration drains with
+// wait_group 0, because ptxas serializes wgmmas that stay in flight across a loop back-edge when
+// their block sums are read in the loop), then fold K's block sums into its tile's accumulators,
+// acc = fma(blocksum, ss, acc), if K is a real unit.
+template <int MT, int NP, int K>
+__device__ __forceinline__ void consume_unit(const ConsumerCtx& c, const StageRef (&sr)[2], uint32_t (&af)[2][2][4],
+                                             float (&d)[2][NP / 2], float (&acc)[MT][NP / 2]) {
+  using U = Unit<MT, K>;
+  constexpr int BN = kConsumerWarpgroups * 64 * MT;
+  if constexpr (K + 1 < 8) {
+    issue_unit<MT, NP, K + 1>(c, sr, af, d);
+    wgmma_wait<1>();
+  } else {
+    wgmma_wait<0>();
+  }
+  fence_registers(d[U::buf]);
+  const StageRef& r = sr[U::stage];
+  if (U::j >= r.nb) return;  // a dummy unit (uniform across the warpgroup)
+  // ss[j][row group][token]: this thread's row group (tile mt) and token pair 2t, 2t + 1.
+  const float* ssp = r.ss + (U::j * (BN / 32) + 2 * U::mt) * NP;
+#pragma unroll
+  for (int jj = 0; jj < NP / 8; ++jj) {
+    const float2 sv = *reinterpret_cast<const float2*>(ssp + 8 * jj);
+    acc[U::mt][4 * jj + 0] = __fmaf_rn(d[U::buf][4 * jj + 0], sv.x, acc[U::mt][4 * jj + 0]);
+    acc[U::mt][4 * jj + 1] = __fmaf_rn(d[U::buf][4 * jj + 1], sv.y, acc[U::mt][4 * jj + 1]);
+    acc[U::mt][4 * jj + 2] = __fmaf_rn(d[U::buf][4 * jj + 2], sv.x, acc[U::mt][4 * jj + 2]);
+    acc[U::mt][4 * jj + 3] = __fmaf_rn(d[U::buf][4 * jj + 3], sv.y, acc[U::mt][4 * jj + 3]);
+  }
+  // The stage's f16 activations and scale products are no longer read once its last real unit is
+  // folded (its wgmmas are complete; the dummies after it only read the CTA's last stage).
+  if (U::mt == MT - 1 && U::j == r.nb - 1) mbar_arrive(r.xfree);
+}
+
+template <int MT, int NP>
+__global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __grid_constant__ Wgmma3Params p) {
+  constexpr int BN = kConsumerWarpgroups * 64 * MT;  // weight rows per CTA
+  constexpr int RG = BN / 32;                        // 32-row scale groups per CTA
+  constexpr int R = NP / 2;                          // accumulator registers per m64 tile per thread
+  constexpr uint32_t kStageTx = static_cast<uint32_t>((BN + NP) * kStageK);
+  static_assert(NP % 8 == 0 && NP >= 8 && NP <= 64, "NP is m rounded up to 8");
+
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw_addr = smem_u32(smem_raw);
+  const uint32_t base = (raw_addr + (kSmemAlign - 1)) & ~static_cast<uint32_t>(kSmemAlign - 1);
+  uint8_t* smem = smem_raw + (base - raw_addr);
+  const int ST = p.stages;
+  const int msb = p.max_split_blocks;
+  const SmemLayout L = smem_layout(BN, NP, ST, msb);
+  float* sw_s = reinterpret_cast<float*>(smem + L.sw);  // [RG][msb]
+  float* sa_s = reinterpret_cast<float*>(smem + L.sa);  // [msb][NP]
+  float* ss_s = reinterpret_cast<float*>(smem + L.ss);  // [2][4][RG][NP]
+  const uint32_t bar_full = base + L.bar, bar_empty = bar_full + 8u * ST, bar_xready = bar_empty + 8u * ST,
+                 bar_xfree = bar_xready + 8u * kXfSlots;
+
+  const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
+  const int tile = static_cast<int>(blockIdx.x), split = static_cast<int>(blockIdx.y), grp = static_cast<int>(blockIdx.z);
+  const int row0 = tile * BN;
+  const int kb_begin = static_cast<int>(static_cast<int64_t>(split) * p.k_blocks / p.splits);
+  const int kb_end = static_cast<int>(static_cast<int64_t>(split + 1) * p.k_blocks / p.splits);
+  const int nkb = kb_end - kb_begin;  // 1..msb
+  const int n_iter = (nkb + kBlocksPerStage - 1) / kBlocksPerStage;
+  const int prologue = min(ST, n_iter);
+
+  // ---- setup: barriers, first ring fill of weights (constant data: before the PDL wait) --------
+  if (tid == 0) {
+    for (int s = 0; s < ST; ++s) {
+      mbar_init(bar_full + 8u * s, 1);  // the producer's arrive.expect_tx (+ the TMA bytes)
+      mbar_init(bar_empty + 8u * s, kConsumerThreads);
+    }
+    for (int x = 0; x < kXfSlots; ++x) {
+      mbar_init(bar_xready + 8u * x, kConverterThreads);
+      mbar_init(bar_xfree + 8u * x, kConsumerThreads);
+    }
+    fence_mbarrier_init();
+    prefetch_tensormap(&p.tmap_w);
+    prefetch_tensormap(&p.tmap_x);
+  }
+  __syncthreads();
+  if (tid == 0) {
+    for (int it = 0; it < prologue; ++it) {
+      mbar_arrive_expect_tx(bar_full + 8u * it, kStageTx);
+      tma_load_3d(base + L.w + static_cast<uint32_t>(it * BN * kStageK), &p.tmap_w, bar_full + 8u * it,
+                  (kb_begin + it * kBlocksPerStage) * kGemmBlock, row0, grp);
+    }
+  }
+  {  // weight scales of the tile's K range (rows >= n: 0, never stored). All loads of a round are
+     // issued before any use (one memory latency per round, not per element).
+    constexpr int kBatch = 4;
+    const uint8_t* sw_g = p.w_scale + grp * p.w_scale_group_stride + static_cast<int64_t>(row0 / 32) * p.k_blocks + kb_begin;
+    const int total = RG * nkb;
+    for (int i0 = tid; i0 < total; i0 += kBatch * kThreads) {
+      uint32_t v[kBatch];
+#pragma unroll
+      for (int r = 0; r < kBatch; ++r) {
+        const int i = i0 + r * kThreads, rg = i / nkb, b = i - rg * nkb;
+        v[r] = i < total && row0 + rg * 32 < p.n ? sw_g[rg * p.k_blocks + b] : 0u;
+      }
+#pragma unroll
+      for (int r = 0; r < kBatch; ++r) {
+        const int i = i0 + r * kThreads, rg = i / nkb, b = i - rg * nkb;
+        if (i < total) sw_s[rg * msb + b] = row0 + rg * 32 < p.n ? num::f32_from_ue8m0(static_cast<uint8_t>(v[r])) : 0.0f;
+      }
+    }
+  }
+
+  dev::pdl_wait();  // activation codes and scales are the predecessor's output
+
+  if (tid == 0) {
+    for (int it = 0; it < prologue; ++it)
+      tma_load_3d(base + L.xc + static_cast<uint32_t>(it * NP * kStageK), &p.tmap_x, bar_full + 8u * it,
+                  (kb_begin + it * kBlocksPerStage) * kGemmBlock, 0, grp);
+  }
+  {  // activation scales [block][token]; tokens >= m get 0 (so their scale products are 0)
+    constexpr int kBatch = 8;
+    const uint8_t* sa_g = p.a_scale + grp * p.a_scale_group_stride + kb_begin;
+    const int total = NP * nkb;
+    for (int i0 = tid; i0 < total; i0 += kBatch * kThreads) {
+      uint32_t v[kBatch];
+#pragma unroll
+      for (int r = 0; r < kBatch; ++r) {
+        const int i = i0 + r * kThreads, tok = i / nkb, b = i - tok * nkb;
+        v[r] = i < total && tok < p.m ? sa_g[tok * p.a_scale_stride + b] : 0u;
+      }
+#pragma unroll
+      for (int r = 0; r < kBatch; ++r) {
+        const int i = i0 + r * kThreads, tok = i / nkb, b = i - tok * nkb;
+        if (i < total) sa_s[b * NP + tok] = tok < p.m ? num::f32_from_ue8m0(static_cast<uint8_t>(v[r])) : 0.0f;
+      }
+    }
+  }
+  __syncthreads();  // scale arrays visible to the converters
+
+  if (warp < 4) {
+    // ======== warpgroup 0: producer (warp 0, lane 0) and converters (warps 1..3) ==================
+    setmaxnreg_dec<kProducerRegs>();
+    if (warp == 0) {
+      if (lane == 0) {
+        for (int it = prologue; it < n_iter; ++it) {
+          const int s = it % ST;
+          mbar_wait(bar_empty + 8u * s, static_cast<uint32_t>((it / ST - 1) & 1));  // slot consumed (it - ST)
+          const int kx = (kb_begin + it * kBlocksPerStage) * kGemmBlock;
+          mbar_arrive_expect_tx(bar_full + 8u * s, kStageTx);
+          tma_load_3d(base + L.w + static_cast<uint32_t>(s * BN * kStageK), &p.tmap_w, bar_full + 8u * s, kx, row0, grp);
+          tma_load_3d(base + L.xc + static_cast<uint32_t>(s * NP * kStageK), &p.tmap_x, bar_full + 8u * s, kx, 0, grp);
+        }
+      }
+    } else {
+      const int ctid = tid - 32;  // 0..95
+      for (int it = 0; it < n_iter; ++it) {
+        const int s = it % ST, x = it % kXfSlots;
+        mbar_wait(bar_full + 8u * s, static_cast<uint32_t>((it / ST) & 1));
+        if (it >= kXfSlots) mbar_wait(bar_xfree + 8u * x, static_cast<uint32_t>((it / kXfSlots - 1) & 1));
+        const int nb = min(kBlocksPerStage, nkb - it * kBlocksPerStage);
+        const uint8_t* xc = smem + L.xc + s * NP * kStageK;
+        uint8_t* xf = smem + L.xf + x * NP * kStageK * 2;
+        // Unit u: token n, 16-byte code chunk q = 2 j + sp (block j of the stage, half sp) -> the
+        // 16 f16 of wgmma sp of block j, at the logical k the weights' widening of block j uses:
+        // cvt blocks: byte pairs (4t, 4t+1) -> k 2t, 2t+1 and (4t+2, 4t+3) -> k 2t+8, 2t+9;
+        // integer blocks: (4t, 4t+2) -> k 2t, 2t+1 and (4t+1, 4t+3) -> k 2t+8, 2t+9.
+        for (int u = ctid; u < NP * 2 * nb; u += kConverterThreads) {
+          const int n = u % NP, q = u / NP;
+          const int j = q >> 1, sp = q & 1;
+          const uint4 v = *reinterpret_cast<const uint4*>(xc + n * kStageK + ((q ^ (n & 7)) << 4));
+          uint4 lo, hi;
+          if ((p.int_mask >> j) & 1) {
+            lo = make_uint4(f16x2_times_256(e4m3x4_even_to_f16x2_scaled(v.x)), f16x2_times_256(e4m3x4_even_to_f16x2_scaled(v.y)),
+                            f16x2_times_256(e4m3x4_even_to_f16x2_scaled(v.z)), f16x2_times_256(e4m3x4_even_to_f16x2_scaled(v.w)));
+            hi = make_uint4(f16x2_times_256(e4m3x4_odd_to_f16x2_scaled(v.x)), f16x2_times_256(e4m3x4_odd_to_f16x2_scaled(v.y)),
+                            f16x2_times_256(e4m3x4_odd_to_f16x2_scaled(v.z)), f16x2_times_256(e4m3x4_odd_to_f16x2_scaled(v.w)));
+          } else {
+            lo = make_uint4(e4m3x2_lo_to_f16x2(v.x), e4m3x2_lo_to_f16x2(v.y), e4m3x2_lo_to_f16x2(v.z), e4m3x2_lo_to_f16x2(v.w));
+            hi = make_uint4(e4m3x2_hi_to_f16x2(v.x), e4m3x2_hi_to_f16x2(v.y), e4m3x2_hi_to_f16x2(v.z), e4m3x2_hi_to_f16x2(v.w));
+          }
+          const int cb = (j & 1) * 4 + sp * 2;  // 16-byte chunk of the f16 row (64 f16 = 2 blocks)
+          uint8_t* row = xf + (j >> 1) * NP * kStageK + n * kStageK;
+          *reinterpret_cast<uint4*>(row + ((cb ^ (n & 7)) << 4)) = lo;
+          *reinterpret_cast<uint4*>(row + (((cb + 1) ^ (n & 7)) << 4)) = hi;
+        }
+        // Scale products of the stage: ss[x][j][rg][token] = sa[b][token] * sw[rg][b] (* 2^8 for an
+        // integer-widened block). Powers of two: exact.
+        float* ssx = ss_s + x * kBlocksPerStage * RG * NP;
+        for (int e = ctid; e < nb * RG * (NP / 4); e += kConverterThreads) {
+          const int tq = e % (NP / 4), r = e / (NP / 4), rg = r % RG, j = r / RG;
+          const int b = it * kBlocksPerStage + j;
+          float swv = sw_s[rg * msb + b];
+          if ((p.int_mask >> j) & 1) swv = num::mul_rn(swv, kIntWidenScale);
+          const float4 sa4 = *reinterpret_cast<const float4*>(sa_s + b * NP + 4 * tq);
+          *reinterpret_cast<float4*>(ssx + (j * RG + rg) * NP + 4 * tq) =
+              make_float4(num::mul_rn(sa4.x, swv), num::mul_rn(sa4.y, swv), num::mul_rn(sa4.z, swv), num::mul_rn(sa4.w, swv));
+        }
+        fence_proxy_async_smem();  // the f16 operand is read by wgmma (async proxy)
+        mbar_arrive(bar_xready + 8u * x);
+      }
+    }
+    dev::pdl_launch_dependents();
+    if (p.splits > 1) {  // the consumers' two cluster barriers (every thread of the cluster takes part)
+      cluster_sync();
+      cluster_sync_relaxed();
+    }
+    return;
+  }
+
+  // ======== warpgroups 1, 2: consumers =============================================================
+  setmaxnreg_inc<kConsumerRegs>();
+  const int ctid = tid - kWarpgroupThreads;  // 0..255
+  const int wgc = ctid >> 7;                 // consumer warpgroup 0 / 1
+  const int w = (ctid >> 5) & 3;             // warp within the warpgroup: rows 16w .. 16w + 15 of a tile
+  const int g = lane >> 2, t = lane & 3;
+  // ldmatrix.x4: lane supplies row (lane & 7) + 8 * ((lane >> 3) & 1) of its matrix, chunk + (lane >> 4):
+  // matrices 0..3 = (rows 0-7, chunk 2j), (rows 8-15, 2j), (rows 0-7, 2j+1), (rows 8-15, 2j+1).
+  const int ld_row = 16 * w + (lane & 7) + 8 * ((lane >> 3) & 1);
+
+  ConsumerCtx c;
+  c.w_base = base + L.w + static_cast<uint32_t>((wgc * MT * 64 + ld_row) * kStageK);
+  c.xf_base = base + L.xf;
+  c.bar_full = bar_full;
+  c.bar_empty = bar_empty;
+  c.bar_xready = bar_xready;
+  c.bar_xfree = bar_xfree;
+  c.ss_base = ss_s + (wgc * MT * 2 + (w >> 1)) * NP + 2 * t;  // row group of tile 0 of this warpgroup
+  c.stages = ST;
+  c.nkb = nkb;
+  c.n_iter = n_iter;
+  c.int_mask = p.int_mask;
+  c.ld_chunk = lane >> 4;
+  c.ld_swz = lane & 7;  // = ld_row & 7
+
+  float acc[MT][R];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int i = 0; i < R; ++i) acc[mt][i] = 0.0f;
+  // Both block-sum sets are defined (and pinned by the register fences) before the first wgmma:
+  // a plain definition that the compiler sinks between a wgmma and its wait makes ptxas serialize
+  // every wgmma of the kernel (warning C7515).
+  float d[2][R];
+#pragma unroll
+  for (int i = 0; i < R; ++i) d[0][i] = d[1][i] = 0.0f;
+  fence_registers(d[0]);
+  fence_registers(d[1]);
+  uint32_t af[2][2][4];
+
+  for (int it0 = 0; it0 < n_iter; it0 += kStagesPerIter<MT>) {
+    StageRef sr[2];
+    sr[0] = stage_ref<MT, NP>(c, it0);
+    sr[1] = MT == 1 ? stage_ref<MT, NP>(c, it0 + 1) : sr[0];
+    issue_unit<MT, NP, 0>(c, sr, af, d);
+    consume_unit<MT, NP, 0>(c, sr, af, d, acc);
+    consume_unit<MT, NP, 1>(c, sr, af, d, acc);
+    consume_unit<MT, NP, 2>(c, sr, af, d, acc);
+    consume_unit<MT, NP, 3>(c, sr, af, d, acc);
+    consume_unit<MT, NP, 4>(c, sr, af, d, acc);
+    consume_unit<MT, NP, 5>(c, sr, af, d, acc);
+    consume_unit<MT, NP, 6>(c, sr, af, d, acc);
+    consume_unit<MT, NP, 7>(c, sr, af, d, acc);
+  }
+  dev::pdl_launch_dependents();
+
+  // ---- epilogue (consumers; the cluster barriers with warpgroup 0) ------------------------------
+  // Element (mt, i) of this thread: CTA row nl = (wgc*MT + mt)*64 + 16w + g + (i & 2 ? 8 : 0),
+  // token = 8 (i / 4) + 2t + (i & 1).
+  named_barrier_sync(kConsumerBarrierId, kConsumerThreads);  // every consumer is done with the rings
+  bf16_t* out = p.out + grp * p.out_group_stride;
+  if (p.splits == 1) {
+    constexpr int kStride = BN + 8;  // bf16 elements per staged row (conflict-free, 16-byte rows)
+    bf16_t* stage = reinterpret_cast<bf16_t*>(smem + L.epi);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        const int nl = (wgc * MT + mt) * 64 + 16 * w + g + ((i & 2) ? 8 : 0);
+        const int tok = 8 * (i >> 2) + 2 * t + (i & 1);
+        if (tok < p.m) stage[tok * kStride + nl] = num::bf16_from_f32(acc[mt][i]);
+      }
+    named_barrier_sync(kConsumerBarrierId, kConsumerThreads);
+    constexpr int kChunks = BN / 8;  // 16-byte pieces per token
+    for (int e = ctid; e < p.m * kChunks; e += kConsumerThreads) {
+      const int tok = e / kChunks, nc = e - tok * kChunks;
+      const int n = row0 + 8 * nc;
+      if (n >= p.n) continue;  // n is a multiple of 32: a piece is all in or all out
+      const uint4 v = *reinterpret_cast<const uint4*>(stage + tok * kStride + 8 * nc);
+      bf16_t* dst = out + tok * p.out_stride + n;
+      if (p.out_vec == 2) {
+        *reinterpret_cast<uint4*>(dst) = v;
+      } else {
+        const uint32_t wv[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int h = 0; h < 4; ++h) {
+          dst[2 * h] = static_cast<bf16_t>(wv[h] & 0xFFFFu);
+          dst[2 * h + 1] = static_cast<bf16_t>(wv[h] >> 16);
+        }
+      }
+    }
+    return;
+  }
+
+  // S > 1: this CTA's fp32 partial tile into its own shared memory, then the cluster reduces.
+  constexpr int kStride = BN + 4;  // floats per partial row (conflict-free, 16-byte rows)
+  float* part = reinterpret_cast<float*>(smem + L.epi);
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      const int nl = (wgc * MT + mt) * 64 + 16 * w + g + ((i & 2) ? 8 : 0);
+      const int tok = 8 * (i >> 2) + 2 * t + (i & 1);
+      if (tok < p.m) part[tok * kStride + nl] = acc[mt][i];
+    }
+  cluster_sync();  // every CTA's partial tile is written (release / acquire, cluster scope)
+  {
+    constexpr int kPieces = BN / 4;  // float4 pieces per token
+    const int S = p.splits;
+    const int total = p.m * kPieces;
+    const int lo = static_cast<int>(static_cast<int64_t>(split) * total / S);
+    const int hi = static_cast<int>(static_cast<int64_t>(split + 1) * total / S);
+    const uint32_t part_addr = base + L.epi;
+    for (int e = lo + ctid; e < hi; e += kConsumerThreads) {
+      const int tok = e / kPieces, pc = e - tok * kPieces;
+      const int n = row0 + 4 * pc;
+      if (n >= p.n) continue;
+      const uint32_t off = part_addr + static_cast<uint32_t>((tok * kStride + 4 * pc) * 4);
+      float4 v[kMaxClusterSplits];
+#pragma unroll
+      for (int sp = 0; sp < kMaxClusterSplits; ++sp)
+        if (sp < S) v[sp] = ld_cluster_f32x4(map_to_cluster_rank(off, static_cast<uint32_t>(sp)));
+      float4 sum = v[0];
+#pragma unroll
+      for (int sp = 1; sp < kMaxClusterSplits; ++sp)
+        if (sp < S) {  // split order: ((P0 + P1) + P2) + ...
+          sum.x = num::add_rn(sum.x, v[sp].x);
+          sum.y = num::add_rn(sum.y, v[sp].y);
+          sum.z = num::add_rn(sum.z, v[sp].z);
+          sum.w = num::add_rn(sum.w, v[sp].w);
+        }
+      const bf16_t b0 = num::bf16_from_f32(sum.x), b1 = num::bf16_from_f32(sum.y), b2 = num::bf16_from_f32(sum.z),
+                   b3 = num::bf16_from_f32(sum.w);
+      bf16_t* dst = out + tok * p.out_stride + n;
+      if (p.out_vec >= 1) {
+        *reinterpret_cast<uint2*>(dst) = make_uint2(static_cast<uint32_t>(b0) | (static_cast<uint32_t>(b1) << 16),
+                                                    static_cast<uint32_t>(b2) | (static_cast<uint32_t>(b3) << 16));
+      } else {
+        dst[0] = b0;
+        dst[1] = b1;
+        dst[2] = b2;
+        dst[3] = b3;
+      }
+    }
+  }
+  cluster_sync_relaxed();  // no CTA leaves (freeing its shared memory) before every read of it is done
+}
+
+using Wgmma3Kernel = void (*)(Wgmma3Params);
+
+template <int MT>
+Wgmma3Kernel pick_kernel(int np) {
+  switch (np) {
+    case 8: return gemm_fp8_wgmma3_kernel<MT, 8>;
+    case 16: return gemm_fp8_wgmma3_kernel<MT, 16>;
+    case 24: return gemm_fp8_wgmma3_kernel<MT, 24>;
+    case 32: return gemm_fp8_wgmma3_kernel<MT, 32>;
+    case 40: return gemm_fp8_wgmma3_kernel<MT, 40>;
+    case 48: return gemm_fp8_wgmma3_kernel<MT, 48>;
+    case 56: return gemm_fp8_wgmma3_kernel<MT, 56>;
+    case 64: return gemm_fp8_wgmma3_kernel<MT, 64>;
+    default: throw std::invalid_argument("gemm v3: m must be 1..64");
+  }
+}
+
+// cuTensorMapEncodeTiled through the runtime's driver entry point (no -lcuda).
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    V4_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q));
+    if (q == cudaDriverEntryPointSuccess) fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  });
+  if (fn == nullptr) throw CudaError("gemm v3: cuTensorMapEncodeTiled is not available from the driver");
+  return fn;
+}
+
+// A 3-D byte tensor [groups][rows][cols] (row stride / group stride in bytes) read in boxes of
+// {128 bytes, box_rows, 1} with the 128B swizzle; out-of-range elements are zero-filled.
+CUtensorMap make_tensor_map(const void* ptr, uint64_t cols, uint64_t rows, uint64_t groups, uint64_t row_stride,
+                            uint64_t group_stride, uint32_t box_rows) {
+  CUtensorMap map;
+  const cuuint64_t dims[3] = {cols, rows, groups};
+  const cuuint64_t strides[2] = {row_stride, group_stride};
+  const cuuint32_t box[3] = {static_cast<cuuint32_t>(kStageK), box_rows, 1};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  const CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<void*>(ptr), dims, strides, box,
+                                          elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                          CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw std::invalid_argument("gemm v3: cuTensorMapEncodeTiled failed (" + std::to_string(static_cast<int>(r)) +
+                                ") for a " + std::to_string(groups) + " x " + std::to_string(rows) + " x " +
+                                std::to_string(cols) + " tensor (row stride " + std::to_string(row_stride) +
+                                ", group stride " + std::to_string(group_stride) + ")");
+  return map;
+}
+
+bool aligned_to(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
+
+}  // namespace
+
+GemmPlan plan_gemm_wgmma_pipelined(int m, int64_t n, int64_t k, int groups, int force_splits, int force_mtiles,
+                                   int force_stages) {
+  auto fail = [](const std::string& what) { throw std::invalid_argument("plan_gemm_wgmma_pipelined: " + what); };
+  if (m < 0 || m > kGemmMaxRows || n <= 0 || k <= 0 || groups < 1) fail("need 0 <= m <= 64, n > 0, k > 0, groups >= 1");
+  if (force_splits < 0 || force_mtiles < 0 || force_mtiles > 2 || force_stages < 0)
+    fail("force_splits >= 0, force_mtiles in 0..2, force_stages >= 0");
+  const int64_t kb = k / kGemmBlock;
+  if (kb < 1) fail("k < 32");
+  GemmPlan plan;
+  // As v2: two m64 tiles per consumer warpgroup (256 rows per CTA) when that still gives ~one CTA
+  // per SM without split-K (wq_b: 128 CTAs); otherwise 128 rows per CTA and split-K (clusters of
+  // S <= 8 CTAs) to fill the machine.
+  plan.warp_mtiles = force_mtiles != 0 ? force_mtiles : (groups * ((n + 255) / 256) >= 96 ? 2 : 1);
+  plan.block_n = kConsumerWarpgroups * 64 * plan.warp_mtiles;
+  plan.tiles_n = static_cast<int>((n + plan.block_n - 1) / plan.block_n);
+  const int64_t tiles = static_cast<int64_t>(groups) * plan.tiles_n;
+  int64_t s;
+  if (force_splits != 0) {
+    s = std::min<int64_t>(force_splits, kb);
+  } else {
+    s = std::max<int64_t>(1, kTargetCtas / tiles);                       // ~one CTA per SM
+    s = std::max<int64_t>(s, (kb + kMaxCtaBlocks - 1) / kMaxCtaBlocks);  // bounded scale arrays
+    s = std::min<int64_t>(s, kb);
+  }
+  s = std::min<int64_t>(s, kMaxClusterSplits);  // the S CTAs of a tile form one (portable) cluster
+  plan.splits = static_cast<int>(s);
+  plan.cluster = plan.splits;
+  const int msb = static_cast<int>((kb + s - 1) / s);
+  const int np = std::max(8, (m + 7) / 8 * 8);
+  const int n_iter = (msb + kBlocksPerStage - 1) / kBlocksPerStage;
+  // Pipeline depth for this m (numerics do not depend on it): as many stages as fit, <= 8, <= the
+  // stages a CTA has. (Counted directly: the epilogue region overlaps the rings.)
+  int fit = 0;
+  for (int st = 1; st <= kMaxStages; ++st)
+    if (smem_request(smem_layout(plan.block_n, np, st, msb)) <= static_cast<size_t>(kSmemLimit)) fit = st;
+  plan.stages = std::min({fit, kMaxStages, n_iter});
+  if (force_stages != 0) plan.stages = std::min(plan.stages, force_stages);
+  plan.smem_bytes = plan.stages >= 1 ? smem_request(smem_layout(plan.block_n, np, plan.stages, msb)) : 0;
+  plan.workspace_bytes = 0;  // the split-K reduction runs through the cluster's shared memory
+  return plan;
+}
+
+namespace detail {
+
+void launch_gemm_fp8_wgmma_pipelined(const Fp8GemmParams& p, const GemmPlan& plan, cudaStream_t stream, bool pdl) {
+  const int np = (p.m + 7) / 8 * 8;
+  const int64_t kb = p.k / kGemmBlock;
+  Wgmma3Params t;
+  // Weights: [groups][n][k]; a single group gets a nominal group stride (the dimension has size 1).
+  const uint64_t w_group = p.groups > 1 ? static_cast<uint64_t>(p.w_group_stride) : static_cast<uint64_t>(p.n * p.k);
+  t.tmap_w = make_tensor_map(p.w, static_cast<uint64_t>(p.k), static_cast<uint64_t>(p.n), static_cast<uint64_t>(p.groups),
+                             static_cast<uint64_t>(p.k), w_group, static_cast<uint32_t>(plan.block_n));
+  const uint64_t a_group = p.groups > 1 ? static_cast<uint64_t>(p.a_group_stride) : static_cast<uint64_t>(p.m) * p.a_stride;
+  t.tmap_x = make_tensor_map(p.a_q, static_cast<uint64_t>(p.k), static_cast<uint64_t>(p.m), static_cast<uint64_t>(p.groups),
+                             static_cast<uint64_t>(p.a_stride), a_group, static_cast<uint32_t>(np));
+  t.w_scale = p.w_scale;
+  t.a_scale = p.a_scale;
+  t.out = p.out;
+  t.a_scale_stride = p.a_scale_stride;
+  t.out_stride = p.out_stride;
+  t.w_scale_group_stride = p.w_scale_group_stride;
+  t.a_scale_group_stride = p.a_scale_group_stride;
+  t.out_group_stride = p.out_group_stride;
+  t.m = p.m;
+  t.n = static_cast<int>(p.n);
+  t.k_blocks = static_cast<int>(kb);
+  t.splits = plan.splits;
+  t.stages = plan.stages;
+  t.max_split_blocks = static_cast<int>((kb + plan.splits - 1) / plan.splits);
+  t.int_mask = p.v3_int_mask < 0 ? kDefaultIntMask : p.v3_int_mask;
+  const bool one_group = p.groups == 1;
+  if (aligned_to(p.out, 16) && p.out_stride % 8 == 0 && (one_group || p.out_group_stride % 8 == 0)) t.out_vec = 2;
+  else if (aligned_to(p.out, 8) && p.out_stride % 4 == 0 && (one_group || p.out_group_stride % 4 == 0)) t.out_vec = 1;
+  else t.out_vec = 0;
+  const Wgmma3Kernel kernel = plan.warp_mtiles == 2 ? pick_kernel<2>(np) : pick_kernel<1>(np);
+  set_max_dynamic_smem(kernel, plan.smem_bytes);
+  LaunchConfig cfg;
+  cfg.grid = dim3(static_cast<unsigned>(plan.tiles_n), static_cast<unsigned>(plan.splits), static_cast<unsigned>(p.groups));
+  cfg.block = dim3(kThreads);
+  cfg.cluster = dim3(1, static_cast<unsigned>(plan.splits), 1);
+  cfg.smem_bytes = plan.smem_bytes;
+  cfg.stream = stream;
+  cfg.pdl = pdl;
+  launch_kernel("gemm_fp8_wgmma_pipelined", kernel, cfg, t);
+}
+
+}  // namespace detail
+}  // namespace v4attn::kernels
