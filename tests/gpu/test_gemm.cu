@@ -11,7 +11,12 @@
 // v2 (kWgmma, fp8 only) is checked on every real shape, on small shapes that reach every path
 // (every token padding NP = 8..64, one and two m64 tiles per warpgroup, partial tiles in n, forced
 // splits, partial last stages, TMA ring and f16 ring wrap-around, forced shallow rings, groups),
-// for determinism of its split-K reduction, and for refusing bad arguments.
+// for determinism of its split-K reduction, and for refusing bad arguments. v3
+// (kWgmmaPipelined) the same, plus: cluster split-K with every S = 2..8, partial last stages and
+// absent second stages of its 8-unit iterations (dummy units), every integer / cvt widening mask,
+// output strides that allow 16-byte, 8-byte or only scalar stores, and e4m3 subnormal codes
+// (exact data made of subnormal weights or activations: the integer widening turns subnormal
+// weights into f16 subnormals, which the tensor core must take as they are).
 // Every output buffer has extra rows and a row stride > n, poisoned (0xAB) before each call;
 // everything outside [0, m) x [0, n) must still be poison afterwards.
 #include <algorithm>
@@ -53,7 +58,11 @@ struct Rng {
   int range(int lo, int hi) { return lo + static_cast<int>(next() % static_cast<uint64_t>(hi - lo + 1)); }
 };
 
-enum class Data { kExact, kRealistic };
+// kSubnormalW / kSubnormalA: exact data (every sum exact in fp32) whose weight / activation codes
+// are all e4m3 subnormals (+-k * 2^-9, k = 0..7) and whose other operand is an integer in -7..7.
+enum class Data { kExact, kRealistic, kSubnormalW, kSubnormalA };
+
+uint8_t e4m3_subnormal_code(int k) { return static_cast<uint8_t>((k < 0 ? 0x80 : 0x00) | std::abs(k)); }  // k * 2^-9
 
 ref::Fp8Matrix make_fp8_weight(int64_t n, int64_t k, Data d, uint64_t seed) {
   Rng rng(seed);
@@ -63,21 +72,24 @@ ref::Fp8Matrix make_fp8_weight(int64_t n, int64_t k, Data d, uint64_t seed) {
   w.w.resize(static_cast<size_t>(n * k));
   w.scale.resize(static_cast<size_t>(((n + 31) / 32) * (k / 32)));
   for (auto& c : w.w)
-    c = d == Data::kExact ? num::e4m3_from_f32(static_cast<float>(rng.range(-7, 7)))
-                          : num::e4m3_from_f32(rng.uniform() * 448.0f * std::fabs(rng.uniform()));
-  for (auto& s : w.scale) s = static_cast<uint8_t>(127 + (d == Data::kExact ? rng.range(0, 2) : rng.range(-14, -6)));
+    c = d == Data::kRealistic    ? num::e4m3_from_f32(rng.uniform() * 448.0f * std::fabs(rng.uniform()))
+        : d == Data::kSubnormalW ? e4m3_subnormal_code(rng.range(-7, 7))
+                                 : num::e4m3_from_f32(static_cast<float>(rng.range(-7, 7)));
+  for (auto& s : w.scale) s = static_cast<uint8_t>(127 + (d != Data::kRealistic ? rng.range(0, 2) : rng.range(-14, -6)));
   return w;
 }
 
-// Exact-regime activations given directly as codes + scales (scales 2^0..2^1).
-ref::ActQuant make_exact_act(int m, int64_t k, uint64_t seed) {
+// Exact-regime activations given directly as codes + scales (scales 2^0..2^1); codes integers in
+// -7..7, or subnormals +-k * 2^-9.
+ref::ActQuant make_exact_act(int m, int64_t k, uint64_t seed, bool subnormal = false) {
   Rng rng(seed);
   ref::ActQuant a;
   a.m = m;
   a.k = k;
   a.q.resize(static_cast<size_t>(m * k));
   a.scale.resize(static_cast<size_t>(m * (k / 32)));
-  for (auto& c : a.q) c = num::e4m3_from_f32(static_cast<float>(rng.range(-7, 7)));
+  for (auto& c : a.q)
+    c = subnormal ? e4m3_subnormal_code(rng.range(-7, 7)) : num::e4m3_from_f32(static_cast<float>(rng.range(-7, 7)));
   for (auto& s : a.scale) s = static_cast<uint8_t>(127 + rng.range(0, 1));
   return a;
 }
@@ -148,14 +160,16 @@ struct OutLayout {
   int64_t n = 0, stride = 0, group_stride = 0;
   size_t elems() const { return static_cast<size_t>(rows_alloc) * static_cast<size_t>(stride); }
 };
-OutLayout make_layout(int m, int64_t n, int groups = 1) {
+// pad: extra columns per row (24: the row stride is a multiple of 8 elements, 16-byte rows; 28:
+// of 4 only; 25: odd -- v3 picks 16-byte, 8-byte or scalar output stores by the stride).
+OutLayout make_layout(int m, int64_t n, int groups = 1, int pad = 24) {
   OutLayout l;
   l.m = m;
   l.n = n;
   l.groups = groups;
   l.group_stride = n;
   l.rows_alloc = m + 2;                // rows m, m+1 must stay poison
-  l.stride = groups * n + 24;          // columns past the last group must stay poison
+  l.stride = groups * n + pad;         // columns past the last group must stay poison
   return l;
 }
 
@@ -228,7 +242,8 @@ struct Fp8Case {
   int64_t n = 0, k = 0;
   int groups = 1;
   int force_splits = 0, force_mtiles = 0;
-  int force_stages = 0;  // v2 only
+  int force_stages = 0;  // v2, v3 only
+  int int_mask = -1;     // v3 only (Fp8GemmParams::v3_int_mask)
 };
 
 // One fp8 problem: weights (per group, stacked in one device buffer) and activations (act codes
@@ -271,10 +286,10 @@ Fp8Acts make_fp8_acts(const Fp8Case& cs, int m, Data d, uint64_t seed) {
   a.d_as.resize(rows * static_cast<size_t>(a.a_scale_stride));
   a.d_aq.fill_bytes(kPoisonByte);
   a.d_as.fill_bytes(kPoisonByte);
-  if (d == Data::kExact) {
+  if (d != Data::kRealistic) {
     std::vector<uint8_t> hq(a.d_aq.size(), kPoisonByte), hs(a.d_as.size(), kPoisonByte);
     for (int g = 0; g < cs.groups; ++g) {
-      a.act.push_back(make_exact_act(m, k, seed * 13 + g));
+      a.act.push_back(make_exact_act(m, k, seed * 13 + g, d == Data::kSubnormalA));
       for (int r = 0; r < m; ++r) {
         std::copy_n(a.act.back().q.begin() + r * k, k, hq.begin() + (g * m + r) * a.a_stride);
         std::copy_n(a.act.back().scale.begin() + r * kb, kb, hs.begin() + (g * m + r) * a.a_scale_stride);
@@ -343,12 +358,15 @@ Fp8GemmParams fp8_params(const Fp8Weights& w, const Fp8Acts& a, bf16_t* out, con
   g.force_splits = w.cs.force_splits;
   g.force_mtiles = w.cs.force_mtiles;
   g.force_stages = w.cs.force_stages;
+  g.v3_int_mask = w.cs.int_mask;
   return g;
 }
 
 GemmPlan fp8_plan(const Fp8Case& cs, int m, GemmVersion v) {
-  return v == GemmVersion::kWgmma ? plan_gemm_wgmma(m, cs.n, cs.k, cs.groups, cs.force_splits, cs.force_mtiles, cs.force_stages)
-                                  : plan_gemm(v, m, cs.n, cs.k, cs.groups, cs.force_splits, cs.force_mtiles);
+  if (v == GemmVersion::kWgmma) return plan_gemm_wgmma(m, cs.n, cs.k, cs.groups, cs.force_splits, cs.force_mtiles, cs.force_stages);
+  if (v == GemmVersion::kWgmmaPipelined)
+    return plan_gemm_wgmma_pipelined(m, cs.n, cs.k, cs.groups, cs.force_splits, cs.force_mtiles, cs.force_stages);
+  return plan_gemm(v, m, cs.n, cs.k, cs.groups, cs.force_splits, cs.force_mtiles);
 }
 
 // Runs one version (fresh workspace), returns the whole (poisoned-before) output buffer.
@@ -382,7 +400,8 @@ std::string fp8_name(const Fp8Case& cs, int m) {
   return "fp8 " + std::to_string(cs.n) + "x" + std::to_string(cs.k) + (cs.groups > 1 ? " g" + std::to_string(cs.groups) : "") +
          " m" + std::to_string(m) + (cs.force_splits ? " S" + std::to_string(cs.force_splits) : "") +
          (cs.force_mtiles ? " MT" + std::to_string(cs.force_mtiles) : "") +
-         (cs.force_stages ? " ST" + std::to_string(cs.force_stages) : "");
+         (cs.force_stages ? " ST" + std::to_string(cs.force_stages) : "") +
+         (cs.int_mask >= 0 ? " int" + std::to_string(cs.int_mask) : "");
 }
 
 // The model's fp8 shapes; wq_b (TP1) and wo_b are checked at fewer m (the CPU reference costs
@@ -569,11 +588,11 @@ TEST(GpuGemm, ActQuantMatchesReferenceBytes) {
     }
 }
 
-// Real model shapes, realistic data: v0 byte-identical, v1 and v2 within 1 ulp (fraction printed).
+// Real model shapes, realistic data: v0 byte-identical, v1, v2 and v3 within 1 ulp (fraction printed).
 // The big shapes (wq_b TP1, wo_b) at m = 64 are in Fp8BigShapesM64 (the CPU reference is slow).
 void check_real_fp8_realistic(const RealFp8Shape& sh, const std::vector<int>& ms, uint64_t seed) {
   const Fp8Case cs{sh.n, sh.k};
-  DiffStats agg1, agg2;
+  DiffStats agg1, agg2, agg3;
   const Fp8Weights w = make_fp8_weights(cs, Data::kRealistic, seed);
   for (int m : ms) {
     const Fp8Acts a = make_fp8_acts(cs, m, Data::kRealistic, seed * 31 + static_cast<uint64_t>(m));
@@ -590,9 +609,14 @@ void check_real_fp8_realistic(const RealFp8Shape& sh, const std::vector<int>& ms
     const DiffStats s2 = check_bf16(run_fp8(w, a, l, GemmVersion::kWgmma), l, dense_want(want, cs.n), 1, name + " v2", true);
     expect_realistic_stats(s2, name + " v2");
     agg2.add(s2);
+    const DiffStats s3 =
+        check_bf16(run_fp8(w, a, l, GemmVersion::kWgmmaPipelined), l, dense_want(want, cs.n), 1, name + " v3", true);
+    expect_realistic_stats(s3, name + " v3");
+    agg3.add(s3);
   }
   expect_realistic_stats(agg1, std::string(sh.name) + " all m v1");
   expect_realistic_stats(agg2, std::string(sh.name) + " all m v2");
+  expect_realistic_stats(agg3, std::string(sh.name) + " all m v3");
 }
 
 TEST(GpuGemm, Fp8RealShapesRealistic) {
@@ -613,7 +637,7 @@ TEST(GpuGemm, Fp8BigShapesM64) {
     if (sh.big) check_real_fp8_realistic(sh, {64}, ++seed);
 }
 
-// Real model shapes, exact data: v1 and v2 byte-identical whatever their summation order.
+// Real model shapes, exact data: v1, v2 and v3 byte-identical whatever their summation order.
 TEST(GpuGemm, Fp8RealShapesExact) {
   V4_REQUIRE_GPU();
   use_all_cores();
@@ -626,7 +650,7 @@ TEST(GpuGemm, Fp8RealShapesExact) {
       const Fp8Acts a = make_fp8_acts(cs, m, Data::kExact, ++seed);
       const auto want = ref_fp8(w, a);
       const OutLayout l = make_layout(m, cs.n);
-      for (GemmVersion v : {GemmVersion::kTensorCore, GemmVersion::kWgmma}) {
+      for (GemmVersion v : {GemmVersion::kTensorCore, GemmVersion::kWgmma, GemmVersion::kWgmmaPipelined}) {
         const DiffStats s = check_bf16(run_fp8(w, a, l, v), l, dense_want(want, cs.n), 0,
                                        std::string(sh.name) + " " + fp8_name(cs, m) + " exact " + gemm_version_name(v));
         EXPECT_EQ(s.differ, 0);
@@ -721,8 +745,122 @@ TEST(GpuGemm, Fp8WgmmaSmallShapesAllPaths) {
   expect_realistic_stats(agg, "fp8 small shapes, realistic, v2");
 }
 
-// Split-K results do not depend on timing, on PDL, or on a reused workspace (v1 and v2; the two
-// versions also share one workspace, as an engine's lanes do when the version is switched).
+// v3: every code path on small shapes. m covers every token padding NP = 8..64; the cases cover
+// one and two m64 tiles per consumer warpgroup, tiles partly beyond n, cluster split-K with
+// S = 2..8 (uneven K ranges, one block per CTA, MT = 2 partial tiles of 256 rows), 8-unit
+// iterations that end in a partial stage or lack their second stage (dummy units), the TMA ring
+// and the f16 ring wrapping around, forced shallow rings (1..3 slots) and groups. The widening mask
+// rotates over m (all-cvt, all-integer, mixed) and the output stride over 16-byte / 8-byte /
+// scalar stores. Exact data: byte equality whatever the mask; realistic data: <= 1 ulp.
+TEST(GpuGemm, Fp8WgmmaPipelinedSmallShapesAllPaths) {
+  V4_REQUIRE_GPU();
+  use_all_cores();
+  const Fp8Case cases[] = {
+      {32, 32, 1, 0, 0, 0},       // one block: one real unit, the rest of the iteration dummies; S = 1
+      {160, 416, 1, 1, 1, 0},     // S = 1, MT = 1: 13 blocks = stages 4, 4, 4, 1; 2nd tile has 32 rows
+      {160, 416, 1, 0, 1, 0},     // automatic plan: S = 8 (13 blocks: 1 or 2 per CTA)
+      {288, 2080, 1, 1, 2, 0},    // MT = 2, 65 blocks = 17 stages > ring slots; 2nd tile has 32 rows
+      {288, 2080, 1, 3, 2, 2},    // MT = 2 cluster of 3 (22/22/21 blocks), 2-slot ring
+      {96, 1056, 1, 2, 1, 1},     // 1-slot ring (producer waits for every stage), S = 2
+      {64, 800, 1, 7, 1, 3},      // S = 7 uneven (3-4 blocks per CTA), 3 slots
+      {96, 224, 3, 2, 0, 0},      // 3 groups, clusters of 2
+      {128, 128, 2, 0, 2, 0},     // 2 groups, MT = 2 with half of the tile beyond n, automatic S
+      {256, 512, 1, 0, 0, 0},     // automatic plan
+      {64, 8192, 1, 8, 1, 0},     // S = 8: 32 blocks per CTA (8 stages through the ring)
+      {96, 1696, 1, 5, 1, 2},     // S = 5, 10/11 blocks per CTA: 3 stages (the 2nd iteration lacks its 2nd), 2 slots
+  };
+  const int ms[] = {1, 2, 7, 8, 9, 15, 16, 17, 24, 25, 31, 33, 40, 41, 47, 48, 49, 56, 57, 63, 64};
+  const int masks[] = {-1, 0, 15, 5, 3};
+  const int pads[] = {24, 28, 25};
+  uint64_t seed = 950;
+  int run = 0;
+  for (const Fp8Case& base_cs : cases) {
+    const Fp8Weights w = make_fp8_weights(base_cs, Data::kExact, ++seed);
+    for (int m : ms) {
+      Fp8Case cs = base_cs;
+      cs.int_mask = masks[run % 5];
+      const Fp8Acts a = make_fp8_acts(cs, m, Data::kExact, ++seed);
+      const auto want = ref_fp8(w, a);
+      const OutLayout l = make_layout(m, cs.n, cs.groups, pads[run % 3]);
+      ++run;
+      // The weights' device copies are shared (the mask and layout only change the launch).
+      Fp8GemmParams p = fp8_params(w, a, nullptr, l);
+      p.v3_int_mask = cs.int_mask;
+      DeviceBuffer<bf16_t> out(l.elems());
+      out.fill_bytes(kPoisonByte);
+      p.out = out.get();
+      run_gemm_fp8(p, GemmWorkspace{}, GemmVersion::kWgmmaPipelined, nullptr, (m & 1) != 0);
+      V4_CUDA_CHECK(cudaDeviceSynchronize());
+      const DiffStats st = check_bf16(to_host(out), l, dense_want(want, cs.n), 0,
+                                      fp8_name(cs, m) + " pad" + std::to_string(l.stride - cs.groups * cs.n) + " exact v3");
+      EXPECT_EQ(st.differ, 0) << fp8_name(cs, m);
+    }
+  }
+  DiffStats agg;
+  for (const Fp8Case& base_cs : cases) {
+    const Fp8Weights w = make_fp8_weights(base_cs, Data::kRealistic, ++seed);
+    for (int m : {3, 29, 64})
+      for (int mask : {-1, 0, 15}) {
+        Fp8Case cs = base_cs;
+        cs.int_mask = mask;
+        const Fp8Acts a = make_fp8_acts(cs, m, Data::kRealistic, ++seed);
+        const auto want = ref_fp8(w, a);
+        const OutLayout l = make_layout(m, cs.n, cs.groups);
+        Fp8GemmParams p = fp8_params(w, a, nullptr, l);
+        p.v3_int_mask = mask;
+        DeviceBuffer<bf16_t> out(l.elems());
+        out.fill_bytes(kPoisonByte);
+        p.out = out.get();
+        run_gemm_fp8(p, GemmWorkspace{}, GemmVersion::kWgmmaPipelined, nullptr, false);
+        V4_CUDA_CHECK(cudaDeviceSynchronize());
+        agg.add(check_bf16(to_host(out), l, dense_want(want, cs.n), 1, fp8_name(cs, m) + " v3", true));
+      }
+  }
+  expect_realistic_stats(agg, "fp8 small shapes, realistic, v3");
+}
+
+// e4m3 subnormal codes, exactly: weights all subnormal (activations integers) and the reverse, on
+// small shapes and two real ones, every tensor-core version, v3 with each widening. The integer
+// widening turns subnormal weights into f16 subnormals (x * 2^-8); were they flushed, whole block
+// sums would vanish and the outputs would not match.
+TEST(GpuGemm, Fp8SubnormalCodesExact) {
+  V4_REQUIRE_GPU();
+  use_all_cores();
+  const Fp8Case cases[] = {{96, 160, 1, 0, 0, 0}, {288, 2080, 1, 3, 2, 0}, {64, 8192, 1, 8, 1, 0},
+                           {1792, 5120, 1, 0, 0, 0}, {4096, 1280, 1, 0, 0, 0}};
+  uint64_t seed = 1300;
+  for (Data d : {Data::kSubnormalW, Data::kSubnormalA})
+    for (const Fp8Case& cs : cases) {
+      const Fp8Weights w = make_fp8_weights(cs, d, ++seed);
+      for (int m : {1, 9, 64}) {
+        if (cs.n * cs.k > 1 << 22 && m == 64) continue;  // the CPU reference of the real shapes at m = 64 is slow
+        const Fp8Acts a = make_fp8_acts(cs, m, d, ++seed);
+        const auto want = ref_fp8(w, a);
+        const OutLayout l = make_layout(m, cs.n, cs.groups);
+        const std::string name =
+            fp8_name(cs, m) + (d == Data::kSubnormalW ? " subnormal weights" : " subnormal activations");
+        for (GemmVersion v : {GemmVersion::kTensorCore, GemmVersion::kWgmma}) {
+          const DiffStats st = check_bf16(run_fp8(w, a, l, v), l, dense_want(want, cs.n), 0, name + " " + gemm_version_name(v));
+          EXPECT_EQ(st.differ, 0) << name << " " << gemm_version_name(v);
+        }
+        for (int mask : {-1, 0, 15}) {
+          Fp8GemmParams p = fp8_params(w, a, nullptr, l);
+          p.v3_int_mask = mask;
+          DeviceBuffer<bf16_t> out(l.elems());
+          out.fill_bytes(kPoisonByte);
+          p.out = out.get();
+          run_gemm_fp8(p, GemmWorkspace{}, GemmVersion::kWgmmaPipelined, nullptr, false);
+          V4_CUDA_CHECK(cudaDeviceSynchronize());
+          const DiffStats st = check_bf16(to_host(out), l, dense_want(want, cs.n), 0, name + " v3 int" + std::to_string(mask));
+          EXPECT_EQ(st.differ, 0) << name << " v3 int mask " << mask;
+        }
+      }
+    }
+}
+
+// Split-K results do not depend on timing, on PDL, or on a reused workspace (v1, v2 and v3 (v3
+// does not use it); the versions also share one workspace, as an engine's lanes do when the
+// version is switched).
 TEST(GpuGemm, DeterministicAcrossRunsPdlAndWorkspaceReuse) {
   V4_REQUIRE_GPU();
   use_all_cores();
@@ -737,7 +875,8 @@ TEST(GpuGemm, DeterministicAcrossRunsPdlAndWorkspaceReuse) {
   const auto want = ref_fp8(w, a);
   const OutLayout l = make_layout(m, cs.n);
   DeviceBuffer<bf16_t> out(l.elems());
-  for (GemmVersion v : {GemmVersion::kTensorCore, GemmVersion::kWgmma, GemmVersion::kTensorCore}) {
+  for (GemmVersion v :
+       {GemmVersion::kTensorCore, GemmVersion::kWgmma, GemmVersion::kWgmmaPipelined, GemmVersion::kTensorCore}) {
     const GemmPlan plan = plan_gemm(v, m, cs.n, cs.k, 1);
     ASSERT_GT(plan.splits, 1) << "this test is about the split-K reduction";
     ASSERT_LE(plan.workspace_bytes, ws_bytes);
@@ -759,7 +898,8 @@ TEST(GpuGemm, DeterministicAcrossRunsPdlAndWorkspaceReuse) {
   }
 }
 
-// run_gemm_bf16 / run_gemm_f32 take kWgmma as "the best version" and run their v1: same bytes.
+// run_gemm_bf16 / run_gemm_f32 take kWgmma / kWgmmaPipelined as "the best version" and run their
+// v1: same bytes.
 TEST(GpuGemm, WgmmaVersionRunsV1ForBf16AndF32) {
   V4_REQUIRE_GPU();
   const Bf16Case cs{512, 5120};
@@ -770,10 +910,12 @@ TEST(GpuGemm, WgmmaVersionRunsV1ForBf16AndF32) {
   const DeviceBuffer<bf16_t> dx = to_device(x), dw = to_device(w.w);
   const OutLayout l = make_layout(m, cs.n);
   EXPECT_TRUE(run_bf16(cs, m, dx, x_stride, dw, l, GemmVersion::kWgmma) == run_bf16(cs, m, dx, x_stride, dw, l, GemmVersion::kTensorCore));
+  EXPECT_TRUE(run_bf16(cs, m, dx, x_stride, dw, l, GemmVersion::kWgmmaPipelined) ==
+              run_bf16(cs, m, dx, x_stride, dw, l, GemmVersion::kTensorCore));
   const ref::F32Matrix wf = make_f32_weight(64, 260, Data::kRealistic, 1236);
   const DeviceBuffer<float> dwf = to_device(wf.w);
-  std::vector<float> outs[2];
-  for (int i = 0; i < 2; ++i) {
+  std::vector<float> outs[3];
+  for (int i = 0; i < 3; ++i) {
     DeviceBuffer<float> out(static_cast<size_t>(m * 64));
     out.fill_bytes(kPoisonByte);
     F32GemmParams p;
@@ -785,11 +927,13 @@ TEST(GpuGemm, WgmmaVersionRunsV1ForBf16AndF32) {
     p.m = m;
     p.n = 64;
     p.k = 260;
-    run_gemm_f32(p, i == 0 ? GemmVersion::kWgmma : GemmVersion::kTensorCore, nullptr, false);
+    run_gemm_f32(p, i == 0 ? GemmVersion::kWgmma : i == 1 ? GemmVersion::kTensorCore : GemmVersion::kWgmmaPipelined, nullptr,
+                 false);
     V4_CUDA_CHECK(cudaDeviceSynchronize());
     outs[i] = to_host(out);
   }
   EXPECT_EQ(0, std::memcmp(outs[0].data(), outs[1].data(), outs[0].size() * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(outs[2].data(), outs[1].data(), outs[0].size() * sizeof(float)));
 }
 
 TEST(GpuGemm, Bf16RealShapes) {
@@ -905,7 +1049,7 @@ TEST(GpuGemm, RefusesBadArguments) {
   auto expect_refused = [&](const Fp8GemmParams& p, GemmVersion v, const GemmWorkspace& ws, const char* what) {
     EXPECT_THROW(run_gemm_fp8(p, ws, v, nullptr, false), std::invalid_argument) << what;
   };
-  for (GemmVersion v : {GemmVersion::kSimple, GemmVersion::kTensorCore, GemmVersion::kWgmma}) {
+  for (GemmVersion v : {GemmVersion::kSimple, GemmVersion::kTensorCore, GemmVersion::kWgmma, GemmVersion::kWgmmaPipelined}) {
     Fp8GemmParams p = valid_fp8();
     p.n = 48;
     expect_refused(p, v, no_ws, "n % 32");
@@ -963,6 +1107,31 @@ TEST(GpuGemm, RefusesBadArguments) {
     expect_refused(p, GemmVersion::kWgmma, no_ws, "v2 force_stages < 0");
     EXPECT_THROW(plan_gemm_wgmma(65, 64, 64, 1), std::invalid_argument);
     EXPECT_THROW(plan_gemm_wgmma(4, 64, 64, 1, 0, 3), std::invalid_argument);
+  }
+  {  // v3: m <= 64, the K range of a CTA must fit (at most 8 splits), no negative overrides, a valid
+     // widening mask; it never needs a workspace.
+    Fp8GemmParams p = valid_fp8();
+    p.m = 65;
+    expect_refused(p, GemmVersion::kWgmmaPipelined, no_ws, "v3 m > 64");
+    p = valid_fp8();
+    p.k = 32 * 65536;  // 8192 blocks per CTA with the most splits (8)
+    p.a_stride = p.k;
+    p.a_scale_stride = 65536;
+    p.force_splits = 8;
+    EXPECT_EQ(plan_gemm_wgmma_pipelined(p.m, p.n, p.k, 1, 8, 0).stages, 0);
+    EXPECT_EQ(plan_gemm_wgmma_pipelined(p.m, p.n, p.k, 1, 64, 0).splits, 8);  // capped at the cluster size
+    expect_refused(p, GemmVersion::kWgmmaPipelined, no_ws, "v3 K range too long for one CTA");
+    p = valid_fp8();
+    p.force_stages = -1;
+    expect_refused(p, GemmVersion::kWgmmaPipelined, no_ws, "v3 force_stages < 0");
+    p = valid_fp8();
+    p.v3_int_mask = 16;
+    expect_refused(p, GemmVersion::kWgmmaPipelined, no_ws, "v3 int mask 16");
+    p.v3_int_mask = -2;
+    expect_refused(p, GemmVersion::kWgmmaPipelined, no_ws, "v3 int mask -2");
+    EXPECT_THROW(plan_gemm_wgmma_pipelined(65, 64, 64, 1), std::invalid_argument);
+    EXPECT_THROW(plan_gemm_wgmma_pipelined(4, 64, 64, 1, 0, 3), std::invalid_argument);
+    EXPECT_EQ(plan_gemm_wgmma_pipelined(4, 64, 64, 1, 2, 0).workspace_bytes, 0u);
   }
   // bf16 / f32 / act quant.
   {
@@ -1050,10 +1219,14 @@ TEST(GpuGemm, RefusesBadArguments) {
   if (gpu) {
     EXPECT_NO_THROW(run_gemm_fp8(valid_fp8(), no_ws, GemmVersion::kTensorCore, nullptr, false));
     EXPECT_NO_THROW(run_gemm_fp8(valid_fp8(), no_ws, GemmVersion::kWgmma, nullptr, false));
+    EXPECT_NO_THROW(run_gemm_fp8(valid_fp8(), no_ws, GemmVersion::kWgmmaPipelined, nullptr, false));
+    Fp8GemmParams split = valid_fp8();  // v3 splits K without a workspace (cluster reduction)
+    split.force_splits = 2;
+    EXPECT_NO_THROW(run_gemm_fp8(split, no_ws, GemmVersion::kWgmmaPipelined, nullptr, false));
     EXPECT_NO_THROW(run_gemm_fp8(valid_fp8(), no_ws, GemmVersion::kSimple, nullptr, false));
     V4_CUDA_CHECK(cudaDeviceSynchronize());
   } else {
-    for (GemmVersion v : {GemmVersion::kTensorCore, GemmVersion::kWgmma}) {
+    for (GemmVersion v : {GemmVersion::kTensorCore, GemmVersion::kWgmma, GemmVersion::kWgmmaPipelined}) {
       try {
         run_gemm_fp8(valid_fp8(), no_ws, v, nullptr, false);
       } catch (const std::invalid_argument& e) {
@@ -1065,8 +1238,8 @@ TEST(GpuGemm, RefusesBadArguments) {
 }
 
 // The automatic plans: S depends on (n, k, groups) only; v1 gives the model's shapes ~256 CTAs,
-// v2 ~one CTA per SM (>= 110 of 132) with a ring of >= 2 stages (or all of a CTA's stages) at any m.
-// gemm_workspace_bytes covers both versions.
+// v2 and v3 ~one CTA per SM (>= 110 of 132) with a ring of >= 2 stages (or all of a CTA's stages)
+// at any m. gemm_workspace_bytes covers v1 and v2; v3 needs none.
 TEST(GpuGemm, PlanCoversTheMachine) {
   const struct {
     int64_t n, k;
@@ -1108,6 +1281,28 @@ TEST(GpuGemm, PlanCoversTheMachine) {
                 "smem %zu / %zu B, workspace(m=64) %zu B\n",
                 static_cast<long long>(s.n), static_cast<long long>(s.k), s.groups, p1.warp_mtiles, p1.tiles_n, p1.splits,
                 static_cast<long long>(ctas2), p1.stages, p64.stages, p1.smem_bytes, p64.smem_bytes, p64.workspace_bytes);
+    // v3: the same rules, S <= 8 (one cluster per output tile), no workspace.
+    GemmPlan v3_first;
+    for (int m = 1; m <= 64; ++m) {
+      const GemmPlan p = plan_gemm_wgmma_pipelined(m, s.n, s.k, s.groups);
+      if (m == 1) v3_first = p;
+      EXPECT_EQ(p.splits, v3_first.splits) << "m " << m;
+      EXPECT_EQ(p.warp_mtiles, v3_first.warp_mtiles) << "m " << m;
+      EXPECT_LE(p.splits, 8);
+      EXPECT_EQ(p.cluster, p.splits);
+      EXPECT_EQ(p.workspace_bytes, 0u);
+      const int n_iter = static_cast<int>(((kb + p.splits - 1) / p.splits + 3) / 4);
+      EXPECT_GE(p.stages, std::min(2, n_iter)) << s.n << "x" << s.k << " m " << m;
+      EXPECT_LE(p.smem_bytes, size_t{227 * 1024});
+    }
+    const GemmPlan q1 = plan_gemm_wgmma_pipelined(1, s.n, s.k, s.groups), q64 = plan_gemm_wgmma_pipelined(64, s.n, s.k, s.groups);
+    const int64_t ctas3 = static_cast<int64_t>(q1.tiles_n) * q1.splits * s.groups;
+    EXPECT_GE(ctas3, 110) << s.n << "x" << s.k;
+    EXPECT_LE(ctas3, 132) << s.n << "x" << s.k << ": one wave of one CTA per SM";
+    std::printf("[ gemm ] v3 plan %6lldx%-5lld g%d: MT %d, tiles %d, S %d -> %lld CTAs, stages %d (m=1) / %d (m=64), "
+                "smem %zu / %zu B\n",
+                static_cast<long long>(s.n), static_cast<long long>(s.k), s.groups, q1.warp_mtiles, q1.tiles_n, q1.splits,
+                static_cast<long long>(ctas3), q1.stages, q64.stages, q1.smem_bytes, q64.smem_bytes);
   }
   EXPECT_EQ(best_fp8_gemm_version(1), GemmVersion::kWgmma);
   EXPECT_EQ(best_fp8_gemm_version(64), GemmVersion::kWgmma);
