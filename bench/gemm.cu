@@ -2,7 +2,7 @@
 //
 // For every shape of the model (--shapes, default all) and row count m (--m, default
 // 1,6,8,24,48,64): build seeded random inputs with realistic magnitudes, validate against the CPU
-// reference (v0 byte for byte, v1 / v2 within 1 bf16 ulp / the fp32 rounding bound, act quant byte
+// reference (v0 byte for byte, v1 / v2 / v3 within 1 bf16 ulp / the fp32 rounding bound, act quant byte
 // for byte), then time each version two ways:
 //  - us_event: CUDA events around ONE eager launch (3 warm-ups, then --reps launches, a 128 MB
 //    memset before each one so that every launch starts with a cold L2), median. Includes the
@@ -17,8 +17,10 @@
 // %floor uses us_graph (%fl_ev: us_event).
 //
 // Rows per shape and m:
-//   fp8:  act_quant (bf16 x -> codes + scales), v0, v1, v2 (GEMM on quantized x), v1+quant /
-//         v2+quant (act_quant then the GEMM; with PDL in the event and gpdl columns), the peer
+//   fp8:  act_quant (bf16 x -> codes + scales), v0, v1, v2, v3 (GEMM on quantized x; v3 once per
+//         --v3-masks entry: "v3" = the default widening mask 0b1010, "v3 int<mask>" otherwise, e.g.
+//         "v3 int0" = all cvt, "v3 int15" = all integer), v1+quant / v2+quant / v3+quant
+//         (act_quant then the GEMM; with PDL in the event and gpdl columns), the peer
 //         "cublasLt bf16 (2x bytes)": a bf16 cublasLtMatmul on a dequantised bf16 copy of the
 //         weight (exact: every e4m3 * 2^e is a bf16) and the unquantized bf16 x, validated against
 //         our bf16 v1 on the same copy, and the peer "cublasLt fp8 blk128": cuBLASLt's block-scaled
@@ -36,9 +38,9 @@
 //
 // Usage: bench_gemm [--m 1,6,8,24,48,64] [--shapes wq_b,wo_b,...] [--reps 50] [--no-v0]
 //                   [--no-peer] [--no-graph] [--graph-launches 20] [--splits S] [--mtiles 1|2]
-//                   [--stages N] [--json FILE]
-// --splits / --mtiles override the v1 and v2 plans, --stages v2's ring depth (tuning; the note
-// column shows the plan used).
+//                   [--stages N] [--v3-masks -1,0,15] [--json FILE]
+// --splits / --mtiles override the v1, v2 and v3 plans (v3: S <= 8), --stages v2's and v3's ring
+// depth (tuning; the note column shows the plan used).
 #include <CLI/CLI.hpp>
 #include <cublasLt.h>
 
@@ -316,6 +318,7 @@ class LtMatmul {
 
 struct Env {
   int reps = 50;
+  std::vector<int> v3_masks = {-1, 0, 15};  // v3 rows: Fp8GemmParams::v3_int_mask per row (-1 = default)
   int force_splits = 0, force_mtiles = 0, force_stages = 0;  // v1 / v2 plan overrides (0 = automatic)
   bool run_v0 = true, run_peer = true, run_graph = true;
   int graph_launches = 20;
@@ -359,7 +362,11 @@ kn::GemmWorkspace workspace(Env& env, int m, int64_t n, int64_t k, int groups) {
 
 std::string plan_note(kn::GemmVersion v, int m, int64_t n, int64_t k, int groups, const Env& env) {
   char note[128];
-  if (v == kn::GemmVersion::kWgmma) {
+  if (v == kn::GemmVersion::kWgmmaPipelined) {
+    const kn::GemmPlan p =
+        kn::plan_gemm_wgmma_pipelined(m, n, k, groups, env.force_splits, env.force_mtiles, env.force_stages);
+    std::snprintf(note, sizeof(note), "MT %d S %d (cluster) ST %d smem %zu", p.warp_mtiles, p.splits, p.stages, p.smem_bytes);
+  } else if (v == kn::GemmVersion::kWgmma) {
     const kn::GemmPlan p = kn::plan_gemm_wgmma(m, n, k, groups, env.force_splits, env.force_mtiles, env.force_stages);
     std::snprintf(note, sizeof(note), "MT %d S %d ST %d smem %zu", p.warp_mtiles, p.splits, p.stages, p.smem_bytes);
   } else {
@@ -445,11 +452,12 @@ void bench_fp8(const Shape& sh, const std::vector<int>& ms, Env& env, std::vecto
     gp.force_stages = env.force_stages;
     const kn::GemmWorkspace ws = workspace(env, m, n, k, 1);
     kn::init_gemm_workspace(ws, env.stream);
-    auto gemm = [&](kn::GemmVersion v) -> Launch {
-      return [&, v](cudaStream_t s, int c, bool pdl) {
+    auto gemm = [&](kn::GemmVersion v, int v3_mask = -1) -> Launch {
+      return [&, v, v3_mask](cudaStream_t s, int c, bool pdl) {
         kn::Fp8GemmParams p = gp;
         p.w = w_copy(c);
         p.w_scale = ws_copy(c);
+        p.v3_int_mask = v3_mask;
         kn::run_gemm_fp8(p, ws, v, s, pdl);
       };
     };
@@ -466,26 +474,41 @@ void bench_fp8(const Shape& sh, const std::vector<int>& ms, Env& env, std::vecto
       time_row(r, env, [&](cudaStream_t s, int, bool pdl) { kn::run_act_quant_fp8(qp, s, pdl); }, false, 1, true, false);
       rows.push_back(r);
     }
-    bool version_valid[3] = {false, false, false};
-    for (kn::GemmVersion v : {kn::GemmVersion::kSimple, kn::GemmVersion::kTensorCore, kn::GemmVersion::kWgmma}) {
+    bool version_valid[4] = {false, false, false, false};
+    // (version, v3 mask) per row: v0, v1, v2, then v3 once per --v3-masks entry.
+    std::vector<std::pair<kn::GemmVersion, int>> variants = {
+        {kn::GemmVersion::kSimple, -1}, {kn::GemmVersion::kTensorCore, -1}, {kn::GemmVersion::kWgmma, -1}};
+    for (int mask : env.v3_masks) variants.emplace_back(kn::GemmVersion::kWgmmaPipelined, mask);
+    for (const auto& [v, v3_mask] : variants) {
       if (v == kn::GemmVersion::kSimple && !env.run_v0) continue;
       out.fill_bytes(0xAB, env.stream);
-      kn::run_gemm_fp8(gp, ws, v, env.stream, false);
+      kn::Fp8GemmParams p = gp;
+      p.v3_int_mask = v3_mask;
+      kn::run_gemm_fp8(p, ws, v, env.stream, false);
       V4_CUDA_CHECK(cudaStreamSynchronize(env.stream));
       const auto [ulps, differ] = ulp_diff(to_host(out, out.size()), want, n);
-      Row r = make_row(sh, v == kn::GemmVersion::kSimple ? "v0" : v == kn::GemmVersion::kTensorCore ? "v1" : "v2", m, gemm_bytes);
+      const std::string name = v == kn::GemmVersion::kSimple       ? "v0"
+                               : v == kn::GemmVersion::kTensorCore ? "v1"
+                               : v == kn::GemmVersion::kWgmma      ? "v2"
+                               : v3_mask < 0                       ? "v3"
+                                                                   : "v3 int" + std::to_string(v3_mask);
+      Row r = make_row(sh, name.c_str(), m, gemm_bytes);
       r.valid = quant_ok && (v == kn::GemmVersion::kSimple ? differ == 0 : ulps <= 1);
-      version_valid[static_cast<int>(v)] = r.valid;
+      if (v3_mask < 0) version_valid[static_cast<int>(v)] = r.valid;
       if (v != kn::GemmVersion::kSimple) {
         char pct[48];
         std::snprintf(pct, sizeof(pct), "%.3f%% differ; ", 100.0 * static_cast<double>(differ) / static_cast<double>(want.size()));
         r.note = pct + plan_note(v, m, n, k, 1, env);
       }
-      time_row(r, env, gemm(v), false, copies, v != kn::GemmVersion::kSimple, true);
+      time_row(r, env, gemm(v, v3_mask), false, copies, v != kn::GemmVersion::kSimple, true);
       rows.push_back(r);
     }
-    for (kn::GemmVersion v : {kn::GemmVersion::kTensorCore, kn::GemmVersion::kWgmma}) {
-      Row r = make_row(sh, v == kn::GemmVersion::kTensorCore ? "v1+quant" : "v2+quant", m, gemm_bytes + m * k * 2);
+    for (kn::GemmVersion v : {kn::GemmVersion::kTensorCore, kn::GemmVersion::kWgmma, kn::GemmVersion::kWgmmaPipelined}) {
+      if (v == kn::GemmVersion::kWgmmaPipelined &&
+          std::find(env.v3_masks.begin(), env.v3_masks.end(), -1) == env.v3_masks.end())
+        continue;  // v3+quant uses the default mask
+      Row r = make_row(sh, v == kn::GemmVersion::kTensorCore ? "v1+quant" : v == kn::GemmVersion::kWgmma ? "v2+quant" : "v3+quant",
+                       m, gemm_bytes + m * k * 2);
       r.valid = version_valid[static_cast<int>(v)];
       r.note = "act_quant, then the GEMM (PDL in the event / gpdl columns)";
       const Launch g = gemm(v);
@@ -736,10 +759,16 @@ int main(int argc, char** argv) {
   app.add_option("--shapes", shapes, "shapes to run (default all): " + shape_names)->delimiter(',');
   app.add_option("--reps", env.reps, "timed eager launches per case (>= 50)")->check(CLI::Range(50, 100000));
   app.add_flag("--no-v0", no_v0, "skip the (slow) v0 baseline");
-  app.add_option("--splits", env.force_splits, "v1 / v2: force S K-splits (0 = automatic plan)")->check(CLI::Range(0, 4096));
-  app.add_option("--mtiles", env.force_mtiles, "v1: force 1 or 2 m16 tiles per warp; v2: 1 or 2 m64 tiles per warpgroup (0 = automatic)")
+  app.add_option("--splits", env.force_splits, "v1 / v2 / v3: force S K-splits (0 = automatic plan; v3 caps it at 8)")
+      ->check(CLI::Range(0, 4096));
+  app.add_option("--mtiles", env.force_mtiles, "v1: force 1 or 2 m16 tiles per warp; v2, v3: 1 or 2 m64 tiles per warpgroup (0 = automatic)")
       ->check(CLI::Range(0, 2));
-  app.add_option("--stages", env.force_stages, "v2: at most this many TMA ring stages (0 = automatic)")->check(CLI::Range(0, 8));
+  app.add_option("--stages", env.force_stages, "v2, v3: at most this many TMA ring stages (0 = automatic)")->check(CLI::Range(0, 8));
+  app.add_option("--v3-masks", env.v3_masks,
+                 "v3 rows: one per integer-widening mask (-1 = default 0b1010, 0 = all cvt, 15 = all integer; bit j = "
+                 "block j of each 4-block stage)")
+      ->delimiter(',')
+      ->check(CLI::Range(-1, 15));
   app.add_flag("--no-peer", no_peer, "skip the cuBLASLt peers");
   app.add_flag("--no-graph", no_graph, "skip the graph-replay timings (us_graph, us_gpdl)");
   app.add_option("--graph-launches", env.graph_launches, "launches per captured graph (>= 4)")->check(CLI::Range(4, 1000));
