@@ -22,7 +22,8 @@
 //    scale-d = 0) into a block-sum register set, commit. Two block-sum sets (and two A fragment
 //    sets) alternate: the wgmmas of unit u + 1 are issued BEFORE waiting for unit u
 //    (wgmma.wait_group 1), so the tensor core works on u + 1 while the CUDA cores fold u's block
-//    sums into the accumulators and widen the weights of u + 2. The fma order per accumulator is
+//    sums into the accumulators and widen the weights of u + 2 (their ldmatrix is issued before
+//    u's fmas, and u's scale products are loaded before its wait). The fma order per accumulator is
 //    still b = 0, 1, 2, ... (the units of one tile are folded in block order). The loop runs in
 //    straight-line iterations of 8 units (one stage at MT = 2, two at MT = 1) that drain the last
 //    unit with wait_group 0: ptxas serializes every wgmma of a kernel (C7514) when a wgmma stays
@@ -213,24 +214,32 @@ struct Unit {
   static constexpr bool last_of_stage = j == kBlocksPerStage - 1 && mt == MT - 1;
 };
 
-// Issues unit K of the iteration into register set K & 1: waits for the stage's data on its first
-// unit, ldmatrix + widening, waits for the stage's f16 activations, two wgmmas, commit; releases
-// the stage's weight slot after its last unit.
+// Unit K of an iteration in three parts, so that each step can overlap its latencies:
+//  - load_unit: waits for the stage's data on its first unit, ldmatrix of the weight bytes (issued
+//    one unit ahead of their widening, so its latency hides behind the previous unit's fmas);
+//  - widen_issue: widening into register set K & 1, waits for the stage's f16 activations on its
+//    first unit, two wgmmas, commit; releases the stage's weight slot after its last unit;
+//  - the fold in consume_unit.
 // Units beyond the CTA's K range (blocks past a partial last stage, or the absent second stage of a
 // last MT = 1 iteration) are dummies: the iteration's code is straight-line (every unit issues
 // exactly one wgmma group, every wait is static), which ptxas needs to keep the wgmmas
 // asynchronous. A dummy reads operands of the CTA's last stage (never refilled: no stage follows)
 // and its block sums are never read; it does no barrier waits or arrivals.
 template <int MT, int NP, int K>
-__device__ __forceinline__ void issue_unit(const ConsumerCtx& c, const StageRef (&sr)[2], uint32_t (&af)[2][2][4],
-                                           float (&d)[2][NP / 2]) {
+__device__ __forceinline__ void load_unit(const ConsumerCtx& c, const StageRef (&sr)[2], uint32_t (&q)[4]) {
+  using U = Unit<MT, K>;
+  const StageRef& r = sr[U::stage];
+  if (U::first_of_stage && r.nb > 0) mbar_wait(r.full, r.full_parity);
+  const int chunk = 2 * U::j + c.ld_chunk;
+  ldmatrix_x4(q, r.w_slot + static_cast<uint32_t>(U::mt * 64 * kStageK + ((chunk ^ c.ld_swz) << 4)));
+}
+
+template <int MT, int NP, int K>
+__device__ __forceinline__ void widen_issue(const ConsumerCtx& c, const StageRef (&sr)[2], const uint32_t (&q)[4],
+                                            uint32_t (&af)[2][2][4], float (&d)[2][NP / 2]) {
   using U = Unit<MT, K>;
   const StageRef& r = sr[U::stage];
   const bool stage_real = r.nb > 0;
-  if (U::first_of_stage && stage_real) mbar_wait(r.full, r.full_parity);
-  uint32_t q[4];
-  const int chunk = 2 * U::j + c.ld_chunk;
-  ldmatrix_x4(q, r.w_slot + static_cast<uint32_t>(U::mt * 64 * kStageK + ((chunk ^ c.ld_swz) << 4)));
   // q[0] / q[1]: rows g / g + 8, bytes 4t..4t+3 of the block's first 16 bytes (wgmma 0);
   // q[2] / q[3]: the same of its second 16 bytes (wgmma 1). A fragment (PTX ALayout_64x16):
   // a0 = (row g, k 2t..2t+1), a1 = (row g+8, k 2t..), a2 = (row g, k 2t+8..), a3 = (row g+8, k 2t+8..).
@@ -262,34 +271,41 @@ __device__ __forceinline__ void issue_unit(const ConsumerCtx& c, const StageRef 
   if (U::last_of_stage && stage_real) mbar_arrive(r.empty);
 }
 
-// Step of unit K: issue unit K + 1 into the other register set and wait for unit K (wait_group 1:
-// at most the group just issued stays in flight; the last unit of the iteration drains with
-// wait_group 0, because ptxas serializes wgmmas that stay in flight across a loop back-edge when
-// their block sums are read in the loop), then fold K's block sums into its tile's accumulators,
+// Step of unit K: issue unit K + 1 (its bytes are in q) into the other register set, load the
+// scale products of K, wait for unit K (wait_group 1: at most the group just issued stays in
+// flight; the last unit of the iteration drains with wait_group 0, because ptxas serializes wgmmas
+// that stay in flight across a loop back-edge when their block sums are read in the loop), load
+// the bytes of unit K + 2 into q, then fold K's block sums into its tile's accumulators,
 // acc = fma(blocksum, ss, acc), if K is a real unit.
 template <int MT, int NP, int K>
-__device__ __forceinline__ void consume_unit(const ConsumerCtx& c, const StageRef (&sr)[2], uint32_t (&af)[2][2][4],
-                                             float (&d)[2][NP / 2], float (&acc)[MT][NP / 2]) {
+__device__ __forceinline__ void consume_unit(const ConsumerCtx& c, const StageRef (&sr)[2], uint32_t (&q)[4],
+                                             uint32_t (&af)[2][2][4], float (&d)[2][NP / 2], float (&acc)[MT][NP / 2]) {
   using U = Unit<MT, K>;
   constexpr int BN = kConsumerWarpgroups * 64 * MT;
+  if constexpr (K + 1 < 8) widen_issue<MT, NP, K + 1>(c, sr, q, af, d);
+  const StageRef& r = sr[U::stage];
+  const bool real = U::j < r.nb;  // uniform across the warpgroup
+  // ss[j][row group][token]: this thread's row group (tile mt) and token pair 2t, 2t + 1 (ready
+  // since the stage's first unit waited for xready; independent of the wgmma). A dummy unit loads
+  // stale values of its (valid) slot and does not use them.
+  const float* ssp = r.ss + (U::j * (BN / 32) + 2 * U::mt) * NP;
+  float2 sv[NP / 8];
+#pragma unroll
+  for (int jj = 0; jj < NP / 8; ++jj) sv[jj] = *reinterpret_cast<const float2*>(ssp + 8 * jj);
   if constexpr (K + 1 < 8) {
-    issue_unit<MT, NP, K + 1>(c, sr, af, d);
     wgmma_wait<1>();
   } else {
     wgmma_wait<0>();
   }
+  if constexpr (K + 2 < 8) load_unit<MT, NP, K + 2>(c, sr, q);
   fence_registers(d[U::buf]);
-  const StageRef& r = sr[U::stage];
-  if (U::j >= r.nb) return;  // a dummy unit (uniform across the warpgroup)
-  // ss[j][row group][token]: this thread's row group (tile mt) and token pair 2t, 2t + 1.
-  const float* ssp = r.ss + (U::j * (BN / 32) + 2 * U::mt) * NP;
+  if (!real) return;  // a dummy unit
 #pragma unroll
   for (int jj = 0; jj < NP / 8; ++jj) {
-    const float2 sv = *reinterpret_cast<const float2*>(ssp + 8 * jj);
-    acc[U::mt][4 * jj + 0] = __fmaf_rn(d[U::buf][4 * jj + 0], sv.x, acc[U::mt][4 * jj + 0]);
-    acc[U::mt][4 * jj + 1] = __fmaf_rn(d[U::buf][4 * jj + 1], sv.y, acc[U::mt][4 * jj + 1]);
-    acc[U::mt][4 * jj + 2] = __fmaf_rn(d[U::buf][4 * jj + 2], sv.x, acc[U::mt][4 * jj + 2]);
-    acc[U::mt][4 * jj + 3] = __fmaf_rn(d[U::buf][4 * jj + 3], sv.y, acc[U::mt][4 * jj + 3]);
+    acc[U::mt][4 * jj + 0] = __fmaf_rn(d[U::buf][4 * jj + 0], sv[jj].x, acc[U::mt][4 * jj + 0]);
+    acc[U::mt][4 * jj + 1] = __fmaf_rn(d[U::buf][4 * jj + 1], sv[jj].y, acc[U::mt][4 * jj + 1]);
+    acc[U::mt][4 * jj + 2] = __fmaf_rn(d[U::buf][4 * jj + 2], sv[jj].x, acc[U::mt][4 * jj + 2]);
+    acc[U::mt][4 * jj + 3] = __fmaf_rn(d[U::buf][4 * jj + 3], sv[jj].y, acc[U::mt][4 * jj + 3]);
   }
   // The stage's f16 activations and scale products are no longer read once its last real unit is
   // folded (its wgmmas are complete; the dummies after it only read the CTA's last stage).
@@ -504,20 +520,23 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
   fence_registers(d[0]);
   fence_registers(d[1]);
   uint32_t af[2][2][4];
+  uint32_t q[4];  // weight bytes of the next unit to widen (ldmatrix one unit ahead)
 
   for (int it0 = 0; it0 < n_iter; it0 += kStagesPerIter<MT>) {
     StageRef sr[2];
     sr[0] = stage_ref<MT, NP>(c, it0);
     sr[1] = MT == 1 ? stage_ref<MT, NP>(c, it0 + 1) : sr[0];
-    issue_unit<MT, NP, 0>(c, sr, af, d);
-    consume_unit<MT, NP, 0>(c, sr, af, d, acc);
-    consume_unit<MT, NP, 1>(c, sr, af, d, acc);
-    consume_unit<MT, NP, 2>(c, sr, af, d, acc);
-    consume_unit<MT, NP, 3>(c, sr, af, d, acc);
-    consume_unit<MT, NP, 4>(c, sr, af, d, acc);
-    consume_unit<MT, NP, 5>(c, sr, af, d, acc);
-    consume_unit<MT, NP, 6>(c, sr, af, d, acc);
-    consume_unit<MT, NP, 7>(c, sr, af, d, acc);
+    load_unit<MT, NP, 0>(c, sr, q);
+    widen_issue<MT, NP, 0>(c, sr, q, af, d);
+    load_unit<MT, NP, 1>(c, sr, q);
+    consume_unit<MT, NP, 0>(c, sr, q, af, d, acc);
+    consume_unit<MT, NP, 1>(c, sr, q, af, d, acc);
+    consume_unit<MT, NP, 2>(c, sr, q, af, d, acc);
+    consume_unit<MT, NP, 3>(c, sr, q, af, d, acc);
+    consume_unit<MT, NP, 4>(c, sr, q, af, d, acc);
+    consume_unit<MT, NP, 5>(c, sr, q, af, d, acc);
+    consume_unit<MT, NP, 6>(c, sr, q, af, d, acc);
+    consume_unit<MT, NP, 7>(c, sr, q, af, d, acc);
   }
   dev::pdl_launch_dependents();
 
