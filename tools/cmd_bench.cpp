@@ -415,9 +415,9 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       ->check(CLI::IsMember({"on", "off"}))
       ->capture_default_str();
   sub->add_option("--gemm", o->gemm,
-                  "GEMM version: wgmma (fp8 GEMMs on Hopper wgmma, others as tc), tc (mma.sync) or simple "
-                  "(reference order)")
-      ->check(CLI::IsMember({"wgmma", "tc", "simple"}))
+                  "GEMM version: wgmma (fp8 GEMMs on Hopper wgmma, others as tc), wgmma-pipelined (v3), tc "
+                  "(mma.sync) or simple (reference order)")
+      ->check(CLI::IsMember({"wgmma", "wgmma-pipelined", "tc", "simple"}))
       ->capture_default_str();
   sub->add_option("--s-fork", o->s_fork, "Three-lane S-fork placement (runtime/lanes.h experiment knob)")
       ->check(CLI::IsMember({"at-layer-start", "after-q-norm", "idx-on-k"}))
@@ -445,6 +445,7 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       c.pdl = o->pdl == "on";
       c.gemm = o->gemm == "simple" ? kernels::GemmVersion::kSimple
                : o->gemm == "tc"   ? kernels::GemmVersion::kTensorCore
+               : o->gemm == "wgmma-pipelined" ? kernels::GemmVersion::kWgmmaPipelined
                                    : kernels::GemmVersion::kWgmma;
       c.s_fork = o->s_fork == "after-q-norm" ? LayerIssue::SFork::kAfterQNorm
                  : o->s_fork == "idx-on-k"   ? LayerIssue::SFork::kIdxOnKWithoutCmp
