@@ -40,7 +40,7 @@ GemmPlan check_tc(const char* who, GemmVersion version, int m, int64_t n, int64_
                   std::to_string((k / kGemmBlock + plan.splits - 1) / plan.splits) +
                   " blocks) does not fit in shared memory; use more splits");
   if (plan.tiles_n > 65535 * 64 || plan.splits > 65535) fail(who, "grid too large");
-  if (plan.splits > 1) {
+  if (plan.splits > 1 && plan.workspace_bytes > 0) {  // v3 reduces in its cluster: no workspace
     if (ws.data == nullptr || ws.bytes < plan.workspace_bytes)
       fail(who, "split-K plan (S = " + std::to_string(plan.splits) + ") needs a workspace of " +
                     std::to_string(plan.workspace_bytes) + " bytes (got " + std::to_string(ws.bytes) + ")");
