@@ -205,7 +205,7 @@ struct BenchCliOptions {
   bool graph = false;
   bool eager = false;
   std::string pdl = "on";
-  std::string gemm = "wgmma";
+  std::string gemm = "auto";
   std::string s_fork = "at-layer-start";
   bool lane_prologue = false;
   uint64_t seed = 1;
@@ -415,9 +415,9 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       ->check(CLI::IsMember({"on", "off"}))
       ->capture_default_str();
   sub->add_option("--gemm", o->gemm,
-                  "GEMM version: wgmma (fp8 GEMMs on Hopper wgmma, others as tc), wgmma-pipelined (v3), tc "
-                  "(mma.sync) or simple (reference order)")
-      ->check(CLI::IsMember({"wgmma", "wgmma-pipelined", "tc", "simple"}))
+                  "GEMM version: auto (fp8: v2 or v3 by shape, as measured; others tc), wgmma (v2), "
+                  "wgmma-pipelined (v3), tc (v1, mma.sync) or simple (v0, reference order)")
+      ->check(CLI::IsMember({"auto", "wgmma", "wgmma-pipelined", "tc", "simple"}))
       ->capture_default_str();
   sub->add_option("--s-fork", o->s_fork, "Three-lane S-fork placement (runtime/lanes.h experiment knob)")
       ->check(CLI::IsMember({"at-layer-start", "after-q-norm", "idx-on-k"}))
@@ -446,7 +446,8 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       c.gemm = o->gemm == "simple" ? kernels::GemmVersion::kSimple
                : o->gemm == "tc"   ? kernels::GemmVersion::kTensorCore
                : o->gemm == "wgmma-pipelined" ? kernels::GemmVersion::kWgmmaPipelined
-                                   : kernels::GemmVersion::kWgmma;
+               : o->gemm == "wgmma" ? kernels::GemmVersion::kWgmma
+                                   : kernels::GemmVersion::kAuto;
       c.s_fork = o->s_fork == "after-q-norm" ? LayerIssue::SFork::kAfterQNorm
                  : o->s_fork == "idx-on-k"   ? LayerIssue::SFork::kIdxOnKWithoutCmp
                                              : LayerIssue::SFork::kAtLayerStart;

@@ -56,12 +56,18 @@ const char* gemm_version_name(GemmVersion v) {
     case GemmVersion::kSimple: return "v0 simple";
     case GemmVersion::kTensorCore: return "v1 tensor-core";
     case GemmVersion::kWgmma: return "v2 wgmma";
+    case GemmVersion::kAuto: return "auto (fp8: v2/v3 by shape; bf16/fp32: v1)";
     case GemmVersion::kWgmmaPipelined: return "v3 wgmma-pipelined";
   }
   return "?";
 }
 
 GemmVersion best_fp8_gemm_version(int m) { return m >= 1 && m <= kGemmMaxRows ? GemmVersion::kWgmma : GemmVersion::kSimple; }
+
+GemmVersion best_fp8_gemm_version(int m, int64_t n, int64_t k) {
+  if (m < 1 || m > kGemmMaxRows) return GemmVersion::kSimple;
+  return n <= 2048 && k >= 4096 ? GemmVersion::kWgmmaPipelined : GemmVersion::kWgmma;
+}
 
 GemmPlan plan_gemm(GemmVersion version, int m, int64_t n, int64_t k, int groups, int force_splits, int force_mtiles) {
   switch (version) {
@@ -74,6 +80,7 @@ GemmPlan plan_gemm(GemmVersion version, int m, int64_t n, int64_t k, int groups,
     case GemmVersion::kTensorCore: return plan_gemm_tc(m, n, k, groups, force_splits, force_mtiles);
     case GemmVersion::kWgmma: return plan_gemm_wgmma(m, n, k, groups, force_splits, force_mtiles);
     case GemmVersion::kWgmmaPipelined: return plan_gemm_wgmma_pipelined(m, n, k, groups, force_splits, force_mtiles);
+    case GemmVersion::kAuto: return plan_gemm(best_fp8_gemm_version(m, n, k), m, n, k, groups, force_splits, force_mtiles);
   }
   throw std::invalid_argument("plan_gemm: unknown version");
 }
@@ -89,6 +96,7 @@ void run_gemm_fp8(const Fp8GemmParams& p, const GemmWorkspace& ws, GemmVersion v
   const char* who = "run_gemm_fp8";
   if (p.m < 0) fail(who, "m < 0");
   if (p.m == 0) return;
+  if (version == GemmVersion::kAuto) version = best_fp8_gemm_version(p.m, p.n, p.k);
   check_nk(who, p.n, p.k);
   check_rows_groups(who, p.m, p.groups);
   if (!p.a_q || !p.a_scale || !p.w || !p.w_scale || !p.out) fail(who, "null pointer");
@@ -99,6 +107,7 @@ void run_gemm_fp8(const Fp8GemmParams& p, const GemmWorkspace& ws, GemmVersion v
     fail(who, "a_q must be 16-byte aligned with a_stride and a_group_stride multiples of 16");
   if (!aligned(p.w, 16) || p.w_group_stride % 16 != 0) fail(who, "w must be 16-byte aligned with w_group_stride % 16 == 0");
   switch (version) {
+    case GemmVersion::kAuto: break;  // resolved above
     case GemmVersion::kSimple: detail::launch_gemm_fp8_simple(p, stream, pdl); return;
     case GemmVersion::kTensorCore: {
       const GemmPlan plan = check_tc(who, version, p.m, p.n, p.k, p.groups, p.force_splits, p.force_mtiles, ws);
@@ -141,7 +150,8 @@ void run_gemm_bf16(const Bf16GemmParams& p, const GemmWorkspace& ws, GemmVersion
     case GemmVersion::kSimple: detail::launch_gemm_bf16_simple(p, stream, pdl); return;
     case GemmVersion::kTensorCore:
     case GemmVersion::kWgmma:
-    case GemmVersion::kWgmmaPipelined: {  // no v2 / v3 of the bf16 GEMM: v1
+    case GemmVersion::kWgmmaPipelined:
+    case GemmVersion::kAuto: {  // no v2 / v3 of the bf16 GEMM: v1
       const GemmPlan plan =
           check_tc(who, GemmVersion::kTensorCore, p.m, p.n, p.k, p.groups, p.force_splits, p.force_mtiles, ws);
       detail::launch_gemm_bf16_tc(p, plan, ws, stream, pdl);
@@ -168,7 +178,8 @@ void run_gemm_f32(const F32GemmParams& p, GemmVersion version, cudaStream_t stre
     case GemmVersion::kSimple: detail::launch_gemm_f32_simple(p, stream, pdl); return;
     case GemmVersion::kTensorCore:
     case GemmVersion::kWgmma:
-    case GemmVersion::kWgmmaPipelined: detail::launch_gemm_f32_warp(p, stream, pdl); return;  // no v2 / v3: v1
+    case GemmVersion::kWgmmaPipelined:
+    case GemmVersion::kAuto: detail::launch_gemm_f32_warp(p, stream, pdl); return;  // no v2 / v3: v1
   }
   fail(who, "unknown version");
 }

@@ -1308,3 +1308,21 @@ TEST(GpuGemm, PlanCoversTheMachine) {
   EXPECT_EQ(best_fp8_gemm_version(64), GemmVersion::kWgmma);
   EXPECT_EQ(best_fp8_gemm_version(65), GemmVersion::kSimple);
 }
+
+// Host-only: the stack's default (kAuto) picks what run 9 measured fastest per shape, and its plan is
+// that version's plan.
+TEST(GpuGemm, AutoPicksTheMeasuredVersionPerShape) {
+  using v4attn::kernels::GemmVersion;
+  using v4attn::kernels::best_fp8_gemm_version;
+  for (int m : {1, 6, 8, 24, 48, 64}) {
+    EXPECT_EQ(best_fp8_gemm_version(m, 1792, 5120), GemmVersion::kWgmmaPipelined) << m;  // wq_a|wkv
+    EXPECT_EQ(best_fp8_gemm_version(m, 32768, 1280), GemmVersion::kWgmma) << m;          // wq_b
+    EXPECT_EQ(best_fp8_gemm_version(m, 4096, 1280), GemmVersion::kWgmma) << m;           // indexer wq_b
+    EXPECT_EQ(best_fp8_gemm_version(m, 5120, 8192), GemmVersion::kWgmma) << m;           // wo_b
+  }
+  EXPECT_EQ(best_fp8_gemm_version(65, 1792, 5120), GemmVersion::kSimple);
+  const auto a = v4attn::kernels::plan_gemm(GemmVersion::kAuto, 6, 1792, 5120, 1);
+  const auto b = v4attn::kernels::plan_gemm(GemmVersion::kWgmmaPipelined, 6, 1792, 5120, 1);
+  EXPECT_EQ(a.splits, b.splits);
+  EXPECT_EQ(a.tiles_n, b.tiles_n);
+}

@@ -95,11 +95,17 @@ using num::bf16_t;
 constexpr int kGemmBlock = 32;    // K block of the fp8 GEMM / act quant; N block of weight scales
 constexpr int kGemmMaxRows = 64;  // M limit of the tensor-core versions
 
-enum class GemmVersion : int { kSimple = 0, kTensorCore = 1, kWgmma = 2, kWgmmaPipelined = 3 };
+// kAuto: fp8 GEMMs take best_fp8_gemm_version(m, n, k); bf16 / fp32 GEMMs take kTensorCore.
+enum class GemmVersion : int { kSimple = 0, kTensorCore = 1, kWgmma = 2, kWgmmaPipelined = 3, kAuto = 4 };
 const char* gemm_version_name(GemmVersion v);
 // The fastest exact-enough fp8 version for m rows: kWgmma for 1 <= m <= 64, kSimple otherwise
 // (no tensor-core version takes more than 64 rows).
 GemmVersion best_fp8_gemm_version(int m);
+// The measured per-shape choice (docs/perf.md, run 9, graph timing with PDL): v3 where its
+// in-cluster split-K reduction pays, i.e. narrow and long GEMMs (n <= 2048, k >= 4096: the fused
+// wq_a|wkv 1792x5120, 7.5-14.3 us vs v2's 8.3-36.4 us over M = 1..64); v2 elsewhere (v3 was slower
+// on wq_b, wo_b and, at M <= 8, the indexer's wq_b). kSimple beyond 64 rows.
+GemmVersion best_fp8_gemm_version(int m, int64_t n, int64_t k);
 
 // ---- FP8 act quant ----------------------------------------------------------------------------
 // Per row and per block of 32 along K: amax -> ue8m0 scale, e4m3 codes (numerics.h act quant),

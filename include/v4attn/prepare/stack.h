@@ -112,7 +112,7 @@ struct GpuStackOptions {
   // ignored by the serial schedule, which has no side lane).
   bool lane_prologue = false;
   bool pdl = true;  // programmatic dependent launch of q_rope_store behind the wq_b GEMM
-  kernels::GemmVersion gemm = kernels::GemmVersion::kWgmma;  // every GEMM of the cycle (kWgmma: fp8 on wgmma, bf16/f32 as kTensorCore)
+  kernels::GemmVersion gemm = kernels::GemmVersion::kAuto;  // every GEMM of the cycle (kAuto: fp8 v2/v3 by shape, bf16/f32 v1)
   WeightSource weights = WeightSource::kDeviceRandom;
   uint64_t seed = 1;  // weights (both sources) and device-generated inputs
   std::function<void(const std::string&)> progress;  // optional progress lines (construction, prefill)
