@@ -248,6 +248,7 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
   so.s_fork = c.s_fork;
   so.lane_prologue = c.lane_prologue;
   so.pdl = c.pdl;
+  so.pdl_everywhere = c.pdl_everywhere;
   so.gemm = c.gemm;
   so.weights = prepare::WeightSource::kDeviceRandom;
   so.seed = c.seed;
@@ -268,7 +269,7 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
       << plan.parallel.tp << " (" << stack.local_heads() << " heads, " << stack.index_heads() << " index heads)\n";
   out << (c.verify ? "verify" : "decode") << " step: bs " << c.bs << " x " << v << " row" << (v > 1 ? "s" : "") << " = "
       << info.rows << " rows at context " << c.context << "; " << (c.graph ? "CUDA graph replay" : "eager launches")
-      << ", PDL " << (c.pdl ? "on" : "off") << ", GEMM " << kernels::gemm_version_name(c.gemm) << ", S fork "
+      << ", PDL " << (c.pdl ? (c.pdl_everywhere ? "all" : "on") : "off") << ", GEMM " << kernels::gemm_version_name(c.gemm) << ", S fork "
       << s_fork_name(c.s_fork) << (c.lane_prologue ? ", lane prologue" : "") << "\n";
   out << "device memory: " << fmt("%.2f", static_cast<double>(stack.device_bytes()) / 1e9) << " GB ("
       << fmt("%.2f", static_cast<double>(stack.weight_bytes()) / 1e9) << " GB weights, device-random)\n";
@@ -334,6 +335,7 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
     j["context"] = c.context;
     j["graph"] = c.graph;
     j["pdl"] = c.pdl;
+    j["pdl_everywhere"] = c.pdl_everywhere;
     j["gemm"] = kernels::gemm_version_name(c.gemm);
     j["s_fork"] = s_fork_name(c.s_fork);
     j["lane_prologue"] = c.lane_prologue;
@@ -411,8 +413,10 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       ->capture_default_str();
   sub->add_flag("--graph", o->graph, "Replay a CUDA graph per cycle (the default)");
   sub->add_flag("--eager", o->eager, "Launch every kernel per cycle instead of a graph replay");
-  sub->add_option("--pdl", o->pdl, "Programmatic dependent launch of q_rope_store: on or off")
-      ->check(CLI::IsMember({"on", "off"}))
+  sub->add_option("--pdl", o->pdl,
+                  "Programmatic dependent launch: on (q_rope_store, as prepare-schedule.md places it), all "
+                  "(every kernel of the cycle) or off")
+      ->check(CLI::IsMember({"on", "all", "off"}))
       ->capture_default_str();
   sub->add_option("--gemm", o->gemm,
                   "GEMM version: auto (fp8: v2 or v3 by shape, as measured; others tc), wgmma (v2), "
@@ -442,7 +446,8 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       c.warmup = o->warmup;
       c.trace_cycles = o->trace_cycles;
       c.graph = !o->eager;
-      c.pdl = o->pdl == "on";
+      c.pdl = o->pdl != "off";
+      c.pdl_everywhere = o->pdl == "all";
       c.gemm = o->gemm == "simple" ? kernels::GemmVersion::kSimple
                : o->gemm == "tc"   ? kernels::GemmVersion::kTensorCore
                : o->gemm == "wgmma-pipelined" ? kernels::GemmVersion::kWgmmaPipelined

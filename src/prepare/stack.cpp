@@ -279,6 +279,9 @@ struct GpuPrepareStack::Impl {
   void issue_kv(int L, int T, cudaStream_t s);
   void issue_cmp(int L, int T, cudaStream_t s);
   void issue_idx(int L, int T, cudaStream_t s);
+  // PDL for the kernels other than q_rope_store (GpuStackOptions::pdl_everywhere).
+  bool pdl_rest() const { return o.pdl && o.pdl_everywhere; }
+
   void invalidate_graphs() {
     sync();
     graphs.invalidate();
@@ -598,7 +601,7 @@ void GpuPrepareStack::Impl::issue_qa(int L, int T, cudaStream_t s) {
   a.scale_stride = dim / 32;
   a.m = T;
   a.k = dim;
-  kn::run_act_quant_fp8(a, s, false);
+  kn::run_act_quant_fp8(a, s, pdl_rest());
   kn::Fp8GemmParams g;
   g.a_q = xq;
   g.a_stride = dim;
@@ -611,7 +614,7 @@ void GpuPrepareStack::Impl::issue_qa(int L, int T, cudaStream_t s) {
   g.m = T;
   g.n = qkv_w;
   g.k = dim;
-  kn::run_gemm_fp8(g, ws_for(s), o.gemm, s, false);
+  kn::run_gemm_fp8(g, ws_for(s), o.gemm, s, pdl_rest());
 }
 
 void GpuPrepareStack::Impl::issue_q_norm(int L, int T, cudaStream_t s) {
@@ -628,7 +631,7 @@ void GpuPrepareStack::Impl::issue_q_norm(int L, int T, cudaStream_t s) {
   p.s_stride = q_rank / 32;
   p.rows = T;
   p.n = q_rank;
-  kn::run_rmsnorm(p, s, false);
+  kn::run_rmsnorm(p, s, pdl_rest());
 }
 
 void GpuPrepareStack::Impl::issue_qb(int L, int T, cudaStream_t s) {
@@ -645,7 +648,7 @@ void GpuPrepareStack::Impl::issue_qb(int L, int T, cudaStream_t s) {
   g.m = T;
   g.n = static_cast<int64_t>(H) * kHd;
   g.k = q_rank;
-  kn::run_gemm_fp8(g, ws_for(s), o.gemm, s, false);
+  kn::run_gemm_fp8(g, ws_for(s), o.gemm, s, pdl_rest());
   kn::QRopeStoreParams r;
   r.q = q;
   r.q_row_stride = static_cast<int64_t>(H) * kHd;
@@ -677,7 +680,7 @@ void GpuPrepareStack::Impl::issue_kv(int L, int T, cudaStream_t s) {
   p.n_slots = window_slots;
   p.T = T;
   p.err_count = err.get();
-  kn::run_window_k_store(p, s, false);
+  kn::run_window_k_store(p, s, pdl_rest());
 }
 
 void GpuPrepareStack::Impl::issue_cmp(int L, int T, cudaStream_t s) {
@@ -695,7 +698,7 @@ void GpuPrepareStack::Impl::issue_cmp(int L, int T, cudaStream_t s) {
     g.m = T;
     g.n = kHd;
     g.k = dim;
-    kn::run_gemm_bf16(g, wsp, o.gemm, s, false);
+    kn::run_gemm_bf16(g, wsp, o.gemm, s, pdl_rest());
     kn::C1FusedParams c;
     c.proj = proj;
     c.proj_row_stride = kHd;
@@ -712,7 +715,7 @@ void GpuPrepareStack::Impl::issue_cmp(int L, int T, cudaStream_t s) {
     c.latent_row_stride = kHd;
     c.N = T;
     c.err_count = err.get();
-    kn::run_c1_fused(c, s, false);
+    kn::run_c1_fused(c, s, pdl_rest());
   } else {
     kn::F32GemmParams g;
     g.x = x(L);
@@ -723,7 +726,7 @@ void GpuPrepareStack::Impl::issue_cmp(int L, int T, cudaStream_t s) {
     g.m = T;
     g.n = kStateRow;
     g.k = dim;
-    kn::run_gemm_f32(g, o.gemm, s, false);
+    kn::run_gemm_f32(g, o.gemm, s, pdl_rest());
     kn::C2FusedParams c;
     c.kvs = kvs;
     c.kvs_row_stride = kStateRow;
@@ -745,7 +748,7 @@ void GpuPrepareStack::Impl::issue_cmp(int L, int T, cudaStream_t s) {
     c.latent_row_stride = kHd;
     c.N = T;
     c.err_count = err.get();
-    kn::run_c2_fused(c, s, false);
+    kn::run_c2_fused(c, s, pdl_rest());
   }
   // Index keys from the latent BEFORE its RoPE. Ratio 2: rows completing no group have a stale
   // latent (the GEMM runs over all rows; their store is skipped by out_loc <= 0).
@@ -758,7 +761,7 @@ void GpuPrepareStack::Impl::issue_cmp(int L, int T, cudaStream_t s) {
   g.m = T;
   g.n = kIdxHd;
   g.k = kHd;
-  kn::run_gemm_bf16(g, wsp, o.gemm, s, false);
+  kn::run_gemm_bf16(g, wsp, o.gemm, s, pdl_rest());
   kn::IndexKStoreParams k;
   k.kproj = kproj;
   k.kproj_row_stride = kIdxHd;
@@ -773,7 +776,7 @@ void GpuPrepareStack::Impl::issue_cmp(int L, int T, cudaStream_t s) {
   k.n_slots = comp_slots[i];
   k.N = T;
   k.err_count = err.get();
-  kn::run_index_k_store(k, s, false);
+  kn::run_index_k_store(k, s, pdl_rest());
 }
 
 void GpuPrepareStack::Impl::issue_idx(int L, int T, cudaStream_t s) {
@@ -796,7 +799,7 @@ void GpuPrepareStack::Impl::issue_idx(int L, int T, cudaStream_t s) {
     g.m = T;
     g.n = static_cast<int64_t>(Hi) * kIdxHd;
     g.k = q_rank;
-    kn::run_gemm_fp8(g, wsp, o.gemm, s, false);
+    kn::run_gemm_fp8(g, wsp, o.gemm, s, pdl_rest());
   }
   {
     kn::Bf16GemmParams g;  // weights_proj(x), padded to wproj_rows outputs (zero rows)
@@ -808,7 +811,7 @@ void GpuPrepareStack::Impl::issue_idx(int L, int T, cudaStream_t s) {
     g.m = T;
     g.n = wproj_rows;
     g.k = dim;
-    kn::run_gemm_bf16(g, wsp, o.gemm, s, false);
+    kn::run_gemm_bf16(g, wsp, o.gemm, s, pdl_rest());
   }
   const bool compact = Hi < kScoreHeads;
   {
@@ -827,7 +830,7 @@ void GpuPrepareStack::Impl::issue_idx(int L, int T, cudaStream_t s) {
     p.q_scales = compact ? iq_scales_c : iq_scales;
     p.weights = compact ? iw_c : iw;
     p.err_count = err.get();
-    kn::run_indexer_q_pack(p, s, false);
+    kn::run_indexer_q_pack(p, s, pdl_rest());
   }
   if (compact) detail::pad_indexer_heads(iq_codes_c, iq_scales_c, iw_c, Hi, T, iq_codes, iq_scales, iw, s);
   const MetaField clen = r == 1 ? kMClen1 : kMClen2;
@@ -850,7 +853,7 @@ void GpuPrepareStack::Impl::issue_idx(int L, int T, cudaStream_t s) {
     p.err_count = err.get();
     // Verify rows of one request are consecutive: one CTA scores them on one read of their K.
     p.group_rows = info.kind == StepKind::kVerify ? std::clamp(rows_per_request, 1, 8) : 1;
-    kn::run_indexer_scores(p, s, false);
+    kn::run_indexer_scores(p, s, pdl_rest());
   }
   if (l.is_candidate_source) {
     kn::CandidateMaskParams p;  // published for the index sources after it; its own top-k is unmasked
@@ -865,7 +868,7 @@ void GpuPrepareStack::Impl::issue_idx(int L, int T, cudaStream_t s) {
     p.err_count = err.get();
     p.workspace = select_ws;
     p.workspace_bytes = select_ws_bytes;
-    kn::run_candidate_mask(p, s, false);
+    kn::run_candidate_mask(p, s, pdl_rest());
   }
   kn::IndexerTopkParams p;
   p.scores = scores;
@@ -887,7 +890,7 @@ void GpuPrepareStack::Impl::issue_idx(int L, int T, cudaStream_t s) {
   p.err_count = err.get();
   p.workspace = select_ws;
   p.workspace_bytes = select_ws_bytes;
-  kn::run_indexer_topk(p, s, false);
+  kn::run_indexer_topk(p, s, pdl_rest());
 }
 
 // ---- GpuPrepareStack -----------------------------------------------------------------------------------
@@ -951,6 +954,11 @@ void GpuPrepareStack::set_pdl(bool pdl) {
   if (pdl == impl_->o.pdl) return;
   impl_->invalidate_graphs();
   impl_->o.pdl = pdl;
+}
+void GpuPrepareStack::set_pdl_everywhere(bool on) {
+  if (on == impl_->o.pdl_everywhere) return;
+  impl_->invalidate_graphs();
+  impl_->o.pdl_everywhere = on;
 }
 void GpuPrepareStack::set_gemm_version(kernels::GemmVersion v) {
   if (v == impl_->o.gemm) return;

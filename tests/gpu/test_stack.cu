@@ -412,6 +412,7 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
     bool pdl;
     LayerIssue::SFork s_fork = LayerIssue::SFork::kAtLayerStart;
     bool lane_prologue = false;
+    bool pdl_everywhere = false;
   };
   std::vector<Config> configs;
   for (Schedule sched : kAllSchedules)
@@ -422,6 +423,9 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
   configs.push_back({Schedule::kThreeLane, true, true, LayerIssue::SFork::kIdxOnKWithoutCmp});
   configs.push_back({Schedule::kThreeLane, true, true, LayerIssue::SFork::kAtLayerStart, true});
   configs.push_back({Schedule::kSourcesSide, false, true, LayerIssue::SFork::kAtLayerStart, true});
+  // PDL on every kernel of the cycle, eager and in graphs, on every schedule.
+  for (Schedule sched : kAllSchedules)
+    for (bool graph : {false, true}) configs.push_back({sched, graph, true, LayerIssue::SFork::kAtLayerStart, false, true});
 
   std::vector<Snapshot> first;  // per step, of the first configuration
   std::string first_name;
@@ -429,13 +433,14 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
   for (const Config& c : configs) {
     const std::string name = std::string(to_string(c.schedule)) + (c.graph ? " graph" : " eager") +
                              (c.pdl ? " pdl" : " no-pdl") + " s_fork " + std::to_string(static_cast<int>(c.s_fork)) +
-                             (c.lane_prologue ? " lane-prologue" : "");
+                             (c.lane_prologue ? " lane-prologue" : "") + (c.pdl_everywhere ? " pdl-everywhere" : "");
     SCOPED_TRACE(name);
     // A fresh stack per configuration: the device inputs of padded rows depend on the step count.
     go.schedule = c.schedule;
     go.pdl = c.pdl;
     go.s_fork = c.s_fork;
     go.lane_prologue = c.lane_prologue;
+    go.pdl_everywhere = c.pdl_everywhere;
     GpuPrepareStack gpu(plan, go);
     gpu.prefill_device_random(ctx);
     for (int step = 0; step < 2; ++step) {

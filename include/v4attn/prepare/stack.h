@@ -112,6 +112,10 @@ struct GpuStackOptions {
   // ignored by the serial schedule, which has no side lane).
   bool lane_prologue = false;
   bool pdl = true;  // programmatic dependent launch of q_rope_store behind the wq_b GEMM
+  // With pdl: every other kernel of the cycle too (each reads only weights, tables and step
+  // metadata before griddepcontrol.wait: the GEMMs start streaming weights while their
+  // predecessor finishes). Off by default until measured (docs/perf.md).
+  bool pdl_everywhere = false;
   kernels::GemmVersion gemm = kernels::GemmVersion::kAuto;  // every GEMM of the cycle (kAuto: fp8 v2/v3 by shape, bf16/f32 v1)
   WeightSource weights = WeightSource::kDeviceRandom;
   uint64_t seed = 1;  // weights (both sources) and device-generated inputs
@@ -175,6 +179,7 @@ class GpuPrepareStack {
   // waiting for the main stream).
   void set_schedule(Schedule s);
   void set_pdl(bool pdl);
+  void set_pdl_everywhere(bool on);
   void set_gemm_version(kernels::GemmVersion v);
   void set_s_fork(LayerIssue::SFork f);
   void set_lane_prologue(bool on);
