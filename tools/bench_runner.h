@@ -27,7 +27,7 @@ struct BenchConfig {
   int trace_cycles = 5;                 // CUPTI-traced cycles per schedule (0: no trace)
   bool graph = true;                    // CUDA-graph replay (else eager launches)
   bool pdl = true;                      // q_rope_store with PDL
-  bool pdl_everywhere = false;          // with pdl: every kernel of the cycle
+  bool pdl_everywhere = true;           // with pdl: every kernel of the cycle
   kernels::GemmVersion gemm = kernels::GemmVersion::kAuto;
   LayerIssue::SFork s_fork = LayerIssue::SFork::kAtLayerStart;
   bool lane_prologue = false;

@@ -204,7 +204,7 @@ struct BenchCliOptions {
   int trace_cycles = 5;
   bool graph = false;
   bool eager = false;
-  std::string pdl = "on";
+  std::string pdl = "all";
   std::string gemm = "auto";
   std::string s_fork = "at-layer-start";
   bool lane_prologue = false;

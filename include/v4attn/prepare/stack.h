@@ -114,8 +114,8 @@ struct GpuStackOptions {
   bool pdl = true;  // programmatic dependent launch of q_rope_store behind the wq_b GEMM
   // With pdl: every other kernel of the cycle too (each reads only weights, tables and step
   // metadata before griddepcontrol.wait: the GEMMs start streaming weights while their
-  // predecessor finishes). Off by default until measured (docs/perf.md).
-  bool pdl_everywhere = false;
+  // predecessor finishes). Measured 1.4-2.5 % per verify bs 1 cycle (docs/perf.md, run 12).
+  bool pdl_everywhere = true;
   kernels::GemmVersion gemm = kernels::GemmVersion::kAuto;  // every GEMM of the cycle (kAuto: fp8 v2/v3 by shape, bf16/f32 v1)
   WeightSource weights = WeightSource::kDeviceRandom;
   uint64_t seed = 1;  // weights (both sources) and device-generated inputs
