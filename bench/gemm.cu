@@ -48,7 +48,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <functional>
 #include <stdexcept>
 #include <string>
@@ -57,6 +56,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "bench_common.h"
 #include "runtime/cuda_utils.h"
 #include "v4attn/kernels/gemm.h"
 #include "v4attn/reference/gemm.h"
@@ -67,8 +67,9 @@ using namespace v4attn;
 using num::bf16_t;
 namespace kn = v4attn::kernels;
 
-constexpr double kHbmBytesPerSecond = 4.27e12;
-constexpr size_t kFlushBytes = size_t{128} << 20;
+using bench::to_device;
+using bench::to_host;
+
 constexpr double kSlowLaunchMs = 2.0;
 constexpr double kRotateBytes = 192.0 * 1024 * 1024;  // weight copies per graph: > 3x the 60 MB L2
 constexpr int kGraphWarmups = 2, kGraphReplays = 15;
@@ -99,8 +100,8 @@ struct Row {
   int reps = 0;
   bool valid = false;
   std::string note;
-  double floor_us() const { return static_cast<double>(bytes) / kHbmBytesPerSecond * 1e6; }
-  double pct(double us) const { return us > 0.0 ? 100.0 * floor_us() / us : 0.0; }
+  double floor_us() const { return bench::floor_us(bytes); }
+  double pct(double us) const { return bench::pct_of_floor(bytes, us); }
 };
 
 // splitmix64
@@ -116,19 +117,6 @@ struct Rng {
   float uniform() { return static_cast<float>(static_cast<double>(next() >> 11) * 0x1.0p-53 * 2.0 - 1.0); }
   int range(int lo, int hi) { return lo + static_cast<int>(next() % static_cast<uint64_t>(hi - lo + 1)); }
 };
-
-template <class T>
-DeviceBuffer<T> to_device(const std::vector<T>& h) {
-  DeviceBuffer<T> d(std::max<size_t>(h.size(), 1));
-  if (!h.empty()) d.upload(h.data(), h.size());
-  return d;
-}
-template <class T>
-std::vector<T> to_host(const DeviceBuffer<T>& d, size_t n) {
-  std::vector<T> h(n);
-  d.download(h.data(), n);
-  return h;
-}
 
 // `copies` copies of a host array in one device buffer (copy c at c * h.size()).
 template <class T>
@@ -169,29 +157,19 @@ std::pair<int, int64_t> ulp_diff(const std::vector<bf16_t>& got, const std::vect
 using Launch = std::function<void(cudaStream_t, int, bool)>;
 
 // Median over `reps` eager launches (copy 0), each after an L2 flush; reps drops to 5 when one
-// launch is slow.
-double event_median_us(const Launch& launch, bool pdl, int reps, DeviceBuffer<uint8_t>& flush, cudaStream_t s,
-                       int* reps_used) {
-  cudaEvent_t start, stop;
-  V4_CUDA_CHECK(cudaEventCreate(&start));
-  V4_CUDA_CHECK(cudaEventCreate(&stop));
+// launch is slow. Not bench::cold_l2_median_us: here the 3 warm-ups are flushed and timed too,
+// because the first one's time decides the rep count.
+double event_median_us(const Launch& launch, bool pdl, int reps, bench::L2Flush& l2, cudaStream_t s, int* reps_used) {
+  bench::EventTimer timer;
   std::vector<float> ms;
   for (int i = 0; i < 3 + reps; ++i) {
-    V4_CUDA_CHECK(cudaMemsetAsync(flush.get(), i & 0xff, flush.bytes(), s));
-    V4_CUDA_CHECK(cudaEventRecord(start, s));
-    launch(s, 0, pdl);
-    V4_CUDA_CHECK(cudaEventRecord(stop, s));
-    V4_CUDA_CHECK(cudaEventSynchronize(stop));
-    float t = 0.0f;
-    V4_CUDA_CHECK(cudaEventElapsedTime(&t, start, stop));
+    l2.flush(s, i);
+    const float t = timer.time_ms(s, [&] { launch(s, 0, pdl); });
     if (i == 0 && t > kSlowLaunchMs) reps = std::min(reps, 5);
     if (i >= 3) ms.push_back(t);
   }
-  V4_CUDA_CHECK(cudaEventDestroy(start));
-  V4_CUDA_CHECK(cudaEventDestroy(stop));
   *reps_used = static_cast<int>(ms.size());
-  std::nth_element(ms.begin(), ms.begin() + ms.size() / 2, ms.end());
-  return static_cast<double>(ms[ms.size() / 2]) * 1000.0;
+  return bench::median_us(std::move(ms));
 }
 
 // Per-launch time of `launches` back-to-back launches (launch i on weight copy i % copies)
@@ -210,25 +188,15 @@ double graph_us(const Launch& launch, bool pdl, int copies, int launches, cudaSt
   V4_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
   cudaGraphExec_t exec = nullptr;
   V4_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  cudaEvent_t start, stop;
-  V4_CUDA_CHECK(cudaEventCreate(&start));
-  V4_CUDA_CHECK(cudaEventCreate(&stop));
+  bench::EventTimer timer;
   std::vector<float> ms;
   for (int r = 0; r < kGraphWarmups + kGraphReplays; ++r) {
-    V4_CUDA_CHECK(cudaEventRecord(start, s));
-    V4_CUDA_CHECK(cudaGraphLaunch(exec, s));
-    V4_CUDA_CHECK(cudaEventRecord(stop, s));
-    V4_CUDA_CHECK(cudaEventSynchronize(stop));
-    float t = 0.0f;
-    V4_CUDA_CHECK(cudaEventElapsedTime(&t, start, stop));
+    const float t = timer.time_ms(s, [&] { V4_CUDA_CHECK(cudaGraphLaunch(exec, s)); });
     if (r >= kGraphWarmups) ms.push_back(t);
   }
-  V4_CUDA_CHECK(cudaEventDestroy(start));
-  V4_CUDA_CHECK(cudaEventDestroy(stop));
   V4_CUDA_CHECK(cudaGraphExecDestroy(exec));
   V4_CUDA_CHECK(cudaGraphDestroy(graph));
-  std::nth_element(ms.begin(), ms.begin() + ms.size() / 2, ms.end());
-  return static_cast<double>(ms[ms.size() / 2]) * 1000.0 / launches;
+  return bench::median_us(std::move(ms)) / launches;
 }
 
 // Weight copies for a graph: enough that each launch reads weights no longer in L2.
@@ -323,7 +291,7 @@ struct Env {
   bool run_v0 = true, run_peer = true, run_graph = true;
   int graph_launches = 20;
   cudaStream_t stream = nullptr;
-  DeviceBuffer<uint8_t>* flush = nullptr;
+  bench::L2Flush* l2 = nullptr;
   cublasLtHandle_t lt = nullptr;
   DeviceBuffer<uint8_t>* lt_ws = nullptr;
   DeviceBuffer<uint8_t>* gemm_ws = nullptr;
@@ -341,7 +309,7 @@ Row make_row(const Shape& sh, const char* version, int m, int64_t bytes) {
 
 // Times `launch` the three ways (event; graph without / with PDL when `graph_pdl`) into `r`.
 void time_row(Row& r, Env& env, const Launch& launch, bool event_pdl, int copies, bool graph, bool graph_pdl) {
-  r.median_us = event_median_us(launch, event_pdl, env.reps, *env.flush, env.stream, &r.reps);
+  r.median_us = event_median_us(launch, event_pdl, env.reps, *env.l2, env.stream, &r.reps);
   if (!env.run_graph || !graph) return;
   r.copies = copies;
   r.graph_us = graph_us(launch, false, copies, env.graph_launches, env.stream);
@@ -731,19 +699,6 @@ void bench_f32(const Shape& sh, const std::vector<int>& ms, Env& env, std::vecto
   }
 }
 
-std::string fmt_us(double us) {
-  if (us <= 0.0) return "-";
-  char b[32];
-  std::snprintf(b, sizeof(b), "%.2f", us);
-  return b;
-}
-std::string fmt_pct(double pct) {
-  if (pct <= 0.0) return "-";
-  char b[32];
-  std::snprintf(b, sizeof(b), "%.1f%%", pct);
-  return b;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -779,11 +734,7 @@ int main(int argc, char** argv) {
   env.run_graph = !no_graph;
 
   try {
-    std::string reason;
-    if (!gpu_available(&reason)) {
-      std::fprintf(stderr, "bench_gemm: needs an sm_90 GPU: %s\n", reason.c_str());
-      return 2;
-    }
+    if (!bench::gpu_present("bench_gemm")) return 2;
     for (int m : ms)
       if (m < 1 || m > kn::kGemmMaxRows) throw std::invalid_argument("--m values must be in [1, 64]");
     for (const std::string& s : shapes)
@@ -792,13 +743,14 @@ int main(int argc, char** argv) {
     ref::set_gemm_threads(static_cast<int>(std::max(2u, std::thread::hardware_concurrency())));
 
     V4_CUDA_CHECK(cudaStreamCreateWithFlags(&env.stream, cudaStreamNonBlocking));
-    DeviceBuffer<uint8_t> flush(kFlushBytes), lt_ws(size_t{32} << 20);
+    bench::L2Flush l2;
+    DeviceBuffer<uint8_t> lt_ws(size_t{32} << 20);
     size_t ws_bytes = 0;
     for (const Shape& s : kShapes)
       if (s.kind != Kind::kF32) ws_bytes = std::max(ws_bytes, kn::gemm_workspace_bytes(kn::kGemmMaxRows, s.n, s.k, s.groups));
     DeviceBuffer<uint8_t> gemm_ws(std::max<size_t>(ws_bytes, 256));
     gemm_ws.fill_bytes(0, env.stream);
-    env.flush = &flush;
+    env.l2 = &l2;
     env.lt_ws = &lt_ws;
     env.gemm_ws = &gemm_ws;
     if (cublasLtCreate(&env.lt) != CUBLAS_STATUS_SUCCESS) throw std::runtime_error("cublasLtCreate failed");
@@ -815,9 +767,10 @@ int main(int argc, char** argv) {
       for (; printed < rows.size(); ++printed) {
         const Row& r = rows[printed];
         std::printf("%-13s %-24s %3d %9s %9s %9s %11lld %9.3f %7s %7s %7s %5d %3d %-8s %s\n", r.shape.c_str(), r.version.c_str(),
-                    r.m, fmt_us(r.median_us).c_str(), fmt_us(r.graph_us).c_str(), fmt_us(r.graph_pdl_us).c_str(),
-                    static_cast<long long>(r.bytes), r.floor_us(), fmt_pct(r.pct(r.graph_us)).c_str(),
-                    fmt_pct(r.pct(r.graph_pdl_us)).c_str(), fmt_pct(r.pct(r.median_us)).c_str(), r.reps, r.copies,
+                    r.m, bench::fmt_us(r.median_us).c_str(), bench::fmt_us(r.graph_us).c_str(),
+                    bench::fmt_us(r.graph_pdl_us).c_str(),
+                    static_cast<long long>(r.bytes), r.floor_us(), bench::fmt_pct(r.pct(r.graph_us)).c_str(),
+                    bench::fmt_pct(r.pct(r.graph_pdl_us)).c_str(), bench::fmt_pct(r.pct(r.median_us)).c_str(), r.reps, r.copies,
                     r.valid ? "ok" : "MISMATCH", r.note.c_str());
       }
       std::fflush(stdout);
@@ -835,17 +788,11 @@ int main(int argc, char** argv) {
                      {"pct_of_floor", r.pct(r.median_us)}, {"pct_of_floor_graph", r.pct(r.graph_us)},
                      {"pct_of_floor_graph_pdl", r.pct(r.graph_pdl_us)}, {"ratio", r.median_us / r.floor_us()},
                      {"reps", r.reps}, {"valid", r.valid}, {"note", r.note}});
-      std::ofstream f(json_path);
-      if (!f) throw std::runtime_error("cannot write " + json_path);
-      f << j.dump(2) << "\n";
+      bench::write_json(json_path, j);
     }
     cublasLtDestroy(env.lt);
     V4_CUDA_CHECK(cudaStreamDestroy(env.stream));
-    if (!all_valid) {
-      std::fprintf(stderr, "bench_gemm: some kernels do not match the reference (see 'valid')\n");
-      return 1;
-    }
-    return 0;
+    return bench::validity_exit_code("bench_gemm", all_valid);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_gemm: %s\n", e.what());
     return 1;

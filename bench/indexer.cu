@@ -39,7 +39,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <functional>
 #include <numeric>
 #include <random>
@@ -49,6 +48,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "bench_common.h"
 #include "runtime/cuda_utils.h"
 #include "v4attn/cache_layout.h"
 #include "v4attn/kernels/indexer_kernels.h"
@@ -61,8 +61,9 @@ using namespace v4attn;
 using num::bf16_t;
 namespace kn = v4attn::kernels;
 
-constexpr double kHbmBytesPerSecond = 4.27e12;
-constexpr size_t kFlushBytes = size_t{128} << 20;
+using bench::to_device;
+using bench::to_host;
+
 constexpr int kHeads = kn::kIndexerHeads;
 constexpr int kTopk = 512;
 constexpr int kMaskBlock = 8;
@@ -75,25 +76,12 @@ struct Row {
   double median_us = 0.0;
   int64_t bytes = 0;
   bool valid = false;
-  double floor_us() const { return static_cast<double>(bytes) / kHbmBytesPerSecond * 1e6; }
+  double floor_us() const { return bench::floor_us(bytes); }
 };
 
 std::mt19937_64& rng() {
   static std::mt19937_64 r(20250101);
   return r;
-}
-
-template <class T>
-DeviceBuffer<T> to_device(const std::vector<T>& h) {
-  DeviceBuffer<T> d(std::max<size_t>(h.size(), 1));
-  if (!h.empty()) d.upload(h.data(), h.size());
-  return d;
-}
-template <class T>
-std::vector<T> to_host(const DeviceBuffer<T>& d, size_t n) {
-  std::vector<T> h(n);
-  d.download(h.data(), n);
-  return h;
 }
 
 // One step of one shape: host inputs, device copies, and the outputs of the kernels under test.
@@ -386,31 +374,6 @@ bool validate_chain(Problem& pb, cudaStream_t s, bool with_mask) {
   return ok && to_host(pb.d_out, want.size()) == want;
 }
 
-// ---- timing ---------------------------------------------------------------------------------------
-double median_us(const std::function<void(cudaStream_t)>& launch, int reps, DeviceBuffer<uint8_t>& flush,
-                 cudaStream_t s) {
-  cudaEvent_t start, stop;
-  V4_CUDA_CHECK(cudaEventCreate(&start));
-  V4_CUDA_CHECK(cudaEventCreate(&stop));
-  for (int i = 0; i < 5; ++i) launch(s);  // warm-up
-  std::vector<float> ms;
-  ms.reserve(static_cast<size_t>(reps));
-  for (int i = 0; i < reps; ++i) {
-    V4_CUDA_CHECK(cudaMemsetAsync(flush.get(), i & 0xff, flush.bytes(), s));  // cold L2
-    V4_CUDA_CHECK(cudaEventRecord(start, s));
-    launch(s);
-    V4_CUDA_CHECK(cudaEventRecord(stop, s));
-    V4_CUDA_CHECK(cudaEventSynchronize(stop));
-    float t = 0.0f;
-    V4_CUDA_CHECK(cudaEventElapsedTime(&t, start, stop));
-    ms.push_back(t);
-  }
-  V4_CUDA_CHECK(cudaEventDestroy(start));
-  V4_CUDA_CHECK(cudaEventDestroy(stop));
-  std::nth_element(ms.begin(), ms.begin() + ms.size() / 2, ms.end());
-  return static_cast<double>(ms[ms.size() / 2]) * 1000.0;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -429,11 +392,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   try {
-    std::string reason;
-    if (!gpu_available(&reason)) {
-      std::fprintf(stderr, "bench_indexer: needs an sm_90 GPU: %s\n", reason.c_str());
-      return 2;
-    }
+    if (!bench::gpu_present("bench_indexer")) return 2;
     for (int T : Ts)
       if (T < 1 || T > 1024) throw std::invalid_argument("--T values must be in [1, 1024]");
     for (int64_t c : clens)
@@ -442,7 +401,11 @@ int main(int argc, char** argv) {
       if (s != "decode" && s != "verify") throw std::invalid_argument("--shape must be decode or verify");
     cudaStream_t stream;
     V4_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    DeviceBuffer<uint8_t> flush(kFlushBytes);
+    bench::L2Flush l2;
+    // One launch's median time, cold L2.
+    auto cold_median_us = [&](const std::function<void(cudaStream_t)>& launch) {
+      return bench::cold_l2_median_us(launch, reps, l2, stream);
+    };
 
     std::vector<Row> rows;
     bool all_valid = true;
@@ -485,7 +448,7 @@ int main(int argc, char** argv) {
               const auto p = scores_params(wide, 0, g);
               const bool ok = validate_scores(wide, stream, g);
               row_of("scores", g == 1 ? "wide" : "g6-wide", scores_bytes(wide), ok,
-                     median_us([&](cudaStream_t s) { kn::run_indexer_scores(p, s, false); }, reps, flush, stream));
+                     cold_median_us([&](cudaStream_t s) { kn::run_indexer_scores(p, s, false); }));
             }
           }
           Problem pb = make_problem(shape, T, clen, /*wide=*/false);
@@ -495,13 +458,13 @@ int main(int argc, char** argv) {
             static const char* const kStepNames[] = {"auto", "s1", "s2", "s3", "s4"};
             const auto p = scores_params(pb, steps);
             row_of("scores", kStepNames[steps], scores_bytes(pb), scores_ok,
-                   median_us([&](cudaStream_t s) { kn::run_indexer_scores(p, s, false); }, reps, flush, stream));
+                   cold_median_us([&](cudaStream_t s) { kn::run_indexer_scores(p, s, false); }));
           }
           if (verify) {
             const auto p = scores_params(pb, 0, 6);
             const bool ok = validate_scores(pb, stream, 6);
             row_of("scores", "g6", scores_bytes(pb), ok,
-                   median_us([&](cudaStream_t s) { kn::run_indexer_scores(p, s, false); }, reps, flush, stream));
+                   cold_median_us([&](cudaStream_t s) { kn::run_indexer_scores(p, s, false); }));
           }
           // Top-k and the candidate mask read the scores the scores kernel left in d_scores.
           const int64_t topk_bytes = pb.visible_positions * 4 + int64_t{pb.T} * kTopk * (4 + 4);
@@ -512,10 +475,10 @@ int main(int argc, char** argv) {
             kn::run_indexer_scores(scores_params(pb, 0), stream, false);
             const auto tp = topk_params(pb, v2);
             row_of("topk", v2 ? "v2" : "v1", topk_bytes, topk_ok,
-                   median_us([&](cudaStream_t s) { kn::run_indexer_topk(tp, s, false); }, reps, flush, stream));
+                   cold_median_us([&](cudaStream_t s) { kn::run_indexer_topk(tp, s, false); }));
             const auto mp = mask_params(pb, v2);
             row_of("candidate_mask", v2 ? "v2" : "v1", mask_bytes, mask_ok,
-                   median_us([&](cudaStream_t s) { kn::run_candidate_mask(mp, s, false); }, reps, flush, stream));
+                   cold_median_us([&](cudaStream_t s) { kn::run_candidate_mask(mp, s, false); }));
           }
           // q pack, then the chains (q pack overwrites the random q of d_codes: done last).
           const int64_t qpack_bytes = int64_t{pb.T} * (kHeads * 128 * 2 + kHeads * 2 + kHeads * (64 + 4 + 4) + 4);
@@ -523,7 +486,7 @@ int main(int argc, char** argv) {
             const auto qp = qpack_params(pb);
             const bool ok = validate_chain(pb, stream, false);  // checks the q pack bytes too
             row_of("qpack", "v2", qpack_bytes, ok,
-                   median_us([&](cudaStream_t s) { kn::run_indexer_q_pack(qp, s, false); }, reps, flush, stream));
+                   cold_median_us([&](cudaStream_t s) { kn::run_indexer_q_pack(qp, s, false); }));
           }
           for (bool with_mask : {false, true}) {
             const bool ok = validate_chain(pb, stream, with_mask);
@@ -534,7 +497,7 @@ int main(int argc, char** argv) {
             V4_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
             V4_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
             const double us =
-                median_us([&](cudaStream_t s) { V4_CUDA_CHECK(cudaGraphLaunch(exec, s)); }, reps, flush, stream);
+                cold_median_us([&](cudaStream_t s) { V4_CUDA_CHECK(cudaGraphLaunch(exec, s)); });
             V4_CUDA_CHECK(cudaGraphExecDestroy(exec));
             V4_CUDA_CHECK(cudaGraphDestroy(graph));
             row_of("chain", with_mask ? "idx+mask" : "idx",
@@ -548,16 +511,10 @@ int main(int argc, char** argv) {
         j.push_back({{"kernel", r.kernel}, {"version", r.version}, {"shape", r.shape}, {"T", r.T}, {"clen", r.clen},
                      {"median_us", r.median_us}, {"bytes", r.bytes}, {"floor_us", r.floor_us()},
                      {"ratio", r.median_us / r.floor_us()}, {"valid", r.valid}});
-      std::ofstream f(json_path);
-      if (!f) throw std::runtime_error("cannot write " + json_path);
-      f << j.dump(2) << "\n";
+      bench::write_json(json_path, j);
     }
     V4_CUDA_CHECK(cudaStreamDestroy(stream));
-    if (!all_valid) {
-      std::fprintf(stderr, "bench_indexer: some kernels do not match the reference (see 'valid')\n");
-      return 1;
-    }
-    return 0;
+    return bench::validity_exit_code("bench_indexer", all_valid);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_indexer: %s\n", e.what());
     return 1;

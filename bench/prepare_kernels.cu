@@ -18,7 +18,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <functional>
 #include <memory>
 #include <random>
@@ -28,6 +27,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "bench_common.h"
 #include "runtime/cuda_utils.h"
 #include "runtime/device_error_counter.h"
 #include "v4attn/kernels/prepare_kernels.h"
@@ -41,14 +41,12 @@ using namespace v4attn;
 using num::bf16_t;
 namespace kn = v4attn::kernels;
 
-constexpr double kHbmBytesPerSecond = 4.27e12;
 constexpr int kMaxPos = 4096;
 constexpr int kMaxContext = 2048;
 constexpr int kQaWidth = 1792;
 constexpr int kKvColumn = 1280;
 constexpr float kEps = 1e-20f;
 constexpr uint8_t kPoison = 0xAB;
-constexpr size_t kFlushBytes = size_t{128} << 20;
 
 struct Row {
   std::string kernel, version;
@@ -56,7 +54,7 @@ struct Row {
   double median_us = 0.0;
   int64_t bytes = 0;
   bool valid = false;
-  double floor_us() const { return static_cast<double>(bytes) / kHbmBytesPerSecond * 1e6; }
+  double floor_us() const { return bench::floor_us(bytes); }
 };
 
 // ---- inputs -------------------------------------------------------------------------------------
@@ -385,30 +383,6 @@ Case index_k_case(int T) {
   return c;
 }
 
-// ---- timing ---------------------------------------------------------------------------------------
-double median_us(const Case& c, int reps, DeviceBuffer<uint8_t>& flush, cudaStream_t s) {
-  cudaEvent_t start, stop;
-  V4_CUDA_CHECK(cudaEventCreate(&start));
-  V4_CUDA_CHECK(cudaEventCreate(&stop));
-  for (int i = 0; i < 5; ++i) c.launch(s);  // warm-up (module load, caches of the launch path)
-  std::vector<float> ms;
-  ms.reserve(static_cast<size_t>(reps));
-  for (int i = 0; i < reps; ++i) {
-    V4_CUDA_CHECK(cudaMemsetAsync(flush.get(), i & 0xff, flush.bytes(), s));  // cold L2
-    V4_CUDA_CHECK(cudaEventRecord(start, s));
-    c.launch(s);
-    V4_CUDA_CHECK(cudaEventRecord(stop, s));
-    V4_CUDA_CHECK(cudaEventSynchronize(stop));
-    float t = 0.0f;
-    V4_CUDA_CHECK(cudaEventElapsedTime(&t, start, stop));
-    ms.push_back(t);
-  }
-  V4_CUDA_CHECK(cudaEventDestroy(start));
-  V4_CUDA_CHECK(cudaEventDestroy(stop));
-  std::nth_element(ms.begin(), ms.begin() + ms.size() / 2, ms.end());
-  return static_cast<double>(ms[ms.size() / 2]) * 1000.0;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -424,16 +398,12 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   try {
-    std::string reason;
-    if (!gpu_available(&reason)) {
-      std::fprintf(stderr, "bench_prepare_kernels: needs an sm_90 GPU: %s\n", reason.c_str());
-      return 2;
-    }
+    if (!bench::gpu_present("bench_prepare_kernels")) return 2;
     for (int T : Ts)
       if (T < 1 || T > 4096) throw std::invalid_argument("--T values must be in [1, 4096]");
     cudaStream_t stream;
     V4_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    DeviceBuffer<uint8_t> flush(kFlushBytes);
+    bench::L2Flush l2;
 
     std::vector<Row> rows;
     bool all_valid = true;
@@ -458,7 +428,7 @@ int main(int argc, char** argv) {
         r.bytes = c.bytes;
         r.valid = c.valid;
         all_valid = all_valid && c.valid;
-        r.median_us = median_us(c, reps, flush, stream);
+        r.median_us = bench::cold_l2_median_us(c.launch, reps, l2, stream);
         std::printf("%-16s %-4s %5d %11.2f %10lld %9.3f %7.1f %s\n", r.kernel.c_str(), r.version.c_str(), r.T, r.median_us,
                     static_cast<long long>(r.bytes), r.floor_us(), r.median_us / r.floor_us(), r.valid ? "ok" : "MISMATCH");
         rows.push_back(r);
@@ -470,16 +440,10 @@ int main(int argc, char** argv) {
         j.push_back({{"kernel", r.kernel}, {"version", r.version}, {"T", r.T}, {"median_us", r.median_us},
                      {"bytes", r.bytes}, {"floor_us", r.floor_us()}, {"ratio", r.median_us / r.floor_us()},
                      {"valid", r.valid}});
-      std::ofstream f(json_path);
-      if (!f) throw std::runtime_error("cannot write " + json_path);
-      f << j.dump(2) << "\n";
+      bench::write_json(json_path, j);
     }
     V4_CUDA_CHECK(cudaStreamDestroy(stream));
-    if (!all_valid) {
-      std::fprintf(stderr, "bench_prepare_kernels: some kernels do not match the reference (see 'valid')\n");
-      return 1;
-    }
-    return 0;
+    return bench::validity_exit_code("bench_prepare_kernels", all_valid);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_prepare_kernels: %s\n", e.what());
     return 1;
