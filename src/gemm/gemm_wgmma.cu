@@ -69,6 +69,7 @@
 #include <string>
 
 #include "gemm/gemm_internal.h"
+#include "gemm/hopper_ptx.cuh"
 #include "gemm/wgmma_f16.cuh"
 #include "kernels/device_common.cuh"
 #include "runtime/launch.h"
@@ -76,6 +77,10 @@
 namespace v4attn::kernels {
 
 namespace {
+
+// The PTX wrappers (mbarriers, TMA, setmaxnreg, ldmatrix, cvt e4m3 -> f16, wgmma fences / groups,
+// smem descriptors) are shared with v3.
+using namespace hopper;
 
 constexpr int kWarpgroupThreads = 128;
 constexpr int kConsumerWarpgroups = 2;
@@ -137,94 +142,6 @@ struct WgmmaParams {
   int stages = 0;            // ring depth (1..kMaxStages)
   int max_split_blocks = 0;  // ceil(k_blocks / splits): capacity of the scale arrays
 };
-
-// ---- PTX wrappers -----------------------------------------------------------------------------
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-// Makes the initialised barriers visible to the async proxy (TMA) and to the other threads.
-__device__ __forceinline__ void fence_mbarrier_init() {
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-// Blocks until the phase of parity `parity` of the barrier has completed.
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred P1;\n"
-      "WAIT_LOOP:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
-      "@P1 bra WAIT_DONE;\n"
-      "bra WAIT_LOOP;\n"
-      "WAIT_DONE:\n"
-      "}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-// 3-D TMA tile load into this CTA's shared memory, completing on `bar` (bytes counted by tx).
-__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1, int c2) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
-      : "memory");
-}
-__device__ __forceinline__ void prefetch_tensormap(const CUtensorMap* map) {
-  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
-}
-// Ordinary shared-memory stores of this thread become visible to the async proxy (wgmma operands).
-__device__ __forceinline__ void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-__device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-// Register budget of this warp (sm_90a); executed by all warps of a warpgroup.
-template <uint32_t kRegs>
-__device__ __forceinline__ void setmaxnreg_dec() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
-}
-template <uint32_t kRegs>
-__device__ __forceinline__ void setmaxnreg_inc() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
-}
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr)
-               : "memory");
-}
-// Two e4m3 codes (the low / high byte pair of a 32-bit word) -> f16x2. Exact.
-__device__ __forceinline__ uint32_t e4m3x2_lo_to_f16x2(uint32_t w) {
-  uint32_t r;
-  asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, lo;\n}\n" : "=r"(r) : "r"(w));
-  return r;
-}
-__device__ __forceinline__ uint32_t e4m3x2_hi_to_f16x2(uint32_t w) {
-  uint32_t r;
-  asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, hi;\n}\n" : "=r"(r) : "r"(w));
-  return r;
-}
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-// Keeps the compiler from moving reads of the accumulators above the wgmma wait.
-template <int R>
-__device__ __forceinline__ void fence_registers(float (&d)[R]) {
-#pragma unroll
-  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-// wgmma shared-memory matrix descriptor, 128B-swizzle K-major: start address >> 4 (bits 0-13),
-// leading byte offset 1 (unused for swizzled K-major layouts), stride byte offset 1024 >> 4 (the
-// next 8-row group), layout type 1 = 128B swizzle (bits 62-63), base offset 0 (atoms 1024-aligned).
-__device__ __forceinline__ uint64_t make_desc_sw128(uint32_t smem_addr) {
-  return static_cast<uint64_t>((smem_addr & 0x3FFFFu) >> 4) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) |
-         (uint64_t{1} << 62);
-}
 
 template <int MT, int NP>
 __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __grid_constant__ WgmmaParams p) {
@@ -404,7 +321,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
         wgmma::WgmmaF16<NP>::mma(d[mt], a[mt][1], desc1, 1);
       }
       wgmma_commit();
-      wgmma_wait_all();
+      wgmma_wait<0>();
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) fence_registers(d[mt]);
       // acc += blocksum * (sa * sw): sa * sw is a power of two (exact), one rounding per block.
