@@ -74,6 +74,7 @@ const char* s_fork_name(LayerIssue::SFork f) {
     case LayerIssue::SFork::kAtLayerStart: return "at-layer-start";
     case LayerIssue::SFork::kAfterQNorm: return "after-q-norm";
     case LayerIssue::SFork::kIdxOnKWithoutCmp: return "idx-on-k";
+    case LayerIssue::SFork::kIdxGemmsOnK: return "idx-gemms-on-k";
   }
   return "?";
 }
@@ -424,7 +425,7 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       ->check(CLI::IsMember({"auto", "wgmma", "wgmma-pipelined", "tc", "simple"}))
       ->capture_default_str();
   sub->add_option("--s-fork", o->s_fork, "Three-lane S-fork placement (runtime/lanes.h experiment knob)")
-      ->check(CLI::IsMember({"at-layer-start", "after-q-norm", "idx-on-k"}))
+      ->check(CLI::IsMember({"at-layer-start", "after-q-norm", "idx-on-k", "idx-gemms-on-k"}))
       ->capture_default_str();
   sub->add_flag("--lane-prologue", o->lane_prologue, "Anchor both side lanes at the cycle start (lanes.h experiment)");
   sub->add_option("--seed", o->seed, "Seed of the device-random weights and inputs")->capture_default_str();
@@ -453,8 +454,9 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
                : o->gemm == "wgmma-pipelined" ? kernels::GemmVersion::kWgmmaPipelined
                : o->gemm == "wgmma" ? kernels::GemmVersion::kWgmma
                                    : kernels::GemmVersion::kAuto;
-      c.s_fork = o->s_fork == "after-q-norm" ? LayerIssue::SFork::kAfterQNorm
-                 : o->s_fork == "idx-on-k"   ? LayerIssue::SFork::kIdxOnKWithoutCmp
+      c.s_fork = o->s_fork == "after-q-norm"     ? LayerIssue::SFork::kAfterQNorm
+                 : o->s_fork == "idx-on-k"       ? LayerIssue::SFork::kIdxOnKWithoutCmp
+                 : o->s_fork == "idx-gemms-on-k" ? LayerIssue::SFork::kIdxGemmsOnK
                                              : LayerIssue::SFork::kAtLayerStart;
       c.lane_prologue = o->lane_prologue;
       c.seed = o->seed;

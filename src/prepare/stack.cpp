@@ -173,6 +173,10 @@ struct GpuPrepareStack::Impl {
   int32_t* meta = nullptr;   // [kMFields, max_rows]
   int32_t* ctx_dev = nullptr;  // [n_requests] (prefill)
   uint32_t* cycle_scratch = nullptr;  // [4]: the cycle prologue's memset targets
+  // s_fork == kIdxGemmsOnK: recorded on lane K after the indexer's GEMMs, waited for on lane S
+  // before the rest of IDX. One event serves every layer: each layer's wait is issued (at
+  // join(S)) right after that layer's record (at join(K)), before the next record.
+  cudaEvent_t idx_gemms_done = nullptr;
   bf16_t* x_all = nullptr;   // [n_layers, max_rows, dim]
   int64_t x_layer_stride = 0;
   std::vector<LayerWeightsDev> w;
@@ -227,6 +231,7 @@ struct GpuPrepareStack::Impl {
     // Nothing may still run on the buffers when they are freed.
     if (lanes.main_stream()) cudaStreamSynchronize(lanes.main_stream());
     cudaDeviceSynchronize();
+    if (idx_gemms_done) cudaEventDestroy(idx_gemms_done);
   }
 
   cudaStream_t main() const { return lanes.main_stream(); }
@@ -278,7 +283,9 @@ struct GpuPrepareStack::Impl {
   void issue_qb(int L, int T, cudaStream_t s);
   void issue_kv(int L, int T, cudaStream_t s);
   void issue_cmp(int L, int T, cudaStream_t s);
-  void issue_idx(int L, int T, cudaStream_t s);
+  void issue_idx(int L, int T, cudaStream_t s);         // indexer GEMMs + the rest
+  void issue_idx_gemms(int L, int T, cudaStream_t s);   // qi = wq_b_idx(qr), weights_proj(x)
+  void issue_idx_rest(int L, int T, cudaStream_t s);    // q pack, scores, candidates, top-k
   // PDL for the kernels other than q_rope_store (GpuStackOptions::pdl_everywhere).
   bool pdl_rest() const { return o.pdl && o.pdl_everywhere; }
 
@@ -347,6 +354,7 @@ void GpuPrepareStack::Impl::init() {
   meta = alloc<int32_t>(static_cast<size_t>(kMFields) * R);
   ctx_dev = alloc<int32_t>(static_cast<size_t>(o.n_requests));
   cycle_scratch = alloc<uint32_t>(4);
+  V4_CUDA_CHECK(cudaEventCreateWithFlags(&idx_gemms_done, cudaEventDisableTiming));
   zero(ctx_dev, sizeof(int32_t) * o.n_requests);
   x_layer_stride = static_cast<int64_t>(R) * dim;
   x_all = alloc<bf16_t>(static_cast<size_t>(n_layers) * x_layer_stride);
@@ -584,7 +592,19 @@ void GpuPrepareStack::Impl::issue_cycle(int T) {
     li.qb = [this, L, T](cudaStream_t s) { issue_qb(L, T, s); };
     li.kv = [this, L, T](cudaStream_t s) { issue_kv(L, T, s); };
     if (li.work & kWorkCMP) li.cmp = [this, L, T](cudaStream_t s) { issue_cmp(L, T, s); };
-    if (li.work & kWorkIDX) li.idx = [this, L, T](cudaStream_t s) { issue_idx(L, T, s); };
+    if ((li.work & kWorkIDX) && o.s_fork == LayerIssue::SFork::kIdxGemmsOnK) {
+      cudaEvent_t ev = idx_gemms_done;
+      li.idx_pre = [this, L, T, ev](cudaStream_t s) {
+        issue_idx_gemms(L, T, s);
+        V4_CUDA_CHECK(cudaEventRecord(ev, s));
+      };
+      li.idx = [this, L, T, ev](cudaStream_t s) {
+        V4_CUDA_CHECK(cudaStreamWaitEvent(s, ev, 0));
+        issue_idx_rest(L, T, s);
+      };
+    } else if (li.work & kWorkIDX) {
+      li.idx = [this, L, T](cudaStream_t s) { issue_idx(L, T, s); };
+    }
     issue_layer(lanes, o.schedule, li);
   }
   lanes.require_all_joined();
@@ -780,11 +800,12 @@ void GpuPrepareStack::Impl::issue_cmp(int L, int T, cudaStream_t s) {
 }
 
 void GpuPrepareStack::Impl::issue_idx(int L, int T, cudaStream_t s) {
-  const ModelConfig& c = plan.config;
+  issue_idx_gemms(L, T, s);
+  issue_idx_rest(L, T, s);
+}
+
+void GpuPrepareStack::Impl::issue_idx_gemms(int L, int T, cudaStream_t s) {
   const LayerWeightsDev& d = w[static_cast<size_t>(L)];
-  const LayerPlan& l = lp(L);
-  const int r = l.ratio;
-  const size_t src = static_cast<size_t>(l.kv_src);
   const kn::GemmWorkspace& wsp = ws_for(s);
   {
     kn::Fp8GemmParams g;  // qi = indexer wq_b(qr) on the qr codes of q_norm
@@ -813,6 +834,13 @@ void GpuPrepareStack::Impl::issue_idx(int L, int T, cudaStream_t s) {
     g.k = dim;
     kn::run_gemm_bf16(g, wsp, o.gemm, s, pdl_rest());
   }
+}
+
+void GpuPrepareStack::Impl::issue_idx_rest(int L, int T, cudaStream_t s) {
+  const ModelConfig& c = plan.config;
+  const LayerPlan& l = lp(L);
+  const int r = l.ratio;
+  const size_t src = static_cast<size_t>(l.kv_src);
   const bool compact = Hi < kScoreHeads;
   {
     kn::IndexerQPackParams p;

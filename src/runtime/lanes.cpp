@@ -265,11 +265,19 @@ void issue_layer_in_order(PrepareStreams& lanes, Schedule schedule, const LayerI
   if (kv_lane != Lane::kMain) side(kv_lane, layer.kv);  // after QA's GEMM (the kv part)
   if (layer.q_norm) lanes.on_main(layer.q_norm);
   if (has_cmp && cmp_lane != Lane::kMain && cmp_late) side(cmp_lane, layer.cmp);  // after qr
-  if (has_idx && idx_lane != Lane::kMain) side(idx_side, layer.idx);  // S': after qr
+  const bool pre_on_k = three && layer.s_fork == SFork::kIdxGemmsOnK && has_idx && layer.idx_pre;
+  // Without its own lane, idx_pre runs right before idx, on idx's lane.
+  const IssueFn idx_all = [&layer](cudaStream_t s) {
+    if (layer.idx_pre) layer.idx_pre(s);
+    layer.idx(s);
+  };
+  const IssueFn& idx_fn = pre_on_k ? layer.idx : idx_all;
+  if (pre_on_k) side(Lane::kK, layer.idx_pre);                          // K': after qr, behind KV
+  if (has_idx && idx_lane != Lane::kMain) side(idx_side, idx_fn);  // S': after qr
   lanes.on_main(layer.qb);
   if (kv_lane == Lane::kMain) lanes.on_main(layer.kv);
   if (has_cmp && cmp_lane == Lane::kMain) lanes.on_main(layer.cmp);
-  if (has_idx && idx_lane == Lane::kMain) lanes.on_main(layer.idx);
+  if (has_idx && idx_lane == Lane::kMain) lanes.on_main(idx_fn);
   // Side blocks are issued here, after the whole main chain: rule 2.
   if (forked[static_cast<int>(Lane::kK)]) lanes.join(Lane::kK);
   if (forked[static_cast<int>(Lane::kS)]) lanes.join(Lane::kS);

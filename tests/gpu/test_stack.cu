@@ -423,6 +423,11 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
   configs.push_back({Schedule::kThreeLane, true, true, LayerIssue::SFork::kIdxOnKWithoutCmp});
   configs.push_back({Schedule::kThreeLane, true, true, LayerIssue::SFork::kAtLayerStart, true});
   configs.push_back({Schedule::kSourcesSide, false, true, LayerIssue::SFork::kAtLayerStart, true});
+  // The indexer's GEMMs on lane K (cross-lane event to S), eager and in graph, and on a schedule
+  // without lane K (where they run right before the rest of IDX).
+  configs.push_back({Schedule::kThreeLane, true, true, LayerIssue::SFork::kIdxGemmsOnK});
+  configs.push_back({Schedule::kThreeLane, false, true, LayerIssue::SFork::kIdxGemmsOnK});
+  configs.push_back({Schedule::kSourcesSide, true, true, LayerIssue::SFork::kIdxGemmsOnK});
   // PDL on every kernel of the cycle, eager and in graphs, on every schedule.
   for (Schedule sched : kAllSchedules)
     for (bool graph : {false, true}) configs.push_back({sched, graph, true, LayerIssue::SFork::kAtLayerStart, false, true});

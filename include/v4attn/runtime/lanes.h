@@ -167,7 +167,11 @@ struct LayerIssue {
   // kAfterQNorm: the whole S block (CMP then IDX) forks after q_norm (one parent);
   // kIdxOnKWithoutCmp: like kAtLayerStart, but a layer with IDX and no CMP runs IDX on lane K
   // after KV.
-  enum class SFork { kAtLayerStart, kAfterQNorm, kIdxOnKWithoutCmp } s_fork = SFork::kAtLayerStart;
+  // kIdxGemmsOnK: like kAtLayerStart, and `idx_pre` (the indexer's GEMMs) runs on lane K after
+  // KV, forked after q_norm, beside the compressor on S; `idx` must then wait for it itself (an
+  // event recorded by idx_pre: lane K is joined, so recorded, before lane S is issued).
+  enum class SFork { kAtLayerStart, kAfterQNorm, kIdxOnKWithoutCmp, kIdxGemmsOnK } s_fork = SFork::kAtLayerStart;
+  IssueFn idx_pre;  // optional first part of IDX (see kIdxGemmsOnK); else issued right before idx
 };
 
 // Issues one layer's prepare on `lanes` in the documented order; returns with every side block
