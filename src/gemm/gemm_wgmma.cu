@@ -62,14 +62,13 @@
 // a tile (arrival counter) adds the S partials in split order and stores bf16, then resets the
 // counter. dev::pdl_launch_dependents() follows the main loop.
 #include <cuda.h>
-#include <cudaTypedefs.h>
 
 #include <algorithm>
-#include <mutex>
 #include <string>
 
 #include "gemm/gemm_internal.h"
 #include "gemm/hopper_ptx.cuh"
+#include "gemm/tensor_map.h"
 #include "gemm/wgmma_f16.cuh"
 #include "kernels/device_common.cuh"
 #include "runtime/launch.h"
@@ -415,38 +414,10 @@ WgmmaKernel pick_wgmma_kernel(int np) {
   }
 }
 
-// cuTensorMapEncodeTiled through the runtime's driver entry point (no -lcuda).
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
-  static std::once_flag once;
-  std::call_once(once, [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    V4_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q));
-    if (q == cudaDriverEntryPointSuccess) fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
-  });
-  if (fn == nullptr) throw CudaError("gemm v2: cuTensorMapEncodeTiled is not available from the driver");
-  return fn;
-}
-
-// A 3-D byte tensor [groups][rows][cols] (row stride / group stride in bytes) read in boxes of
-// {128 bytes, box_rows, 1} with the 128B swizzle; out-of-range elements are zero-filled.
+// The TMA descriptors: shared host helper (gemm/tensor_map.h).
 CUtensorMap make_tensor_map(const void* ptr, uint64_t cols, uint64_t rows, uint64_t groups, uint64_t row_stride,
                             uint64_t group_stride, uint32_t box_rows) {
-  CUtensorMap map;
-  const cuuint64_t dims[3] = {cols, rows, groups};
-  const cuuint64_t strides[2] = {row_stride, group_stride};
-  const cuuint32_t box[3] = {static_cast<cuuint32_t>(kStageK), box_rows, 1};
-  const cuuint32_t elem_strides[3] = {1, 1, 1};
-  const CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<void*>(ptr), dims, strides, box,
-                                          elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                          CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS)
-    throw std::invalid_argument("gemm v2: cuTensorMapEncodeTiled failed (" + std::to_string(static_cast<int>(r)) +
-                                ") for a " + std::to_string(groups) + " x " + std::to_string(rows) + " x " +
-                                std::to_string(cols) + " tensor (row stride " + std::to_string(row_stride) +
-                                ", group stride " + std::to_string(group_stride) + ")");
-  return map;
+  return detail::make_byte_tensor_map_sw128("gemm v2", ptr, cols, rows, groups, row_stride, group_stride, kStageK, box_rows);
 }
 
 }  // namespace
