@@ -6,65 +6,63 @@
 namespace v4attn::kernels {
 namespace {
 
-constexpr int kRowsPerCta = 4;
+constexpr int kMaxThreads = 256;  // n <= 2048: one thread per 8-element chunk
 
-// One warp per row; lane l owns the LaneSum chunks l, l+32, ... (at most kMaxChunks of them).
-// All of the lane's chunks are loaded up front (independent 16-byte loads in flight, values kept
-// in registers): the kernel runs on a handful of rows, so it is bound by load latency, and a
-// loop of dependent load -> use steps cost ~10 us per launch on the H200 (measured in the stack
-// trace). Then the LaneSum (chunks in order, terms in order), the butterfly, and normalise /
-// store / quantise from registers. Block b of 32 elements for the act quant is chunks 4b..4b+3,
-// i.e. 4 consecutive lanes of the same chunk index, so its amax is a 4-lane xor combine.
+// One CTA per row, one thread per LaneSum chunk (chunk c = thread c). Why not one warp per row:
+// the per-element work (normalise, bf16 round, e4m3 act quant in exact software arithmetic) is a
+// long dependent chain; one warp walking 5 chunks per lane of a 1280-wide row took ~16 us per
+// launch in the stack's graph (CUPTI, run 14) with the GPU otherwise idle. Here every thread
+// handles one chunk, so that chain is one chunk long.
+// The sum of squares must still follow the LaneSum order (numerics.h), which is a sequential sum
+// per lane over chunks lane, lane+32, ...: warp 0 computes it exactly like the reference (mul/add
+// only, cheap) and publishes rstd through shared memory. Block b of 32 elements for the act quant
+// is chunks 4b..4b+3 = 4 consecutive threads of one warp, so its amax is a 4-lane xor combine.
 // PDL: nothing but the weights is read before the wait; x is the QA GEMM's output.
 template <int kMaxChunks>
-__global__ void __launch_bounds__(32 * kRowsPerCta) rmsnorm_kernel(const RmsNormParams p) {
+__global__ void __launch_bounds__(kMaxThreads) rmsnorm_kernel(const RmsNormParams p) {
   using namespace detail;
   const int lane = threadIdx.x & 31;
-  const int row = blockIdx.x * kRowsPerCta + (threadIdx.x >> 5);
+  const int c = threadIdx.x;  // this thread's chunk
+  const int row = blockIdx.x;
   const int n_chunks = p.n / kChunk;
-  float wv[kMaxChunks][kChunk];
-#pragma unroll
-  for (int i = 0; i < kMaxChunks; ++i) {
-    const int c = lane + 32 * i;
-    if (c < n_chunks) ldg_f32x8(p.w + c * kChunk, wv[i]);
-  }
+  const bool active = c < n_chunks;
+  float wv[kChunk];
+  if (active) ldg_f32x8(p.w + c * kChunk, wv);
   dev::pdl_wait();
-  if (row < p.rows) {
-    const bf16_t* x = p.x + static_cast<int64_t>(row) * p.x_stride;
-    float v[kMaxChunks][kChunk];
+  __shared__ float s_rstd;
+  const bf16_t* x = p.x + static_cast<int64_t>(row) * p.x_stride;
+  float v[kChunk];
+  if (active) load_bf16x8(x + c * kChunk, v);
+  if (threadIdx.x < 32) {
+    // LaneSum: lane l accumulates its chunks l, l+32, ... in order (all loads issued first).
+    float u[kMaxChunks][kChunk];
 #pragma unroll
-    for (int i = 0; i < kMaxChunks; ++i) {
-      const int c = lane + 32 * i;
-      if (c < n_chunks) load_bf16x8(x + c * kChunk, v[i]);
-    }
+    for (int i = 0; i < kMaxChunks; ++i)
+      if (lane + 32 * i < n_chunks) load_bf16x8(x + (lane + 32 * i) * kChunk, u[i]);
     float acc = 0.0f;
 #pragma unroll
     for (int i = 0; i < kMaxChunks; ++i)
       if (lane + 32 * i < n_chunks)
 #pragma unroll
-        for (int k = 0; k < kChunk; ++k) acc = num::add_rn(acc, num::mul_rn(v[i][k], v[i][k]));
+        for (int k = 0; k < kChunk; ++k) acc = num::add_rn(acc, num::mul_rn(u[i][k], u[i][k]));
     const float r = num::rmsnorm_rstd(dev::warp_lane_sum(acc), p.n, p.eps);
-    bf16_t* y = p.y + static_cast<int64_t>(row) * p.y_stride;
+    if (lane == 0) s_rstd = r;
+  }
+  __syncthreads();
+  const float r = s_rstd;
+  if (active) {
+    rmsnorm_apply_chunk(v, r, wv);
+    store_bf16x8(p.y + static_cast<int64_t>(row) * p.y_stride + c * kChunk, v);
+  } else {
 #pragma unroll
-    for (int i = 0; i < kMaxChunks; ++i) {
-      const int c = lane + 32 * i;
-      const bool active = c < n_chunks;
-      if (32 * i >= n_chunks) break;  // warp-uniform: no lane has chunk index i
-      if (active) {
-        rmsnorm_apply_chunk(v[i], r, wv[i]);
-        store_bf16x8(y + c * kChunk, v[i]);
-      } else {
-#pragma unroll
-        for (int k = 0; k < kChunk; ++k) v[i][k] = 0.0f;
-      }
-      if (p.q_codes != nullptr) {  // uniform branch; n % 32 == 0 so whole 4-lane groups are active
-        int e = 0;
-        const uint2 codes = act_quant_chunk<4>(v[i], e);
-        if (active) {
-          *reinterpret_cast<uint2*>(p.q_codes + static_cast<int64_t>(row) * p.q_stride + c * kChunk) = codes;
-          if ((lane & 3) == 0) p.q_scales[static_cast<int64_t>(row) * p.s_stride + c / 4] = num::ue8m0_from_exp(e);
-        }
-      }
+    for (int k = 0; k < kChunk; ++k) v[k] = 0.0f;
+  }
+  if (p.q_codes != nullptr) {  // uniform branch; n % 32 == 0 so whole 4-lane groups are active
+    int e = 0;
+    const uint2 codes = act_quant_chunk<4>(v, e);
+    if (active) {
+      *reinterpret_cast<uint2*>(p.q_codes + static_cast<int64_t>(row) * p.q_stride + c * kChunk) = codes;
+      if ((lane & 3) == 0) p.q_scales[static_cast<int64_t>(row) * p.s_stride + c / 4] = num::ue8m0_from_exp(e);
     }
   }
   dev::pdl_launch_dependents();
@@ -96,8 +94,9 @@ void run_rmsnorm(const RmsNormParams& p, cudaStream_t stream, bool pdl) {
     detail::require_aligned(p.q_codes, 8, who, "q_codes");
   }
   LaunchConfig cfg;
-  cfg.grid = dim3(static_cast<unsigned>((p.rows + kRowsPerCta - 1) / kRowsPerCta));
-  cfg.block = dim3(32 * kRowsPerCta);
+  const int n_chunks = p.n / detail::kChunk;
+  cfg.grid = dim3(static_cast<unsigned>(p.rows));
+  cfg.block = dim3(static_cast<unsigned>((n_chunks + 31) / 32 * 32));  // whole warps: shuffles
   cfg.stream = stream;
   cfg.pdl = pdl;
   // Chunks per lane: n <= 512 -> 2, else <= 8 (q_norm 1280: 5).

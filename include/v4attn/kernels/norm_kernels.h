@@ -12,7 +12,9 @@
 
 namespace v4attn::kernels {
 
-// Grid: one warp per row (4 rows per 128-thread CTA). Lane l owns the LaneSum chunks l, l+32, ...
+// Grid: one CTA per row, one thread per 8-element chunk (n/8 threads rounded up to whole warps);
+// warp 0 computes the row's LaneSum (lane l: chunks l, l+32, ...), every thread normalises (and
+// quantises) its own chunk.
 struct RmsNormParams {
   const num::bf16_t* x = nullptr;  // [rows, n]; row r at x + r * x_stride
   int64_t x_stride = 0;            // elements, multiple of 8
@@ -25,7 +27,7 @@ struct RmsNormParams {
   uint8_t* q_scales = nullptr;     // optional [rows, n/32] ue8m0, row stride s_stride
   int64_t s_stride = 0;
   int rows = 0;
-  int n = 0;                       // multiple of 32 when quantising, of 8 otherwise; <= 8192
+  int n = 0;                       // multiple of 32 when quantising, of 8 otherwise; <= 2048
 };
 void run_rmsnorm(const RmsNormParams& p, cudaStream_t stream, bool pdl);
 
