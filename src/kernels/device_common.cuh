@@ -13,8 +13,25 @@ namespace v4attn::dev {
 // Programmatic dependent launch (sm_90). pdl_wait: block until the stream predecessor's memory
 // is visible (no-op when the kernel was launched without PDL). pdl_launch_dependents: allow the
 // successor to start its prologue. Both compile to nothing below sm_90.
+//
+// Trigger policy (V4ATTN_PDL_TRIGGER_AT_WAIT, default 1): pdl_wait() also issues
+// launch_dependents BEFORE it waits, so a kernel's successor may launch as soon as every CTA of
+// this kernel has reached its wait, i.e. while this kernel still runs, and start its own prologue
+// (weight TMA / weight loads) early. This is safe by construction: the successor's own
+// griddepcontrol.wait still blocks until this grid has COMPLETED and its memory is visible (the
+// trigger only moves the successor's launch, never what it may read), and every kernel here reads
+// nothing a predecessor writes before its wait. No deadlock: the successor launches only after
+// all CTAs of this grid are resident (each CTA triggers when it runs). The kernels keep their
+// trigger after the last store too (a repeated trigger is a no-op), which is the whole policy
+// with V4ATTN_PDL_TRIGGER_AT_WAIT=0.
+#ifndef V4ATTN_PDL_TRIGGER_AT_WAIT
+#define V4ATTN_PDL_TRIGGER_AT_WAIT 1
+#endif
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if V4ATTN_PDL_TRIGGER_AT_WAIT
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
