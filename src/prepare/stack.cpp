@@ -284,7 +284,8 @@ struct GpuPrepareStack::Impl {
   void issue_kv(int L, int T, cudaStream_t s);
   void issue_cmp(int L, int T, cudaStream_t s);
   void issue_idx(int L, int T, cudaStream_t s);         // indexer GEMMs + the rest
-  void issue_idx_gemms(int L, int T, cudaStream_t s);   // qi = wq_b_idx(qr), weights_proj(x)
+  void issue_idx_gemms(int L, int T, cudaStream_t s);   // qi = wq_b_idx(qr)
+  void issue_idx_x(int L, int T, cudaStream_t s);       // weights_proj(x): reads only x
   void issue_idx_rest(int L, int T, cudaStream_t s);    // q pack, scores, candidates, top-k
   // PDL for the kernels other than q_rope_store (GpuStackOptions::pdl_everywhere).
   bool pdl_rest() const { return o.pdl && o.pdl_everywhere; }
@@ -605,6 +606,9 @@ void GpuPrepareStack::Impl::issue_cycle(int T) {
     } else if (li.work & kWorkIDX) {
       li.idx = [this, L, T](cudaStream_t s) { issue_idx(L, T, s); };
     }
+    // weights_proj reads only x: on a side lane it runs at the layer's start (behind CMP), not
+    // after qr, which takes one GEMM off the S lane's qr -> top-k critical path.
+    if (li.work & kWorkIDX) li.idx_x = [this, L, T](cudaStream_t s) { issue_idx_x(L, T, s); };
     issue_layer(lanes, o.schedule, li);
   }
   lanes.require_all_joined();
@@ -822,6 +826,11 @@ void GpuPrepareStack::Impl::issue_idx_gemms(int L, int T, cudaStream_t s) {
     g.k = q_rank;
     kn::run_gemm_fp8(g, wsp, o.gemm, s, pdl_rest());
   }
+}
+
+void GpuPrepareStack::Impl::issue_idx_x(int L, int T, cudaStream_t s) {
+  const LayerWeightsDev& d = w[static_cast<size_t>(L)];
+  const kn::GemmWorkspace& wsp = ws_for(s);
   {
     kn::Bf16GemmParams g;  // weights_proj(x), padded to wproj_rows outputs (zero rows)
     g.x = x(L);

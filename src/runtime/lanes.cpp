@@ -260,14 +260,28 @@ void issue_layer_in_order(PrepareStreams& lanes, Schedule schedule, const LayerI
   const bool cmp_late = three && layer.s_fork == SFork::kAfterQNorm;
   const Lane idx_side =
       three && layer.s_fork == SFork::kIdxOnKWithoutCmp && !has_cmp && idx_lane != Lane::kMain ? Lane::kK : idx_lane;
-  if (has_cmp && cmp_lane != Lane::kMain && !cmp_late) side(cmp_lane, layer.cmp);  // after x
+  // Work that reads only x, forked at the start: CMP (unless cmp_late) and idx_x. When both go
+  // to the same lane they share one fork (one event), CMP first.
+  const bool cmp_early = has_cmp && cmp_lane != Lane::kMain && !cmp_late;
+  const bool idx_x_early = has_idx && layer.idx_x && idx_side != Lane::kMain;
+  const IssueFn cmp_then_idx_x = [&layer](cudaStream_t s) {
+    layer.cmp(s);
+    layer.idx_x(s);
+  };
+  if (cmp_early && idx_x_early && cmp_lane == idx_side) {
+    side(cmp_lane, cmp_then_idx_x);  // after x
+  } else {
+    if (cmp_early) side(cmp_lane, layer.cmp);          // after x
+    if (idx_x_early) side(idx_side, layer.idx_x);      // after x
+  }
   lanes.on_main(layer.qa);
   if (kv_lane != Lane::kMain) side(kv_lane, layer.kv);  // after QA's GEMM (the kv part)
   if (layer.q_norm) lanes.on_main(layer.q_norm);
   if (has_cmp && cmp_lane != Lane::kMain && cmp_late) side(cmp_lane, layer.cmp);  // after qr
   const bool pre_on_k = three && layer.s_fork == SFork::kIdxGemmsOnK && has_idx && layer.idx_pre;
   // Without its own lane, idx_pre runs right before idx, on idx's lane.
-  const IssueFn idx_all = [&layer](cudaStream_t s) {
+  const IssueFn idx_all = [&layer, idx_x_early](cudaStream_t s) {
+    if (layer.idx_x && !idx_x_early) layer.idx_x(s);
     if (layer.idx_pre) layer.idx_pre(s);
     layer.idx(s);
   };

@@ -476,6 +476,10 @@ TEST(GpuRuntime, IssueLayerOrderPerSchedule) {
   LayerIssue reindex = full;
   reindex.work = kWorkQA | kWorkQB | kWorkKV | kWorkIDX;
   reindex.q_norm = nullptr;  // q_norm inside QA
+  LayerIssue full_x = full;  // with the x-only part of IDX (weights_proj)
+  full_x.idx_x = item("Ix");
+  LayerIssue reindex_x = reindex;
+  reindex_x.idx_x = item("Ix");
 
   struct Case {
     Schedule s;
@@ -491,6 +495,11 @@ TEST(GpuRuntime, IssueLayerOrderPerSchedule) {
       {Schedule::kSourcesSide, &window_only, SideIssueOrder::kAtJoin, "QA@main q_norm@main QB@main KV@main"},
       {Schedule::kThreeLane, &reindex, SideIssueOrder::kAtJoin, "QA@main QB@main KV@K IDX@S"},
       {Schedule::kThreeLane, &full, SideIssueOrder::kEarlyForTestsOnly, "CMP@S QA@main KV@K q_norm@main IDX@S QB@main"},
+      // idx_x: at the start behind CMP on S (one fork), alone on S without CMP, before IDX on main.
+      {Schedule::kThreeLane, &full_x, SideIssueOrder::kEarlyForTestsOnly, "CMP@S Ix@S QA@main KV@K q_norm@main IDX@S QB@main"},
+      {Schedule::kThreeLane, &reindex_x, SideIssueOrder::kEarlyForTestsOnly, "Ix@S QA@main KV@K IDX@S QB@main"},
+      {Schedule::kSourcesSide, &full_x, SideIssueOrder::kAtJoin, "QA@main q_norm@main QB@main KV@main CMP@S Ix@S IDX@S"},
+      {Schedule::kSerial, &full_x, SideIssueOrder::kAtJoin, "QA@main q_norm@main QB@main KV@main CMP@main Ix@main IDX@main"},
   };
   for (const Case& c : cases) {
     log.clear();

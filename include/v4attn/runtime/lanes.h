@@ -172,14 +172,19 @@ struct LayerIssue {
   // event recorded by idx_pre: lane K is joined, so recorded, before lane S is issued).
   enum class SFork { kAtLayerStart, kAfterQNorm, kIdxOnKWithoutCmp, kIdxGemmsOnK } s_fork = SFork::kAtLayerStart;
   IssueFn idx_pre;  // optional first part of IDX (see kIdxGemmsOnK); else issued right before idx
+  // Optional part of IDX that reads only x (weights_proj): on a side lane it is issued at the
+  // layer's start, behind CMP on the same lane (or alone), so it does not wait for qr; on main
+  // (serial) it runs right before idx_pre / idx. Its outputs must be read only by idx.
+  IssueFn idx_x;
 };
 
 // Issues one layer's prepare on `lanes` in the documented order; returns with every side block
 // joined (attention may be issued on lanes.main_stream() next). Callables of items not in
 // `layer.work` are ignored. Order per schedule (C = CMP, I = IDX, only when in `work`):
 //   serial       main: QA [q_norm] QB KV C I
-//   sources-side main: fork(S){C} QA [q_norm] fork(S'){I} QB KV join(S)
-//   three-lane   main: fork(S){C} QA fork(K){KV} [q_norm] fork(S'){I} QB join(K) join(S)
+//   sources-side main: fork(S){C Ix} QA [q_norm] fork(S'){I} QB KV join(S)
+//   three-lane   main: fork(S){C Ix} QA fork(K){KV} [q_norm] fork(S'){I} QB join(K) join(S)
+// (Ix = idx_x, when set; serial runs it right before I.)
 // where {..} is the deferred side work, issued on its lane at the join. IDX always forks after
 // q_norm (it reads qr) and shares lane S with CMP, so CMP's index-K writes precede IDX's reads.
 // Throws std::invalid_argument when a required callable is missing and std::logic_error when a
