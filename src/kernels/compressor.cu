@@ -2,16 +2,29 @@
 // (ratio 2). Twins of ref::c1_fused and ref::c2_fused. Both end in the V41_FP4 compressed-KV store
 // (FP4 KV quant, block 16, e4m3 scales) of the latent roped at the group position g.
 //
-// Grid ceil(N / 2), block 64 threads: one warp per row (warp w of CTA b owns row 2b + w); lane l
-// holds latent dims [8l, 8l+8) and [256+8l, 256+8l+8) (LaneSum chunks l and l+32; see
-// prepare_common.cuh). Rows are independent, so any N works (decode, verify, padded buckets).
+// Pair per thread (see prepare_common.cuh): thread j of a row owns latent dims 2j, 2j+1 (j in
+// 0..255): its latent_pre_rope bf16 pair, its RoPE pair (j >= 224: dims 448..511, warp-uniform),
+// its code byte j of the FP4 slot; the FP4 block b (dims 16b..16b+15) is the 8 lanes 8b..8b+7,
+// lane 8b stores scale byte b. (The previous version walked each row with one warp, 16 dims per
+// lane through double exps, IEEE divisions and software e4m3/e2m1: a few rows left the GPU idle
+// behind those chains.)
+//  - c1: grid 2N CTAs of 128 threads (CTA 2t + h owns pairs 128h .. 128h+127 of row t); each warp
+//    computes its row's RMSNorm sum of squares itself (detail::warp_row_sum_squares, the LaneSum
+//    order), so the two CTAs of a row never talk.
+//  - c2: grid N CTAs of 256 threads (one per row): the pooled row is built pair by pair, parked in
+//    shared memory (bf16-exact floats), and after one barrier every warp takes the row's LaneSum
+//    from there (lane l: chunks l and l+32) and goes on with its own pairs.
+// Rows are independent, so any N works (decode, verify, padded buckets). Every early exit depends
+// on the row's metadata only, so it is uniform over the row's CTAs (the c2 barrier is safe).
 //
-// PDL, both kernels: before dev::pdl_wait() a warp reads only step metadata (pos, out_loc, state
-// rows, prev_row: host-copied before the step, see prepare_kernels.h) and constants (c_norm, the
-// table row). The wait precedes the first load of the GEMM output (proj / kvs) and, for c2, every
-// access to the pair state (the previous step's c2 launch wrote it; PDL chains do not promise
-// that kernels before our predecessor have finished until the wait returns). The trigger follows
-// each lane's last store.
+// PDL, both kernels: before dev::pdl_wait() a thread reads only step metadata (pos, out_loc, state
+// rows, prev_row: host-copied before the step, see prepare_kernels.h; all of a row's metadata is
+// loaded at once, before the first branch) and constants (c_norm, the table row). The wait
+// precedes the first load of the GEMM output (proj / kvs) and, for c2, every access to the pair
+// state (the previous step's c2 launch wrote it; PDL chains do not promise that kernels before
+// our predecessor have finished until the wait returns). The trigger follows each thread's last
+// store. Errors (device-side containment, see prepare_kernels.h) are counted once per row, by the
+// thread of pair 0.
 #include "v4attn/kernels/prepare_kernels.h"
 
 #include <string>
@@ -23,78 +36,79 @@ namespace v4attn::kernels {
 
 namespace {
 
-constexpr int kRowsPerCta = 2;
-constexpr int kThreads = 32 * kRowsPerCta;
-constexpr int kHalf = kPrepHeadDim / 2;                                           // 256
-constexpr int kTailFirstLane = (kPrepHeadDim - num::kRopeDim - kHalf) / detail::kChunk;  // 24
-constexpr int kKvsRow = 2 * kPrepHeadDim;                                         // kv | score
-static_assert(kTailFirstLane == 24, "lanes 24..31 hold dims 448..511 in their second chunk");
+constexpr int kPairs = kPrepHeadDim / 2;                                  // 256 pairs per latent
+constexpr int kTailFirstPair = (kPrepHeadDim - num::kRopeDim) / 2;       // 224: dims 448..511
+constexpr int kFp4BlockPairs = num::kKvFp4Block / 2;                     // 8 lanes per FP4 block
+constexpr int kKvsRow = 2 * kPrepHeadDim;                                // kv | score
+constexpr int kC1Threads = 128;
+constexpr int kC1CtasPerRow = kPairs / kC1Threads;                       // 2
+constexpr int kC2Threads = kPairs;                                       // 256: one CTA per row
+static_assert(kTailFirstPair % 32 == 0, "the RoPE pairs are whole warps (uniform branch)");
+static_assert(kPairs % kC1Threads == 0 && kC1Threads % 32 == 0, "c1: whole warps, whole CTAs per row");
+static_assert(kKvsRow == 4 * kC2Threads, "c2 park: one float4 per thread");
 
-// Loads the 8-float table chunk of a tail lane for RoPE at position g (zeros elsewhere).
-__device__ __forceinline__ void load_tail_table(const float* table, int32_t g, int lane, float (&cs)[detail::kChunk]) {
-#pragma unroll
-  for (int k = 0; k < detail::kChunk; ++k) cs[k] = 0.0f;
-  if (lane >= kTailFirstLane)
-    detail::ldg_f32x8(table + static_cast<int64_t>(g) * num::kRopeDim + (lane - kTailFirstLane) * detail::kChunk, cs);
+// The (cos, sin) table entry of pair j for RoPE at position g (zeros off the tail; never used).
+__device__ __forceinline__ float2 load_tail_cs(const float* table, int32_t g, int j) {
+  return j >= kTailFirstPair ? detail::ldg_f32x2(table + static_cast<int64_t>(g) * num::kRopeDim + 2 * (j - kTailFirstPair))
+                             : make_float2(0.0f, 0.0f);
 }
 
-// latent (bf16-exact values of the warp's row, pre-RoPE) -> RoPE on the tail lanes -> FP4 store at
-// loc when 0 < loc < n_slots (>= n_slots: counted). Warp-uniform control flow.
-__device__ __forceinline__ void rope_and_store(float (&x)[2][detail::kChunk], const float (&cs)[detail::kChunk],
-                                               int lane, int32_t loc, const CacheLayout& layout, uint8_t* cache,
-                                               int64_t n_slots, unsigned long long* err_count) {
+// Pair j of a normalised (bf16-exact, pre-RoPE) latent row: stores it to latent_row, then RoPE at
+// the table entry cs (tail pairs) and its FP4 code byte (and, for a block's first lane, the block's
+// scale byte) into the slot loc when 0 < loc < n_slots; loc >= n_slots is counted once per row (by
+// pair 0). loc is per row, so the branches are warp-uniform, as the block-amax shuffles need.
+__device__ __forceinline__ void latent_pair_out(float x0, float x1, int j, float2 cs, int32_t loc, bf16_t* latent_row,
+                                                const CacheLayout& layout, uint8_t* cache, int64_t n_slots,
+                                                unsigned long long* err_count) {
+  *reinterpret_cast<uint32_t*>(latent_row + 2 * j) = detail::pack_bf16x2(x0, x1);
   if (loc <= 0) return;  // no group slot (padded row or not completing)
   if (loc >= n_slots) {
-    if (lane == 0) dev::count_error(err_count);
+    if (j == 0) dev::count_error(err_count);
     return;
   }
-  if (lane >= kTailFirstLane) detail::rope_chunk(x[1], cs);
-  detail::store_latent_fp4(x, lane, layout, cache, loc);
+  if (j >= kTailFirstPair) detail::rope_pair(x0, x1, cs);
+  const uint8_t sb = num::kv_fp4_scale_byte(detail::lane_group_max<kFp4BlockPairs>(detail::pair_amax(x0, x1)));
+  cache[layout.data_offset(loc) + j] = detail::fp4_code_pair(x0, x1, num::f32_from_e4m3(sb));
+  if (j % kFp4BlockPairs == 0) cache[layout.scale_offset(loc) + j / kFp4BlockPairs] = sb;
 }
 
 // ---- c1 fused -------------------------------------------------------------------------------------
 // Row t: latent = RMSNorm(proj[t], c_norm) -> latent_pre_rope[t] (every row, the padded ones too,
 // like the reference); RoPE at g = pos[t]; FP4 store at out_loc[t].
-__global__ void __launch_bounds__(kThreads) c1_fused_kernel(const __grid_constant__ C1FusedParams p) {
+__global__ void __launch_bounds__(kC1Threads) c1_fused_kernel(const __grid_constant__ C1FusedParams p) {
+  const int t = static_cast<int>(blockIdx.x / kC1CtasPerRow);
+  const int j = static_cast<int>(blockIdx.x % kC1CtasPerRow) * kC1Threads + static_cast<int>(threadIdx.x);
   const int lane = static_cast<int>(threadIdx.x) % 32;
-  const int t = static_cast<int>(blockIdx.x) * kRowsPerCta + static_cast<int>(threadIdx.x) / 32;
-  if (t >= p.N) return;
 
   const int32_t pos = p.pos[t];
+  const int32_t loc = p.out_loc[t];
   if (pos < 0 || pos >= p.max_pos) {  // refused on the host by the reference; here the row is skipped
-    if (lane == 0) dev::count_error(p.err_count);
+    if (j == 0) dev::count_error(p.err_count);
     return;
   }
-  const int32_t loc = p.out_loc[t];
-  float w[2][detail::kChunk], cs[detail::kChunk];
-  detail::ldg_f32x8(p.c_norm + detail::kChunk * lane, w[0]);
-  detail::ldg_f32x8(p.c_norm + kHalf + detail::kChunk * lane, w[1]);
-  load_tail_table(p.table, pos, lane, cs);
+  const float2 w = detail::ldg_f32x2(p.c_norm + 2 * j);
+  const float2 cs = load_tail_cs(p.table, pos, j);
 
   dev::pdl_wait();  // proj is the wkv_c GEMM's output
 
   const bf16_t* row = p.proj + static_cast<int64_t>(t) * p.proj_row_stride;
-  float x[2][detail::kChunk];
-  detail::load_bf16x8(row + detail::kChunk * lane, x[0]);
-  detail::load_bf16x8(row + kHalf + detail::kChunk * lane, x[1]);
-  const float r = num::rmsnorm_rstd(dev::warp_lane_sum(detail::lane_sum_squares_part<2>(x)), kPrepHeadDim, p.eps);
-  detail::rmsnorm_apply_chunk(x[0], r, w[0]);
-  detail::rmsnorm_apply_chunk(x[1], r, w[1]);
-  bf16_t* latent = p.latent_pre_rope + static_cast<int64_t>(t) * p.latent_row_stride;
-  detail::store_bf16x8(latent + detail::kChunk * lane, x[0]);
-  detail::store_bf16x8(latent + kHalf + detail::kChunk * lane, x[1]);
-  rope_and_store(x, cs, lane, loc, p.layout, p.cache, p.n_slots, p.err_count);
+  float x0, x1;
+  detail::load_bf16x2(row + 2 * j, x0, x1);
+  const float r = num::rmsnorm_rstd(detail::warp_row_sum_squares<kPrepHeadDim>(row, lane), kPrepHeadDim, p.eps);
+  detail::rmsnorm_apply_pair(x0, x1, r, w);
+  latent_pair_out(x0, x1, j, cs, loc, p.latent_pre_rope + static_cast<int64_t>(t) * p.latent_row_stride, p.layout,
+                  p.cache, p.n_slots, p.err_count);
 
-  dev::pdl_launch_dependents();  // after this lane's last store
+  dev::pdl_launch_dependents();  // after this thread's last store
 }
 
 // ---- c2 fused -------------------------------------------------------------------------------------
-// Row t (warp-uniform branches):
+// Row t (CTA-uniform branches):
 //  - state_row < 0: padded, returns before touching anything;
-//  - even pos: parks kvs[t] (all 1024 floats) in state[state_row] (lane l copies the 8-float
-//    pieces l, l+32, l+64, l+96); no latent, no store;
+//  - even pos: parks kvs[t] (all 1024 floats, one float4 per thread) in state[state_row]; no
+//    latent, no store;
 //  - odd pos: partner = kvs[prev_row] (the INPUT row of the partner when it is in this batch; its
-//    own warp may be parking it into the state concurrently, which is why the state is never read
+//    own CTA may be parking it into the state concurrently, which is why the state is never read
 //    for it) else state[partner_state_row]; pooled[d] = pair_softmax_pool(partner, self),
 //    bf16-rounded; latent = RMSNorm(pooled, c_norm) -> latent_pre_rope[t]; RoPE at g = pos - 1;
 //    FP4 store at out_loc[t]. Odd rows do not write the state (ref::c2_fused parks even rows only).
@@ -104,74 +118,71 @@ __global__ void __launch_bounds__(kThreads) c1_fused_kernel(const __grid_constan
 // Device-side containment of metadata the reference refuses (state row >= state_rows, pos outside
 // the table, prev_row outside [0, N) or == t, partner state row outside the state): the row is
 // skipped entirely and counted.
-__global__ void __launch_bounds__(kThreads) c2_fused_kernel(const __grid_constant__ C2FusedParams p) {
-  const int lane = static_cast<int>(threadIdx.x) % 32;
-  const int t = static_cast<int>(blockIdx.x) * kRowsPerCta + static_cast<int>(threadIdx.x) / 32;
-  if (t >= p.N) return;
+__global__ void __launch_bounds__(kC2Threads) c2_fused_kernel(const __grid_constant__ C2FusedParams p) {
+  __shared__ __align__(16) float pooled_row[kPrepHeadDim];  // the row's bf16-exact pooled values
+  const int t = static_cast<int>(blockIdx.x);
+  const int j = static_cast<int>(threadIdx.x);
+  const int lane = j % 32;
 
+  // The row's whole metadata in one round trip (the odd-row fields are [N] too: always readable).
   const int32_t srow = p.state_row[t];
-  if (srow < 0) return;  // padded row: writes nothing at all
   const int32_t pos = p.pos[t];
+  const int32_t prev = p.prev_row[t];
+  const int32_t partner_srow = p.partner_state_row[t];
+  const int32_t loc = p.out_loc[t];
+  if (srow < 0) return;  // padded row: writes nothing at all
   if (srow >= p.state_rows || pos < 0 || pos >= p.max_pos) {
-    if (lane == 0) dev::count_error(p.err_count);
+    if (j == 0) dev::count_error(p.err_count);
     return;
   }
   const float* self = p.kvs + static_cast<int64_t>(t) * p.kvs_row_stride;
 
   if ((pos & 1) == 0) {  // park (kv, score) for the partner-to-come
     dev::pdl_wait();     // kvs is the GEMM's output; the state row may be read by earlier kernels
-    float* dst = p.state + static_cast<int64_t>(srow) * kKvsRow;
-#pragma unroll
-    for (int i = 0; i < kKvsRow / (32 * detail::kChunk); ++i) {
-      float v[detail::kChunk];
-      const int off = (i * 32 + lane) * detail::kChunk;
-      detail::load_f32x8(self + off, v);
-      detail::store_f32x8(dst + off, v);
-    }
+    const float4 v = *reinterpret_cast<const float4*>(self + 4 * j);
+    *reinterpret_cast<float4*>(p.state + static_cast<int64_t>(srow) * kKvsRow + 4 * j) = v;
     dev::pdl_launch_dependents();
     return;
   }
 
-  const int32_t prev = p.prev_row[t];
-  const int32_t partner_srow = p.partner_state_row[t];
   const bool partner_ok = prev >= 0 ? (prev < p.N && prev != t) : (partner_srow >= 0 && partner_srow < p.state_rows);
   if (!partner_ok) {
-    if (lane == 0) dev::count_error(p.err_count);
+    if (j == 0) dev::count_error(p.err_count);
     return;
   }
   const int32_t g = pos - 1;  // >= 0: pos is odd
-  const int32_t loc = p.out_loc[t];
-  float w[2][detail::kChunk], cs[detail::kChunk];
-  detail::ldg_f32x8(p.c_norm + detail::kChunk * lane, w[0]);
-  detail::ldg_f32x8(p.c_norm + kHalf + detail::kChunk * lane, w[1]);
-  load_tail_table(p.table, g, lane, cs);
+  const float2 w = detail::ldg_f32x2(p.c_norm + 2 * j);
+  const float2 cs = load_tail_cs(p.table, g, j);
 
   dev::pdl_wait();  // kvs (GEMM output) and the pair state (previous step) are read below
 
   const float* partner = prev >= 0 ? p.kvs + static_cast<int64_t>(prev) * p.kvs_row_stride
                                    : p.state + static_cast<int64_t>(partner_srow) * kKvsRow;
-  float x[2][detail::kChunk];
-#pragma unroll
-  for (int c = 0; c < 2; ++c) {
-    const int d0 = c * kHalf + detail::kChunk * lane;
-    float kv_a[detail::kChunk], s_a[detail::kChunk], kv_b[detail::kChunk], s_b[detail::kChunk];
-    detail::load_f32x8(partner + d0, kv_a);
-    detail::load_f32x8(partner + kPrepHeadDim + d0, s_a);
-    detail::load_f32x8(self + d0, kv_b);
-    detail::load_f32x8(self + kPrepHeadDim + d0, s_b);
-#pragma unroll
-    for (int k = 0; k < detail::kChunk; ++k)
-      x[c][k] = num::round_bf16(num::pair_softmax_pool(kv_a[k], s_a[k], kv_b[k], s_b[k]));  // a = even = partner
-  }
-  const float r = num::rmsnorm_rstd(dev::warp_lane_sum(detail::lane_sum_squares_part<2>(x)), kPrepHeadDim, p.eps);
-  detail::rmsnorm_apply_chunk(x[0], r, w[0]);
-  detail::rmsnorm_apply_chunk(x[1], r, w[1]);
-  bf16_t* latent = p.latent_pre_rope + static_cast<int64_t>(t) * p.latent_row_stride;
-  detail::store_bf16x8(latent + detail::kChunk * lane, x[0]);
-  detail::store_bf16x8(latent + kHalf + detail::kChunk * lane, x[1]);
-  rope_and_store(x, cs, lane, loc, p.layout, p.cache, p.n_slots, p.err_count);
+  const int d = 2 * j;
+  const float2 kv_a = *reinterpret_cast<const float2*>(partner + d);  // a = even = partner
+  const float2 s_a = *reinterpret_cast<const float2*>(partner + kPrepHeadDim + d);
+  const float2 kv_b = *reinterpret_cast<const float2*>(self + d);
+  const float2 s_b = *reinterpret_cast<const float2*>(self + kPrepHeadDim + d);
+  float x0 = num::round_bf16(num::pair_softmax_pool(kv_a.x, s_a.x, kv_b.x, s_b.x));
+  float x1 = num::round_bf16(num::pair_softmax_pool(kv_a.y, s_a.y, kv_b.y, s_b.y));
+  *reinterpret_cast<float2*>(pooled_row + d) = make_float2(x0, x1);
+  __syncthreads();
 
-  dev::pdl_launch_dependents();  // after this lane's last store
+  // Every warp: the row's LaneSum from shared memory (lane l: chunks l and l + 32, in order).
+  float xs[2][detail::kChunk];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float4* src = reinterpret_cast<const float4*>(pooled_row + (i * 32 + lane) * detail::kChunk);
+    const float4 a = src[0], b = src[1];
+    xs[i][0] = a.x; xs[i][1] = a.y; xs[i][2] = a.z; xs[i][3] = a.w;
+    xs[i][4] = b.x; xs[i][5] = b.y; xs[i][6] = b.z; xs[i][7] = b.w;
+  }
+  const float r = num::rmsnorm_rstd(dev::warp_lane_sum(detail::lane_sum_squares_part<2>(xs)), kPrepHeadDim, p.eps);
+  detail::rmsnorm_apply_pair(x0, x1, r, w);
+  latent_pair_out(x0, x1, j, cs, loc, p.latent_pre_rope + static_cast<int64_t>(t) * p.latent_row_stride, p.layout,
+                  p.cache, p.n_slots, p.err_count);
+
+  dev::pdl_launch_dependents();  // after this thread's last store
 }
 
 void require_latent(const bf16_t* latent, int64_t stride, const char* who) {
@@ -181,10 +192,10 @@ void require_latent(const bf16_t* latent, int64_t stride, const char* who) {
                   "latent_row_stride " + std::to_string(stride) + " must be >= 512 and a multiple of 8");
 }
 
-LaunchConfig row_warp_config(int rows, cudaStream_t stream, bool pdl) {
+LaunchConfig row_config(int64_t ctas, int threads, cudaStream_t stream, bool pdl) {
   LaunchConfig cfg;
-  cfg.grid = dim3(static_cast<unsigned>((rows + kRowsPerCta - 1) / kRowsPerCta), 1, 1);
-  cfg.block = dim3(kThreads, 1, 1);
+  cfg.grid = dim3(static_cast<unsigned>(ctas), 1, 1);
+  cfg.block = dim3(static_cast<unsigned>(threads), 1, 1);
   cfg.stream = stream;
   cfg.pdl = pdl;
   return cfg;
@@ -196,6 +207,7 @@ void run_c1_fused(const C1FusedParams& p, cudaStream_t stream, bool pdl) {
   using detail::require;
   const char* who = "run_c1_fused";
   require(p.N >= 0, who, "negative N");
+  require(p.N <= (1 << 30), who, "N " + std::to_string(p.N) + " exceeds the grid limit (2 CTAs per row)");
   require(p.proj_row_stride >= kPrepHeadDim && p.proj_row_stride % detail::kChunk == 0, who,
           "proj_row_stride " + std::to_string(p.proj_row_stride) + " must be >= 512 and a multiple of 8");
   detail::require_cache(p.layout, CacheKind::kCompressedFp4, p.cache, p.n_slots, who);
@@ -208,7 +220,8 @@ void run_c1_fused(const C1FusedParams& p, cudaStream_t stream, bool pdl) {
   detail::require_ptr(p.out_loc, who, "out_loc");
   detail::require_table(p.table, p.max_pos, who);
   require_latent(p.latent_pre_rope, p.latent_row_stride, who);
-  launch_kernel("c1_fused", c1_fused_kernel, row_warp_config(p.N, stream, pdl), p);
+  launch_kernel("c1_fused", c1_fused_kernel,
+                row_config(static_cast<int64_t>(p.N) * kC1CtasPerRow, kC1Threads, stream, pdl), p);
 }
 
 void run_c2_fused(const C2FusedParams& p, cudaStream_t stream, bool pdl) {
@@ -233,7 +246,7 @@ void run_c2_fused(const C2FusedParams& p, cudaStream_t stream, bool pdl) {
   detail::require_ptr(p.out_loc, who, "out_loc");
   detail::require_table(p.table, p.max_pos, who);
   require_latent(p.latent_pre_rope, p.latent_row_stride, who);
-  launch_kernel("c2_fused", c2_fused_kernel, row_warp_config(p.N, stream, pdl), p);
+  launch_kernel("c2_fused", c2_fused_kernel, row_config(p.N, kC2Threads, stream, pdl), p);
 }
 
 }  // namespace v4attn::kernels

@@ -173,6 +173,89 @@ __device__ __forceinline__ void store_latent_fp4(const float (&x)[2][kChunk], in
   }
 }
 
+// ---- pair-per-thread kernels (c1, c2, window-K, index-K) ------------------------------------------
+// At small T a row walked by one warp leaves the GPU idle behind long per-lane chains of exact
+// numerics. These kernels give each thread ONE pair of consecutive elements (2j, 2j+1) of a row:
+// one RoPE (re, im) pair, one e2m1 code byte, two e4m3 codes. A quantization block of B elements
+// is B/2 consecutive threads, aligned inside a warp (B/2 divides 32), so its amax is an xor
+// shuffle max over that lane group (max is exact and order-free).
+// The RMSNorm sum of squares is NOT split that way: every warp that needs it computes the whole
+// row's sum itself in the LaneSum order (warp_row_sum_squares: lane l sums chunks l, l+32, ... of
+// the row, then dev::warp_lane_sum), i.e. exactly num::lane_sum_squares. The redundant reads (one
+// row per warp, a few hundred bytes to 1 KB, L1/L2 hits) cost less than a shared-memory hand-off
+// and a barrier, and they let the warps of one row live in different CTAs.
+
+// Two bf16 values at p (4-byte aligned), plain coherent load.
+__device__ __forceinline__ void load_bf16x2(const bf16_t* p, float& x0, float& x1) {
+  const uint32_t w = *reinterpret_cast<const uint32_t*>(p);
+  x0 = num::f32_from_bf16(static_cast<bf16_t>(w & 0xffffu));
+  x1 = num::f32_from_bf16(static_cast<bf16_t>(w >> 16));
+}
+// The bf16 bits of two bf16-exact values, even element low.
+__device__ __forceinline__ uint32_t pack_bf16x2(float x0, float x1) {
+  return static_cast<uint32_t>(num::bf16_from_f32(x0)) | (static_cast<uint32_t>(num::bf16_from_f32(x1)) << 16);
+}
+// Two constant floats at p (8-byte aligned) through the read-only path (norm weights, RoPE tables).
+__device__ __forceinline__ float2 ldg_f32x2(const float* p) { return __ldg(reinterpret_cast<const float2*>(p)); }
+
+// The LaneSum of the squares of the bf16 row[0, kN), computed by the calling warp alone (all 32
+// lanes must call it; every lane gets the total). Lane l holds chunks l, l+32, ...; lanes past the
+// last chunk hold zeros (the zero partials of num::lane_sum_squares). All loads are issued before
+// the first add.
+template <int kN>
+__device__ __forceinline__ float warp_row_sum_squares(const bf16_t* row, int lane) {
+  constexpr int kChunks = kN / kChunk;
+  constexpr int kPerLane = (kChunks + num::kLaneSumLanes - 1) / num::kLaneSumLanes;
+  static_assert(kN % kChunk == 0 && (kChunks % num::kLaneSumLanes == 0 || kChunks < num::kLaneSumLanes),
+                "whole chunks, every lane the same number of them or lanes past the row idle");
+  float x[kPerLane][kChunk];
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int c = i * num::kLaneSumLanes + lane;
+    if (c < kChunks) {
+      load_bf16x8(row + c * kChunk, x[i]);
+    } else {
+#pragma unroll
+      for (int k = 0; k < kChunk; ++k) x[i][k] = 0.0f;
+    }
+  }
+  return dev::warp_lane_sum(lane_sum_squares_part<kPerLane>(x));
+}
+
+// x <- bf16(w * (x * r)) for one pair, kept as the (exact) float values of the bf16s.
+__device__ __forceinline__ void rmsnorm_apply_pair(float& x0, float& x1, float r, float2 w) {
+  x0 = num::f32_from_bf16(num::rmsnorm_apply(x0, r, w.x));
+  x1 = num::f32_from_bf16(num::rmsnorm_apply(x1, r, w.y));
+}
+// RoPE of one (re, im) pair with its table entry (cos, sin), rounded to bf16 (= rope_chunk's step).
+__device__ __forceinline__ void rope_pair(float& x0, float& x1, float2 cs) {
+  float re, im;
+  num::rope_rotate(x0, x1, cs.x, cs.y, re, im);
+  x0 = num::round_bf16(re);
+  x1 = num::round_bf16(im);
+}
+// amax of one pair, from 0 like the reference's block loop.
+__device__ __forceinline__ float pair_amax(float x0, float x1) {
+  return num::block_amax_step(num::block_amax_step(0.0f, x0), x1);
+}
+// Max over an aligned group of kLanes lanes (xor offsets 1 .. kLanes/2). All 32 lanes must call it.
+template <int kLanes>
+__device__ __forceinline__ float lane_group_max(float v) {
+  static_assert(kLanes >= 1 && kLanes <= 32 && (kLanes & (kLanes - 1)) == 0, "power-of-two lane group");
+#pragma unroll
+  for (int off = 1; off < kLanes; off <<= 1) v = num::max_f(v, __shfl_xor_sync(kFullMask, v, off));
+  return v;
+}
+// The e2m1 code byte of one pair at scale s (even element in the low nibble).
+__device__ __forceinline__ uint8_t fp4_code_pair(float x0, float x1, float s) {
+  return num::pack_e2m1(num::fp4_code(x0, s), num::fp4_code(x1, s));
+}
+// The two e4m3 codes of one pair at scale s, element 0 in the low byte.
+__device__ __forceinline__ uint16_t act_quant_code_pair(float x0, float x1, float s) {
+  return static_cast<uint16_t>(static_cast<uint32_t>(num::act_quant_code(x0, s)) |
+                               (static_cast<uint32_t>(num::act_quant_code(x1, s)) << 8));
+}
+
 // ---- host-side argument checks (throw std::invalid_argument, nothing launched) ---------------
 inline void require(bool ok, const char* who, const std::string& what) {
   if (!ok) throw std::invalid_argument(std::string(who) + ": " + what);

@@ -918,4 +918,182 @@ TEST(GpuPrepareHostApi, RefusesBadShapesAndPointers) {
   expect_refused(ik, kn::run_index_k_store, [](IP& p) { p.cache += 2; }, "misaligned cache", s);
 }
 
+
+// =====================================================================================================
+// Pair-per-thread kernels (c1, c2, window-K, index-K): strided rows, a batch of 130 rows (21 verify
+// requests + 4 padded rows; more CTAs than any bucket above), and the device-side containment of
+// metadata the reference refuses: such a row is skipped entirely and counted ONCE, whatever the
+// number of CTAs/warps that share the row.
+// =====================================================================================================
+constexpr int kManyRows = 130;
+
+// Copies rows of `width` elements from a dense [rows, width] array into a [rows, stride] array
+// that starts poisoned (the padding between rows stays poison).
+template <class T>
+std::vector<T> to_strided(const std::vector<T>& dense, int64_t rows, int64_t width, int64_t stride) {
+  std::vector<T> out = poisoned_host<T>(static_cast<size_t>(rows * stride));
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(out.data() + r * stride, dense.data() + r * width, static_cast<size_t>(width) * sizeof(T));
+  return out;
+}
+template <class T>
+std::vector<T> to_dense(const std::vector<T>& strided, int64_t rows, int64_t width, int64_t stride) {
+  std::vector<T> out(static_cast<size_t>(rows * width));
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(out.data() + r * width, strided.data() + r * stride, static_cast<size_t>(width) * sizeof(T));
+  return out;
+}
+
+// c1: proj rows at stride 520, latent rows at stride 528; row 7 has a position outside the table
+// (whole row skipped: latent and slot stay poison; counted once), row 100 a slot past the pool
+// (store skipped, latent written; counted once).
+TEST_F(GpuC1Fused, StridedRowsContainedPositionAndManyRows) {
+  const int N = kManyRows;
+  const int64_t proj_stride = 520, latent_stride = 528;
+  const int bad_pos_row = 7, bad_slot_row = 100;
+  const Batch b = make_batch(N, rng_);
+  const CacheLayout layout = cache_layout(CacheKind::kCompressedFp4);
+  const int64_t n_slots = compressed_slots(b.pool, 1);
+  const size_t cache_bytes = static_cast<size_t>(layout.pool_bytes(n_slots));
+  const std::vector<bf16_t> proj = random_rows_bf16(N, proj_stride, rng_);
+  const std::vector<float> c_norm = random_norm_weight(512, rng_);
+  std::vector<int32_t> pos = b.meta.pos, loc = b.meta.c_out_loc[1];
+  ASSERT_GT(b.meta.req[bad_pos_row], -1);
+  ASSERT_GT(loc[bad_slot_row], 0);
+  pos[bad_pos_row] = kMaxPos + 3;
+  loc[bad_slot_row] = static_cast<int32_t>(n_slots) + 5;
+
+  // Reference: the bad-position row gets a valid position and no slot, then its latent is poisoned.
+  std::vector<int32_t> pos_ref = pos, loc_ref = loc;
+  pos_ref[bad_pos_row] = 0;
+  loc_ref[bad_pos_row] = 0;
+  const std::vector<bf16_t> proj_dense = to_dense(proj, N, 512, proj_stride);
+  std::vector<uint8_t> want_cache = poisoned_host<uint8_t>(cache_bytes);
+  std::vector<bf16_t> want_dense = poisoned_host<bf16_t>(static_cast<size_t>(N) * 512);
+  EXPECT_EQ(ref::c1_fused(proj_dense.data(), N, c_norm.data(), kEps, pos_ref.data(), compressed_table().data(), kMaxPos,
+                          loc_ref.data(), layout, want_cache.data(), n_slots, want_dense.data()),
+            1);
+  std::memset(want_dense.data() + static_cast<size_t>(bad_pos_row) * 512, kPoison, 512 * sizeof(bf16_t));
+  const std::vector<bf16_t> want_latent = to_strided(want_dense, N, 512, latent_stride);
+
+  DeviceBuffer<bf16_t> d_staging = to_device(proj, stream_);
+  DeviceBuffer<bf16_t> d_proj(proj.size());
+  DeviceBuffer<float> d_norm = to_device(c_norm, stream_);
+  DeviceBuffer<int32_t> d_pos = to_device(pos, stream_);
+  DeviceBuffer<int32_t> d_loc = to_device(loc, stream_);
+  DeviceBuffer<float> d_table = to_device(compressed_table(), stream_);
+  for (Mode m : kModes) {
+    SCOPED_TRACE(mode_name(m));
+    DeviceErrorCounter errors;
+    DeviceBuffer<uint8_t> d_cache = poisoned<uint8_t>(cache_bytes, stream_);
+    DeviceBuffer<bf16_t> d_latent = poisoned<bf16_t>(want_latent.size(), stream_);
+    feed_input(m, d_staging.get(), d_proj.get(), proj.size() * sizeof(bf16_t), stream_);
+    kn::C1FusedParams p;
+    p.proj = d_proj.get();
+    p.proj_row_stride = proj_stride;
+    p.c_norm = d_norm.get();
+    p.eps = kEps;
+    p.pos = d_pos.get();
+    p.table = d_table.get();
+    p.max_pos = kMaxPos;
+    p.out_loc = d_loc.get();
+    p.layout = layout;
+    p.cache = d_cache.get();
+    p.n_slots = n_slots;
+    p.latent_pre_rope = d_latent.get();
+    p.latent_row_stride = latent_stride;
+    p.N = N;
+    p.err_count = errors.get();
+    kn::run_c1_fused(p, stream_, m == Mode::kPdl);
+    EXPECT_TRUE(same_bytes(want_latent, to_host(d_latent, stream_))) << "latent_pre_rope";
+    EXPECT_TRUE(same_bytes(want_cache, to_host(d_cache, stream_))) << "compressed cache";
+    EXPECT_EQ(errors.read(stream_), 2u);
+  }
+}
+
+// c2: kvs rows at stride 1028, latent rows at stride 520, 130 rows; five completing (odd) rows get
+// metadata the reference refuses, one per device-side check: prev_row == t, prev_row >= N, a state
+// row past the state, a position past the table, and (prev_row -1) a partner state row past the
+// state. Each is skipped entirely (no latent, no slot, no state write) and counted once; the other
+// rows (parks included) match the reference run with those five rows padded. Odd rows are never
+// another row's prev_row, so padding them leaves the reference's view of the rest unchanged.
+TEST_F(GpuC2Fused, StridedRowsContainedMetadataAndManyRows) {
+  const int N = kManyRows;
+  const int64_t kvs_stride = 1028, latent_stride = 520;
+  const std::vector<float> c_norm = random_norm_weight(512, rng_);
+  const Batch b = make_batch(N, rng_);
+  const StepMeta& meta = b.meta;
+  std::vector<int> odd_rows;
+  for (int t = 0; t < N && odd_rows.size() < 5; ++t)
+    if (meta.pair_state_row[t] >= 0 && meta.pos[t] % 2 == 1 && meta.pair_prev_row[t] >= 0) odd_rows.push_back(t);
+  ASSERT_EQ(odd_rows.size(), 5u);
+  std::vector<int32_t> pos = meta.pos, srow = meta.pair_state_row, prev = meta.pair_prev_row,
+                       partner = meta.pair_partner_state_row;
+  const int64_t state_rows = static_cast<int64_t>(b.pool.n_requests) * b.pool.pair_ring;
+  prev[odd_rows[0]] = odd_rows[0];
+  prev[odd_rows[1]] = N + 2;
+  srow[odd_rows[2]] = static_cast<int32_t>(state_rows);
+  pos[odd_rows[3]] = kMaxPos + 1;
+  prev[odd_rows[4]] = -1;
+  partner[odd_rows[4]] = static_cast<int32_t>(state_rows) + 1;
+  std::vector<int32_t> srow_ref = meta.pair_state_row;
+  for (int t : odd_rows) srow_ref[t] = -1;
+
+  std::mt19937_64 rng_kvs(4242);
+  const std::vector<float> kvs_dense = random_kvs(N, rng_kvs);
+  const std::vector<float> kvs = to_strided(kvs_dense, N, 1024, kvs_stride);
+  for (Mode m : kModes) {
+    SCOPED_TRACE(mode_name(m));
+    std::mt19937_64 rng_state(777);  // the same parked partners for both modes
+    C2State st = make_c2_state(b.pool, true, rng_state, stream_);
+    ASSERT_EQ(st.state_rows, state_rows);
+    std::vector<bf16_t> want_dense = poisoned_host<bf16_t>(static_cast<size_t>(N) * 512);
+    EXPECT_EQ(ref::c2_fused(kvs_dense.data(), N, meta.pos.data(), srow_ref.data(), meta.pair_partner_state_row.data(),
+                            meta.pair_prev_row.data(), st.state.data(), st.state_rows, c_norm.data(), kEps,
+                            compressed_table().data(), kMaxPos, meta.c_out_loc[2].data(), st.layout, st.cache.data(),
+                            st.n_slots, want_dense.data()),
+              0);
+    const std::vector<bf16_t> want_latent = to_strided(want_dense, N, 512, latent_stride);
+
+    DeviceBuffer<float> d_staging = to_device(kvs, stream_);
+    DeviceBuffer<float> d_kvs(kvs.size());
+    DeviceBuffer<int32_t> d_pos = to_device(pos, stream_);
+    DeviceBuffer<int32_t> d_srow = to_device(srow, stream_);
+    DeviceBuffer<int32_t> d_partner = to_device(partner, stream_);
+    DeviceBuffer<int32_t> d_prev = to_device(prev, stream_);
+    DeviceBuffer<int32_t> d_loc = to_device(meta.c_out_loc[2], stream_);
+    DeviceBuffer<float> d_norm = to_device(c_norm, stream_);
+    DeviceBuffer<float> d_table = to_device(compressed_table(), stream_);
+    DeviceBuffer<bf16_t> d_latent = poisoned<bf16_t>(want_latent.size(), stream_);
+    DeviceErrorCounter errors;
+    feed_input(m, d_staging.get(), d_kvs.get(), kvs.size() * sizeof(float), stream_);
+    kn::C2FusedParams p;
+    p.kvs = d_kvs.get();
+    p.kvs_row_stride = kvs_stride;
+    p.pos = d_pos.get();
+    p.state_row = d_srow.get();
+    p.partner_state_row = d_partner.get();
+    p.prev_row = d_prev.get();
+    p.state = st.d_state.get();
+    p.state_rows = st.state_rows;
+    p.c_norm = d_norm.get();
+    p.eps = kEps;
+    p.table = d_table.get();
+    p.max_pos = kMaxPos;
+    p.out_loc = d_loc.get();
+    p.layout = st.layout;
+    p.cache = st.d_cache.get();
+    p.n_slots = st.n_slots;
+    p.latent_pre_rope = d_latent.get();
+    p.latent_row_stride = latent_stride;
+    p.N = N;
+    p.err_count = errors.get();
+    kn::run_c2_fused(p, stream_, m == Mode::kPdl);
+    EXPECT_TRUE(same_bytes(want_latent, to_host(d_latent, stream_))) << "latent_pre_rope";
+    EXPECT_TRUE(same_bytes(st.state, to_host(st.d_state, stream_))) << "pair state";
+    EXPECT_TRUE(same_bytes(st.cache, to_host(st.d_cache, stream_))) << "compressed cache";
+    EXPECT_EQ(errors.read(stream_), 5u);
+  }
+}
+
 }  // namespace
