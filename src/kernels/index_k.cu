@@ -2,16 +2,19 @@
 // at g on dims 64..127 (compressed table) -> FP4 indexer quant (block 32, ue8m0) -> 68-byte slot
 // (64 B e2m1 pairs + 4 ue8m0) of the paged index-K cache at out_loc. Twin of ref::index_k_store.
 //
-// Grid ceil(N / 2), block 64 threads: one warp per row (warp w of CTA b owns row 2b + w). The row
-// is 16 LaneSum chunks: lane l < 16 holds dims [8l, 8l+8); lanes 16..31 hold nothing and add 0 to
-// the butterfly, exactly the zero partials of num::lane_sum_squares for n = 128. Lanes 8..15 hold
-// the RoPE half (dims 64..127). Quant block b (32 dims) = lanes 4b..4b+3; lane l stores its 4 code
-// bytes at [4l, 4l+4), lane 4b stores scale byte b.
+// Grid N CTAs of 64 threads, pair per thread (prepare_common.cuh): thread j of row t owns dims 2j,
+// 2j+1 (j in 0..63); warp 1 holds the RoPE half (dims 64..127). Each of the two warps computes the
+// row's RMSNorm sum of squares itself in the LaneSum order (detail::warp_row_sum_squares: lane
+// l < 16 holds chunk l, lanes 16..31 add 0, exactly the zero partials of num::lane_sum_squares for
+// n = 128). Quant block b (dims 32b..32b+31) = the 16 lanes 16b..16b+15 (mod 32); thread j stores
+// code byte j, thread 16b stores scale byte b. (The previous version gave each row one warp, 8
+// dims per lane: six rows ran six warps through long exact-numerics chains.)
 //
-// PDL: before dev::pdl_wait() the warp reads out_loc[t] and g[t] (step metadata) and the constant
-// k_norm weights and table row; the wait precedes the first load of kproj (the wk GEMM output);
-// the trigger follows the last store. Rows that store nothing (out_loc <= 0 or out of range) return
-// before the wait, like the reference, which computes nothing for them.
+// PDL: before dev::pdl_wait() a thread reads out_loc[t] and g[t] (step metadata, both loads in
+// flight together) and the constant k_norm weights and table entry; the wait precedes the first
+// load of kproj (the wk GEMM output); the trigger follows the last store. Rows that store nothing
+// (out_loc <= 0 or out of range) return before the wait, like the reference, which computes
+// nothing for them. Errors are counted once per row (by thread 0).
 #include "v4attn/kernels/prepare_kernels.h"
 
 #include <string>
@@ -23,50 +26,46 @@ namespace v4attn::kernels {
 
 namespace {
 
-constexpr int kRowsPerCta = 2;
-constexpr int kThreads = 32 * kRowsPerCta;
-constexpr int kChunks = kPrepIndexDim / detail::kChunk;                                  // 16 lanes in use
-constexpr int kTailFirstLane = (kPrepIndexDim - num::kRopeDim) / detail::kChunk;         // 8
-static_assert(kPrepIndexDim % (4 * detail::kChunk) == 0, "whole quant blocks of 32");
+constexpr int kThreads = kPrepIndexDim / 2;                                   // 64: one per pair
+constexpr int kTailFirstPair = (kPrepIndexDim - num::kRopeDim) / 2;           // 32: warp 1
+constexpr int kBlockPairs = num::kIndexerQuantBlock / 2;                      // 16 lanes per block
+static_assert(kTailFirstPair % 32 == 0, "the RoPE pairs are a whole warp (uniform branch)");
+static_assert(kPrepIndexDim % num::kIndexerQuantBlock == 0, "whole quant blocks of 32");
 
 __global__ void __launch_bounds__(kThreads) index_k_store_kernel(const __grid_constant__ IndexKStoreParams p) {
-  const int lane = static_cast<int>(threadIdx.x) % 32;
-  const int t = static_cast<int>(blockIdx.x) * kRowsPerCta + static_cast<int>(threadIdx.x) / 32;
-  if (t >= p.N) return;
+  const int t = static_cast<int>(blockIdx.x);
+  const int j = static_cast<int>(threadIdx.x);
+  const int lane = j % 32;
 
   const int32_t loc = p.out_loc[t];
+  const int32_t g = p.g[t];
   if (loc <= 0) return;  // no group slot: nothing to do (the reference computes nothing either)
   if (loc >= p.n_slots) {
-    if (lane == 0) dev::count_error(p.err_count);
+    if (j == 0) dev::count_error(p.err_count);
     return;
   }
-  const int32_t g = p.g[t];
   if (g < 0 || g >= p.max_pos) {  // refused on the host by the reference; contained here
-    if (lane == 0) dev::count_error(p.err_count);
+    if (j == 0) dev::count_error(p.err_count);
     return;
   }
-  const bool has_chunk = lane < kChunks;
-  const bool tail_lane = has_chunk && lane >= kTailFirstLane;
-  float w[detail::kChunk] = {}, cs[detail::kChunk] = {};
-  if (has_chunk) detail::ldg_f32x8(p.k_norm + detail::kChunk * lane, w);
-  if (tail_lane)
-    detail::ldg_f32x8(p.table + static_cast<int64_t>(g) * num::kRopeDim + (lane - kTailFirstLane) * detail::kChunk, cs);
+  const bool tail = j >= kTailFirstPair;
+  const float2 w = detail::ldg_f32x2(p.k_norm + 2 * j);
+  const float2 cs = tail ? detail::ldg_f32x2(p.table + static_cast<int64_t>(g) * num::kRopeDim + 2 * (j - kTailFirstPair))
+                         : make_float2(0.0f, 0.0f);
 
   dev::pdl_wait();  // kproj is the wk GEMM's output
 
-  float x[1][detail::kChunk] = {};
-  if (has_chunk) detail::load_bf16x8(p.kproj + static_cast<int64_t>(t) * p.kproj_row_stride + detail::kChunk * lane, x[0]);
-  const float r = num::rmsnorm_rstd(dev::warp_lane_sum(detail::lane_sum_squares_part<1>(x)), kPrepIndexDim, p.eps);
-  detail::rmsnorm_apply_chunk(x[0], r, w);  // lanes >= 16: zeros, never stored
-  if (tail_lane) detail::rope_chunk(x[0], cs);
-  int e;
-  const uint32_t codes = detail::indexer_fp4_quant_chunk(x[0], e);  // all lanes join the shuffles
-  if (has_chunk) {
-    *reinterpret_cast<uint32_t*>(p.cache + p.layout.data_offset(loc) + 4 * lane) = codes;
-    if (lane % 4 == 0) p.cache[p.layout.scale_offset(loc) + lane / 4] = num::ue8m0_from_exp(e);
-  }
+  const bf16_t* row = p.kproj + static_cast<int64_t>(t) * p.kproj_row_stride;
+  float x0, x1;
+  detail::load_bf16x2(row + 2 * j, x0, x1);
+  const float r = num::rmsnorm_rstd(detail::warp_row_sum_squares<kPrepIndexDim>(row, lane), kPrepIndexDim, p.eps);
+  detail::rmsnorm_apply_pair(x0, x1, r, w);
+  if (tail) detail::rope_pair(x0, x1, cs);
+  const int e = num::indexer_quant_scale_exp(detail::lane_group_max<kBlockPairs>(detail::pair_amax(x0, x1)));
+  p.cache[p.layout.data_offset(loc) + j] = detail::fp4_code_pair(x0, x1, num::pow2_f32(e));
+  if (j % kBlockPairs == 0) p.cache[p.layout.scale_offset(loc) + j / kBlockPairs] = num::ue8m0_from_exp(e);
 
-  dev::pdl_launch_dependents();  // after this lane's last store
+  dev::pdl_launch_dependents();  // after this thread's last store
 }
 
 }  // namespace
@@ -88,7 +87,7 @@ void run_index_k_store(const IndexKStoreParams& p, cudaStream_t stream, bool pdl
   detail::require_table(p.table, p.max_pos, who);
 
   LaunchConfig cfg;
-  cfg.grid = dim3(static_cast<unsigned>((p.N + kRowsPerCta - 1) / kRowsPerCta), 1, 1);
+  cfg.grid = dim3(static_cast<unsigned>(p.N), 1, 1);
   cfg.block = dim3(kThreads, 1, 1);
   cfg.stream = stream;
   cfg.pdl = pdl;

@@ -1096,4 +1096,68 @@ TEST_F(GpuC2Fused, StridedRowsContainedMetadataAndManyRows) {
   }
 }
 
+// index-K: kproj rows at stride 136, 130 rows (ratio-1 slots). Containment and its counts, once
+// per row: row 5 has a group position past the table (skipped entirely, counted), row 9 the same
+// but no slot (nothing to do: not counted), row 20 a slot past the pool AND a bad position (the
+// slot check comes first: counted once), row 100 a slot past the pool (counted).
+TEST_F(GpuIndexK, StridedRowsContainedPositionAndManyRows) {
+  const int N = kManyRows;
+  const int64_t kproj_stride = 136;
+  const Batch b = make_batch(N, rng_);
+  const CacheLayout layout = cache_layout(CacheKind::kIndexK);
+  const int64_t n_slots = compressed_slots(b.pool, 1);
+  const size_t cache_bytes = static_cast<size_t>(layout.pool_bytes(n_slots));
+  const std::vector<bf16_t> kproj = random_rows_bf16(N, kproj_stride, rng_);
+  const std::vector<float> k_norm = random_norm_weight(128, rng_);
+  std::vector<int32_t> g = b.meta.pos, loc = b.meta.c_out_loc[1];
+  for (int t : {5, 20, 100}) ASSERT_GT(loc[t], 0) << t;
+  std::vector<int32_t> g_ref = g, loc_ref = loc;
+  g[5] = kMaxPos;
+  loc_ref[5] = 0;
+  g[9] = -1;
+  loc[9] = 0;
+  loc_ref[9] = 0;
+  g[20] = kMaxPos + 7;
+  loc[20] = static_cast<int32_t>(n_slots) + 1;
+  loc_ref[20] = loc[20];
+  loc[100] = static_cast<int32_t>(n_slots);
+  loc_ref[100] = loc[100];
+
+  const std::vector<bf16_t> kproj_dense = to_dense(kproj, N, 128, kproj_stride);
+  std::vector<uint8_t> want = poisoned_host<uint8_t>(cache_bytes);
+  EXPECT_EQ(ref::index_k_store(kproj_dense.data(), N, k_norm.data(), kEps, g_ref.data(), compressed_table().data(), kMaxPos,
+                               loc_ref.data(), layout, want.data(), n_slots),
+            2);
+
+  DeviceBuffer<bf16_t> d_staging = to_device(kproj, stream_);
+  DeviceBuffer<bf16_t> d_kproj(kproj.size());
+  DeviceBuffer<float> d_norm = to_device(k_norm, stream_);
+  DeviceBuffer<int32_t> d_g = to_device(g, stream_);
+  DeviceBuffer<int32_t> d_loc = to_device(loc, stream_);
+  DeviceBuffer<float> d_table = to_device(compressed_table(), stream_);
+  for (Mode m : kModes) {
+    SCOPED_TRACE(mode_name(m));
+    DeviceErrorCounter errors;
+    DeviceBuffer<uint8_t> d_cache = poisoned<uint8_t>(cache_bytes, stream_);
+    feed_input(m, d_staging.get(), d_kproj.get(), kproj.size() * sizeof(bf16_t), stream_);
+    kn::IndexKStoreParams p;
+    p.kproj = d_kproj.get();
+    p.kproj_row_stride = kproj_stride;
+    p.k_norm = d_norm.get();
+    p.eps = kEps;
+    p.g = d_g.get();
+    p.table = d_table.get();
+    p.max_pos = kMaxPos;
+    p.out_loc = d_loc.get();
+    p.layout = layout;
+    p.cache = d_cache.get();
+    p.n_slots = n_slots;
+    p.N = N;
+    p.err_count = errors.get();
+    kn::run_index_k_store(p, stream_, m == Mode::kPdl);
+    EXPECT_TRUE(same_bytes(want, to_host(d_cache, stream_)));
+    EXPECT_EQ(errors.read(stream_), 3u);
+  }
+}
+
 }  // namespace
