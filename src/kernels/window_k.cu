@@ -2,21 +2,24 @@
 // RMSNorm(kv_norm) -> RoPE at pos on dims 448..511 -> FP8 quant -> paged window cache at swa_loc.
 // Twin of ref::window_k_store (the GPU has no kv_out debugging output).
 //
-// Grid ceil(T / 2), block 64 threads: one warp per row (warp w of CTA b owns row 2b + w). Lane l
-// holds dims [8l, 8l+8) and [256+8l, 256+8l+8) (the LaneSum chunks l and l+32, see
-// prepare_common.cuh), so the sum of squares is the reference's order exactly. Lanes 24..31 own the
-// RoPE tail in their second chunk (dims 448 + 8(l-24) .. +8).
-//  - V41: 16 blocks of 32 = 4 lanes per block; lane l stores its 8 codes at bytes 8l and 256+8l,
-//    lane 4j stores the scales of blocks j and 8+j.
-//  - V4: dims 0..447 in 7 blocks of 64 = 8 lanes per block (blocks 0..3 from first chunks,
-//    4..6 from the second chunks of lanes 0..23); lanes 24..31 store the bf16 tail (16 bytes each
-//    at 448 + 16(l-24)); lane 24 writes the zero pad byte after the 7 scales.
+// Grid 2T CTAs of 128 threads, pair per thread (prepare_common.cuh): CTA 2t + h owns pairs
+// 128h .. 128h+127 of row t, thread j dims 2j, 2j+1 (j in 0..255). Each warp computes the row's
+// RMSNorm sum of squares itself in the LaneSum order (detail::warp_row_sum_squares), so the two
+// CTAs of a row never talk. Warp 7 of the row (j >= 224, dims 448..511) holds the RoPE tail.
+//  - V41: 16 blocks of 32 = 16 lanes per block; thread j stores its 2 codes at bytes 2j, 2j+1,
+//    thread 16b stores scale b.
+//  - V4: dims 0..447 in 7 blocks of 64 = one warp per block (warps 0..6 of the row, lane 0
+//    stores the scale); warp 7 stores the bf16 tail (4 bytes per thread at 448 + 4(j - 224)),
+//    thread 224 the zero pad byte after the 7 scales.
+// (The previous version walked each row with one warp, 16 dims per lane: a few rows left the GPU
+// idle behind long exact-numerics chains.)
 //
-// PDL: before dev::pdl_wait() the warp reads swa_loc[t] and pos[t] (step metadata, written by a
-// host copy that precedes the QA GEMM; see prepare_kernels.h) and the constant kv_norm weights and
-// table row. It waits before the first load of the kv row (the QA GEMM output) and triggers its
-// dependents after its cache stores. Rows that store nothing return without waiting: they read
-// nothing the predecessor writes.
+// PDL: before dev::pdl_wait() a thread reads swa_loc[t] and pos[t] (step metadata, written by a
+// host copy that precedes the QA GEMM; see prepare_kernels.h; both loads in flight together) and
+// the constant kv_norm weights and table entry. It waits before the first load of the kv row (the
+// QA GEMM output) and triggers its dependents after its cache stores. Rows that store nothing
+// return without waiting: they read nothing the predecessor writes. Errors are counted once per
+// row (by the thread of pair 0).
 #include "v4attn/kernels/prepare_kernels.h"
 
 #include <string>
@@ -28,79 +31,63 @@ namespace v4attn::kernels {
 
 namespace {
 
-constexpr int kRowsPerCta = 2;
-constexpr int kThreads = 32 * kRowsPerCta;
-constexpr int kNope = kPrepHeadDim - num::kRopeDim;                  // 448
-constexpr int kTailFirstLane = (kNope - kPrepHeadDim / 2) / detail::kChunk;  // 24
-static_assert(kTailFirstLane == 24, "lanes 24..31 hold dims 448..511 in their second chunk");
+constexpr int kNope = kPrepHeadDim - num::kRopeDim;        // 448
+constexpr int kPairs = kPrepHeadDim / 2;                   // 256
+constexpr int kTailFirstPair = kNope / 2;                  // 224: warp 7 of the row
+constexpr int kThreads = 128;
+constexpr int kCtasPerRow = kPairs / kThreads;             // 2
+constexpr int kV41BlockPairs = num::kActQuantBlock / 2;    // 16 lanes per V41 block
+constexpr int kV4BlockPairs = 64 / 2;                      // 32: one warp per V4 block
+static_assert(kTailFirstPair % 32 == 0, "the RoPE / bf16 tail pairs are a whole warp (uniform branch)");
+static_assert(kPairs % kThreads == 0 && kThreads % 32 == 0, "whole warps, whole CTAs per row");
 
 __global__ void __launch_bounds__(kThreads) window_k_store_kernel(const __grid_constant__ WindowKStoreParams p) {
+  const int t = static_cast<int>(blockIdx.x / kCtasPerRow);
+  const int j = static_cast<int>(blockIdx.x % kCtasPerRow) * kThreads + static_cast<int>(threadIdx.x);
   const int lane = static_cast<int>(threadIdx.x) % 32;
-  const int t = static_cast<int>(blockIdx.x) * kRowsPerCta + static_cast<int>(threadIdx.x) / 32;
-  if (t >= p.T) return;
 
   // Step metadata and constants only.
   const int32_t loc = p.swa_loc[t];
+  const int32_t pos = p.pos[t];
   if (loc < 0) return;  // no write (the reference's norm has no other output on the GPU side)
   if (loc >= p.n_slots) {  // skipped and counted, like the reference's `skipped`
-    if (lane == 0) dev::count_error(p.err_count);
+    if (j == 0) dev::count_error(p.err_count);
     return;
   }
-  const int32_t pos = p.pos[t];
   if (pos < 0 || pos >= p.max_pos) {  // refused on the host by the reference; contained here
-    if (lane == 0) dev::count_error(p.err_count);
+    if (j == 0) dev::count_error(p.err_count);
     return;
   }
-  float w[2][detail::kChunk];
-  detail::ldg_f32x8(p.kv_norm + detail::kChunk * lane, w[0]);
-  detail::ldg_f32x8(p.kv_norm + kPrepHeadDim / 2 + detail::kChunk * lane, w[1]);
-  const bool tail_lane = lane >= kTailFirstLane;
-  float cs[detail::kChunk] = {};
-  if (tail_lane)
-    detail::ldg_f32x8(p.table + static_cast<int64_t>(pos) * num::kRopeDim + (lane - kTailFirstLane) * detail::kChunk, cs);
+  const bool tail = j >= kTailFirstPair;
+  const float2 w = detail::ldg_f32x2(p.kv_norm + 2 * j);
+  const float2 cs = tail ? detail::ldg_f32x2(p.table + static_cast<int64_t>(pos) * num::kRopeDim + 2 * (j - kTailFirstPair))
+                         : make_float2(0.0f, 0.0f);
 
   dev::pdl_wait();  // the kv row is the QA GEMM's output
 
   const bf16_t* row = p.kv + static_cast<int64_t>(t) * p.kv_row_stride;
-  float x[2][detail::kChunk];
-  detail::load_bf16x8(row + detail::kChunk * lane, x[0]);
-  detail::load_bf16x8(row + kPrepHeadDim / 2 + detail::kChunk * lane, x[1]);
-
-  const float sum_sq = dev::warp_lane_sum(detail::lane_sum_squares_part<2>(x));
-  const float r = num::rmsnorm_rstd(sum_sq, kPrepHeadDim, p.eps);
-  detail::rmsnorm_apply_chunk(x[0], r, w[0]);
-  detail::rmsnorm_apply_chunk(x[1], r, w[1]);
-  if (tail_lane) detail::rope_chunk(x[1], cs);
+  float x0, x1;
+  detail::load_bf16x2(row + 2 * j, x0, x1);
+  const float r = num::rmsnorm_rstd(detail::warp_row_sum_squares<kPrepHeadDim>(row, lane), kPrepHeadDim, p.eps);
+  detail::rmsnorm_apply_pair(x0, x1, r, w);
+  if (tail) detail::rope_pair(x0, x1, cs);
 
   uint8_t* data = p.cache + p.layout.data_offset(loc);
   uint8_t* scales = p.cache + p.layout.scale_offset(loc);
   if (p.kind == CacheKind::kWindowV41) {
-    int e0, e1;
-    const uint2 c0 = detail::act_quant_chunk<4>(x[0], e0);  // block l/4
-    const uint2 c1 = detail::act_quant_chunk<4>(x[1], e1);  // block 8 + l/4
-    *reinterpret_cast<uint2*>(data + detail::kChunk * lane) = c0;
-    *reinterpret_cast<uint2*>(data + kPrepHeadDim / 2 + detail::kChunk * lane) = c1;
-    if (lane % 4 == 0) {
-      scales[lane / 4] = num::ue8m0_from_exp(e0);
-      scales[8 + lane / 4] = num::ue8m0_from_exp(e1);
-    }
-  } else {  // kWindowV4
-    int e0, e1;
-    const uint2 c0 = detail::act_quant_chunk<8>(x[0], e0);  // block l/8 (0..3)
-    // Every lane joins the shuffles; lanes 24..31 (the bf16 tail) discard their codes.
-    const uint2 c1 = detail::act_quant_chunk<8>(x[1], e1);  // block 4 + l/8 (4..6) for l < 24
-    *reinterpret_cast<uint2*>(data + detail::kChunk * lane) = c0;
-    if (lane % 8 == 0) scales[lane / 8] = num::ue8m0_from_exp(e0);
-    if (!tail_lane) {
-      *reinterpret_cast<uint2*>(data + kPrepHeadDim / 2 + detail::kChunk * lane) = c1;
-      if (lane % 8 == 0) scales[4 + lane / 8] = num::ue8m0_from_exp(e1);
-    } else {
-      *reinterpret_cast<uint4*>(data + kNope + 2 * detail::kChunk * (lane - kTailFirstLane)) = detail::pack_bf16x8(x[1]);
-      if (lane == kTailFirstLane) scales[kNope / 64] = 0;  // the pad byte after the 7 scales
-    }
+    const int e = num::act_quant_scale_exp(detail::lane_group_max<kV41BlockPairs>(detail::pair_amax(x0, x1)));
+    *reinterpret_cast<uint16_t*>(data + 2 * j) = detail::act_quant_code_pair(x0, x1, num::pow2_f32(e));
+    if (j % kV41BlockPairs == 0) scales[j / kV41BlockPairs] = num::ue8m0_from_exp(e);
+  } else if (!tail) {  // kWindowV4, dims 0..447: block j / 32 is this warp
+    const int e = num::act_quant_scale_exp(detail::lane_group_max<kV4BlockPairs>(detail::pair_amax(x0, x1)));
+    *reinterpret_cast<uint16_t*>(data + 2 * j) = detail::act_quant_code_pair(x0, x1, num::pow2_f32(e));
+    if (j % kV4BlockPairs == 0) scales[j / kV4BlockPairs] = num::ue8m0_from_exp(e);
+  } else {  // kWindowV4, the roped bf16 tail (little-endian, even element first)
+    *reinterpret_cast<uint32_t*>(data + kNope + 4 * (j - kTailFirstPair)) = detail::pack_bf16x2(x0, x1);
+    if (j == kTailFirstPair) scales[kNope / 64] = 0;  // the pad byte after the 7 scales
   }
 
-  dev::pdl_launch_dependents();  // after this lane's last store
+  dev::pdl_launch_dependents();  // after this thread's last store
 }
 
 }  // namespace
@@ -109,6 +96,7 @@ void run_window_k_store(const WindowKStoreParams& p, cudaStream_t stream, bool p
   using detail::require;
   const char* who = "run_window_k_store";
   require(p.T >= 0, who, "negative T");
+  require(p.T <= (1 << 30), who, "T " + std::to_string(p.T) + " exceeds the grid limit (2 CTAs per row)");
   require(p.kind == CacheKind::kWindowV41 || p.kind == CacheKind::kWindowV4, who, "kind must be kWindowV41 or kWindowV4");
   require(p.kv_row_stride >= kPrepHeadDim && p.kv_row_stride % detail::kChunk == 0, who,
           "kv_row_stride " + std::to_string(p.kv_row_stride) + " must be >= 512 and a multiple of 8");
@@ -123,7 +111,7 @@ void run_window_k_store(const WindowKStoreParams& p, cudaStream_t stream, bool p
   detail::require_table(p.table, p.max_pos, who);
 
   LaunchConfig cfg;
-  cfg.grid = dim3(static_cast<unsigned>((p.T + kRowsPerCta - 1) / kRowsPerCta), 1, 1);
+  cfg.grid = dim3(static_cast<unsigned>(static_cast<int64_t>(p.T) * kCtasPerRow), 1, 1);
   cfg.block = dim3(kThreads, 1, 1);
   cfg.stream = stream;
   cfg.pdl = pdl;

@@ -1160,4 +1160,70 @@ TEST_F(GpuIndexK, StridedRowsContainedPositionAndManyRows) {
   }
 }
 
+// window-K, both layouts: 130 rows of the fused QA output (stride 1792). Containment and its
+// counts, once per row: row 4 has a position past the table (skipped entirely, counted), row 11
+// the same but no slot (swa_loc -1: not counted), row 30 a slot past the pool AND a bad position
+// (the slot check comes first: counted once), row 90 a slot past the pool (counted).
+TEST_F(GpuWindowK, ContainedPositionAndManyRows) {
+  const int T = kManyRows;
+  const Batch b = make_batch(T, rng_);
+  for (CacheKind kind : {CacheKind::kWindowV41, CacheKind::kWindowV4}) {
+    SCOPED_TRACE("window kind " + std::to_string(static_cast<int>(kind)));
+    const CacheLayout layout = cache_layout(kind);
+    const int64_t n_slots = b.pool.window_pool_slots();
+    const size_t cache_bytes = static_cast<size_t>(layout.pool_bytes(n_slots));
+    const std::vector<bf16_t> qa = random_rows_bf16(T, kQaWidth, rng_);
+    const std::vector<float> kv_norm = random_norm_weight(512, rng_);
+    std::vector<int32_t> pos = b.meta.pos, loc = b.meta.swa_loc;
+    for (int t : {4, 11, 30, 90}) ASSERT_GE(loc[t], 0) << t;
+    std::vector<int32_t> pos_ref = pos, loc_ref = loc;
+    pos[4] = kMaxPos;
+    loc_ref[4] = -1;
+    pos[11] = -5;
+    loc[11] = -1;
+    loc_ref[11] = -1;
+    pos[30] = kMaxPos + 1;
+    loc[30] = static_cast<int32_t>(n_slots) + 2;
+    loc_ref[30] = loc[30];
+    loc[90] = static_cast<int32_t>(n_slots);
+    loc_ref[90] = loc[90];
+
+    std::vector<uint8_t> want = poisoned_host<uint8_t>(cache_bytes);
+    EXPECT_EQ(ref::window_k_store(qa.data() + kKvColumn, T, kQaWidth, kv_norm.data(), kEps, pos_ref.data(),
+                                  main_table().data(), kMaxPos, loc_ref.data(), kind, layout, want.data(), n_slots),
+              2);
+
+    DeviceBuffer<bf16_t> d_staging = to_device(qa, stream_);
+    DeviceBuffer<bf16_t> d_qa(qa.size());
+    DeviceBuffer<float> d_norm = to_device(kv_norm, stream_);
+    DeviceBuffer<int32_t> d_pos = to_device(pos, stream_);
+    DeviceBuffer<int32_t> d_loc = to_device(loc, stream_);
+    DeviceBuffer<float> d_table = to_device(main_table(), stream_);
+    for (Mode m : kModes) {
+      SCOPED_TRACE(mode_name(m));
+      DeviceErrorCounter errors;
+      DeviceBuffer<uint8_t> d_cache = poisoned<uint8_t>(cache_bytes, stream_);
+      feed_input(m, d_staging.get(), d_qa.get(), qa.size() * sizeof(bf16_t), stream_);
+      kn::WindowKStoreParams p;
+      p.kv = d_qa.get() + kKvColumn;
+      p.kv_row_stride = kQaWidth;
+      p.kv_norm = d_norm.get();
+      p.eps = kEps;
+      p.pos = d_pos.get();
+      p.table = d_table.get();
+      p.max_pos = kMaxPos;
+      p.swa_loc = d_loc.get();
+      p.kind = kind;
+      p.layout = layout;
+      p.cache = d_cache.get();
+      p.n_slots = n_slots;
+      p.T = T;
+      p.err_count = errors.get();
+      kn::run_window_k_store(p, stream_, m == Mode::kPdl);
+      EXPECT_TRUE(same_bytes(want, to_host(d_cache, stream_)));
+      EXPECT_EQ(errors.read(stream_), 3u);
+    }
+  }
+}
+
 }  // namespace
