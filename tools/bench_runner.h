@@ -31,6 +31,8 @@ struct BenchConfig {
   kernels::GemmVersion gemm = kernels::GemmVersion::kAuto;
   LayerIssue::SFork s_fork = LayerIssue::SFork::kAtLayerStart;
   bool lane_prologue = false;
+  int scores_group_rows = 0;            // indexer scores: rows per CTA (0: the stack's default)
+  int scores_steps = 0;                 // indexer scores: steps per warp (0: automatic)
   uint64_t seed = 1;
   std::string json_path;   // "" none, "-" stdout (then the table goes to `out`, which should be stderr)
   std::string trace_path;  // Chrome trace of one traced cycle of the last schedule ("" none)

@@ -209,6 +209,8 @@ struct BenchCliOptions {
   std::string gemm = "auto";
   std::string s_fork = "at-layer-start";
   bool lane_prologue = false;
+  int scores_group_rows = 0;
+  int scores_steps = 0;
   uint64_t seed = 1;
   std::string json_path;
   std::string trace_path;
@@ -248,6 +250,8 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
   so.schedule = c.schedules.front();
   so.s_fork = c.s_fork;
   so.lane_prologue = c.lane_prologue;
+  so.scores_group_rows = c.scores_group_rows;
+  so.scores_steps = c.scores_steps;
   so.pdl = c.pdl;
   so.pdl_everywhere = c.pdl_everywhere;
   so.gemm = c.gemm;
@@ -340,6 +344,8 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
     j["gemm"] = kernels::gemm_version_name(c.gemm);
     j["s_fork"] = s_fork_name(c.s_fork);
     j["lane_prologue"] = c.lane_prologue;
+    j["scores_group_rows"] = c.scores_group_rows;
+    j["scores_steps"] = c.scores_steps;
     j["seed"] = c.seed;
     j["device_bytes"] = stack.device_bytes();
     j["weight_bytes"] = stack.weight_bytes();
@@ -428,6 +434,14 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       ->check(CLI::IsMember({"at-layer-start", "after-q-norm", "idx-on-k", "idx-gemms-on-k"}))
       ->capture_default_str();
   sub->add_flag("--lane-prologue", o->lane_prologue, "Anchor both side lanes at the cycle start (lanes.h experiment)");
+  sub->add_option("--scores-group-rows", o->scores_group_rows,
+                  "Indexer scores: rows per CTA, 1..8 (0: a request's rows in verify, 1 in decode; tuning knob)")
+      ->check(CLI::Range(0, 8))
+      ->capture_default_str();
+  sub->add_option("--scores-steps", o->scores_steps,
+                  "Indexer scores: 32-position steps per warp, 1..4 (0: automatic; tuning knob)")
+      ->check(CLI::Range(0, 4))
+      ->capture_default_str();
   sub->add_option("--seed", o->seed, "Seed of the device-random weights and inputs")->capture_default_str();
   sub->add_option("--json", o->json_path, "Write the results as JSON to FILE ('-': stdout, table to stderr)")
       ->type_name("FILE");
@@ -459,6 +473,8 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
                  : o->s_fork == "idx-gemms-on-k" ? LayerIssue::SFork::kIdxGemmsOnK
                                              : LayerIssue::SFork::kAtLayerStart;
       c.lane_prologue = o->lane_prologue;
+      c.scores_group_rows = o->scores_group_rows;
+      c.scores_steps = o->scores_steps;
       c.seed = o->seed;
       c.json_path = o->json_path;
       c.trace_path = o->trace_path;

@@ -144,6 +144,10 @@ void validate_options(const ModelPlan& plan, const GpuStackOptions& o) {
   };
   check_buckets(o.decode_buckets, "decode");
   check_buckets(o.verify_buckets, "verify");
+  if (o.scores_group_rows < 0 || o.scores_group_rows > 8)
+    fail("scores_group_rows must be in [0, 8] (got " + std::to_string(o.scores_group_rows) + ")");
+  if (o.scores_steps < 0 || o.scores_steps > 4)
+    fail("scores_steps must be in [0, 4] (got " + std::to_string(o.scores_steps) + ")");
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -890,6 +894,8 @@ void GpuPrepareStack::Impl::issue_idx_rest(int L, int T, cudaStream_t s) {
     p.err_count = err.get();
     // Verify rows of one request are consecutive: one CTA scores them on one read of their K.
     p.group_rows = info.kind == StepKind::kVerify ? std::clamp(rows_per_request, 1, 8) : 1;
+    if (o.scores_group_rows > 0) p.group_rows = o.scores_group_rows;
+    p.steps_per_warp = o.scores_steps;
     kn::run_indexer_scores(p, s, pdl_rest());
   }
   if (l.is_candidate_source) {

@@ -117,6 +117,10 @@ struct GpuStackOptions {
   // predecessor finishes). Measured 1.4-2.5 % per verify bs 1 cycle (docs/perf.md, run 12).
   bool pdl_everywhere = true;
   kernels::GemmVersion gemm = kernels::GemmVersion::kAuto;  // every GEMM of the cycle (kAuto: fp8 v2/v3 by shape, bf16/f32 v1)
+  // Indexer scores launch shape (outputs do not depend on it): rows per CTA (0: the rows of one
+  // request in verify, 1 in decode) and 32-position steps per warp (0: the launcher's choice).
+  int scores_group_rows = 0;  // 0..8
+  int scores_steps = 0;       // 0..4
   WeightSource weights = WeightSource::kDeviceRandom;
   uint64_t seed = 1;  // weights (both sources) and device-generated inputs
   std::function<void(const std::string&)> progress;  // optional progress lines (construction, prefill)
