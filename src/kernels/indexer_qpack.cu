@@ -13,8 +13,8 @@
 // thread on 4 warps per row made it latency-bound at ~7 us.)
 //
 // PDL: pos is step metadata (written before the predecessor started), the RoPE table a constant;
-// both are read before dev::pdl_wait(). qi and wproj_out (GEMM outputs) are read after it; the
-// trigger follows the thread's last store.
+// both are read before dev::pdl_wait(). qi and wproj_out (GEMM outputs) are read after it, both
+// before the first store (see the kernel); the trigger follows the thread's last store.
 #include "v4attn/kernels/indexer_kernels.h"
 
 #include <cmath>
@@ -53,13 +53,17 @@ __global__ void __launch_bounds__(kThreads) indexer_q_pack_kernel(const __grid_c
 
   dev::pdl_wait();  // qi and wproj_out are the predecessor GEMMs' outputs
 
-  if (blockIdx.y == 0 && static_cast<int>(threadIdx.x) < p.heads) {
-    const float w = num::f32_from_bf16(p.wproj_out[t * p.wproj_stride + threadIdx.x]);
-    p.weights[t * p.heads + threadIdx.x] = num::mul_rn(w, weight_scale);
-  }
+  // Both GEMM outputs are loaded before the first store: the compiler must assume that a store
+  // to weights may alias qi, so a qi load placed after it would wait for the wproj round trip
+  // (two dependent L2 round trips on the weight-writing warp).
+  const bool writes_weight = blockIdx.y == 0 && static_cast<int>(threadIdx.x) < p.heads;
+  uint32_t raw = 0u;
+  if (active)
+    raw = *reinterpret_cast<const uint32_t*>(p.qi + t * p.qi_stride + static_cast<int64_t>(h) * kIndexerHeadDim + 2 * m);
+  float wproj = 0.0f;
+  if (writes_weight) wproj = num::f32_from_bf16(p.wproj_out[t * p.wproj_stride + threadIdx.x]);
+  if (writes_weight) p.weights[t * p.heads + threadIdx.x] = num::mul_rn(wproj, weight_scale);
   if (active) {
-    const uint32_t raw =
-        *reinterpret_cast<const uint32_t*>(p.qi + t * p.qi_stride + static_cast<int64_t>(h) * kIndexerHeadDim + 2 * m);
     float x0 = num::f32_from_bf16(static_cast<num::bf16_t>(raw & 0xffffu));
     float x1 = num::f32_from_bf16(static_cast<num::bf16_t>(raw >> 16));
     if (rope) {
