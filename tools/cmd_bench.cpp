@@ -211,6 +211,7 @@ struct BenchCliOptions {
   bool lane_prologue = false;
   int scores_group_rows = 0;
   int scores_steps = 0;
+  int side_priority = 0;
   uint64_t seed = 1;
   std::string json_path;
   std::string trace_path;
@@ -252,6 +253,7 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
   so.lane_prologue = c.lane_prologue;
   so.scores_group_rows = c.scores_group_rows;
   so.scores_steps = c.scores_steps;
+  so.side_priority = c.side_priority;
   so.pdl = c.pdl;
   so.pdl_everywhere = c.pdl_everywhere;
   so.gemm = c.gemm;
@@ -346,6 +348,7 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
     j["lane_prologue"] = c.lane_prologue;
     j["scores_group_rows"] = c.scores_group_rows;
     j["scores_steps"] = c.scores_steps;
+    j["side_priority"] = c.side_priority;
     j["seed"] = c.seed;
     j["device_bytes"] = stack.device_bytes();
     j["weight_bytes"] = stack.weight_bytes();
@@ -442,6 +445,10 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
                   "Indexer scores: 32-position steps per warp, 1..4 (0: automatic; tuning knob)")
       ->check(CLI::Range(0, 4))
       ->capture_default_str();
+  sub->add_option("--side-priority", o->side_priority,
+                  "CUDA stream priority of the side lanes S and K (negative = higher than main; 0: default)")
+      ->check(CLI::Range(-16, 0))
+      ->capture_default_str();
   sub->add_option("--seed", o->seed, "Seed of the device-random weights and inputs")->capture_default_str();
   sub->add_option("--json", o->json_path, "Write the results as JSON to FILE ('-': stdout, table to stderr)")
       ->type_name("FILE");
@@ -475,6 +482,7 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       c.lane_prologue = o->lane_prologue;
       c.scores_group_rows = o->scores_group_rows;
       c.scores_steps = o->scores_steps;
+      c.side_priority = o->side_priority;
       c.seed = o->seed;
       c.json_path = o->json_path;
       c.trace_path = o->trace_path;

@@ -229,7 +229,9 @@ struct GpuPrepareStack::Impl {
         o(opt),
         graphs(opt.decode_buckets.empty() ? default_buckets(StepKind::kDecode, p, opt.max_rows) : opt.decode_buckets,
                opt.verify_buckets.empty() ? default_buckets(StepKind::kVerify, p, opt.max_rows) : opt.verify_buckets),
-        err(lanes.main_stream()) {}
+        err(lanes.main_stream()) {
+    if (opt.side_priority != 0) lanes.set_side_priority(opt.side_priority);
+  }
 
   ~Impl() {
     // Nothing may still run on the buffers when they are freed.

@@ -1,5 +1,6 @@
 #include "v4attn/runtime/lanes.h"
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -217,6 +218,21 @@ void PrepareStreams::require_all_joined() const {
 void PrepareStreams::abandon_open_blocks() {
   for (Block& b : blocks_)
     if (b.open) close_block(b);
+}
+
+int PrepareStreams::set_side_priority(int priority) {
+  if (blocks_[0].open || blocks_[1].open)
+    throw std::logic_error("PrepareStreams::set_side_priority: a side block is open");
+  int least = 0, greatest = 0;
+  V4_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  const int p = std::clamp(priority, greatest, least);  // greatest is the numerically smallest
+  for (auto& s : side_) {
+    V4_CUDA_CHECK(cudaStreamSynchronize(s));
+    V4_CUDA_CHECK(cudaStreamDestroy(s));
+    s = nullptr;
+    V4_CUDA_CHECK(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, p));
+  }
+  return p;
 }
 
 void PrepareStreams::set_side_issue_order(SideIssueOrder order) {

@@ -40,22 +40,32 @@ void launch_kernel(const char* name, void (*kernel)(KArgs...), const LaunchConfi
   lc.blockDim = cfg.block;
   lc.dynamicSmemBytes = cfg.smem_bytes;
   lc.stream = cfg.stream;
-  cudaLaunchAttribute attr[2];
+  cudaLaunchAttribute attr[3];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = cfg.pdl ? 1 : 0;
   lc.attrs = attr;
   lc.numAttrs = 1;
-  if (cfg.cluster.x * cfg.cluster.y * cfg.cluster.z > 1) {
-    attr[1].id = cudaLaunchAttributeClusterDimension;
-    attr[1].val.clusterDim.x = cfg.cluster.x;
-    attr[1].val.clusterDim.y = cfg.cluster.y;
-    attr[1].val.clusterDim.z = cfg.cluster.z;
-    lc.numAttrs = 2;
+  const bool cluster = cfg.cluster.x * cfg.cluster.y * cfg.cluster.z > 1;
+  if (cluster) {
+    attr[lc.numAttrs].id = cudaLaunchAttributeClusterDimension;
+    attr[lc.numAttrs].val.clusterDim.x = cfg.cluster.x;
+    attr[lc.numAttrs].val.clusterDim.y = cfg.cluster.y;
+    attr[lc.numAttrs].val.clusterDim.z = cfg.cluster.z;
+    ++lc.numAttrs;
+  }
+  // A stream with a non-default priority (PrepareStreams::set_side_priority) passes it to the
+  // launch explicitly, so that a captured graph's kernel node carries it too.
+  int priority = 0;
+  if (cfg.stream != nullptr) V4_CUDA_CHECK(cudaStreamGetPriority(cfg.stream, &priority));
+  if (priority != 0) {
+    attr[lc.numAttrs].id = cudaLaunchAttributePriority;
+    attr[lc.numAttrs].val.priority = priority;
+    ++lc.numAttrs;
   }
   if (launch_debug_enabled())
     std::fprintf(stderr, "[v4attn launch] %s grid(%u,%u,%u) block(%u,%u,%u) smem %zu pdl %d%s\n", name,
                  cfg.grid.x, cfg.grid.y, cfg.grid.z, cfg.block.x, cfg.block.y, cfg.block.z,
-                 cfg.smem_bytes, cfg.pdl ? 1 : 0, lc.numAttrs > 1 ? " (cluster launch)" : "");
+                 cfg.smem_bytes, cfg.pdl ? 1 : 0, cluster ? " (cluster launch)" : "");
   V4_CUDA_CHECK(cudaLaunchKernelEx(&lc, kernel, static_cast<KArgs>(args)...));
 }
 

@@ -119,6 +119,13 @@ class PrepareStreams {
   void set_side_issue_order(SideIssueOrder order);
   SideIssueOrder side_issue_order() const { return order_; }
 
+  // Scheduling priority of the two side lanes' streams (CUDA stream priority: lower is higher;
+  // 0 = default, clamped into the device's range). launch_kernel copies a stream's priority into
+  // each launch (and so into captured graph nodes), so that when CTAs of several lanes wait for
+  // free SMs the side lanes' go first. Recreates the side streams: no side block may be open and
+  // no capture may be in progress. Returns the priority in effect.
+  int set_side_priority(int priority);
+
  private:
   friend class SideBlock;
   struct Fork {
