@@ -1,4 +1,5 @@
-// Benchmark of the per-layer prepare kernels (include/v4attn/kernels/prepare_kernels.h).
+// Benchmark of the per-layer prepare kernels (include/v4attn/kernels/prepare_kernels.h), plus the
+// indexer q pack (indexer_kernels.h) and the FP8 act quant of the layer input (gemm.h).
 //
 // For every kernel and row count T: build seeded random inputs and step metadata (T < 6: decode
 // rows; otherwise verify blocks of 6 rows padded to T, like tests/gpu/test_prepare_kernels.cu),
@@ -9,7 +10,8 @@
 // 4.27 TB/s. Tiny kernels sit far above their floor: they are launch- and latency-bound, which is
 // what PDL and graph capture are for.
 //
-// Versions: v1 = the kernels of src/kernels (launched without PDL; nothing precedes them here).
+// Versions: v1 = the kernels of src/kernels and the FP8 act quant of src/gemm (launched without
+// PDL; nothing precedes them here).
 //
 // Usage: bench_prepare_kernels [--T 1,6,8,48,64] [--reps 100] [--heads 64] [--json FILE]
 #include <CLI/CLI.hpp>
@@ -30,7 +32,11 @@
 #include "bench_common.h"
 #include "runtime/cuda_utils.h"
 #include "runtime/device_error_counter.h"
+#include "v4attn/kernels/gemm.h"
+#include "v4attn/kernels/indexer_kernels.h"
 #include "v4attn/kernels/prepare_kernels.h"
+#include "v4attn/reference/gemm.h"
+#include "v4attn/reference/indexer.h"
 #include "v4attn/reference/prepare_ops.h"
 #include "v4attn/reference/step.h"
 #include "v4attn/rope_table.h"
@@ -383,6 +389,78 @@ Case index_k_case(int T) {
   return c;
 }
 
+// FP8 act quant of the layer input x [T, 5120] (block 32, ue8m0): the quant ahead of the fp8
+// GEMMs (kernels/gemm.h run_act_quant_fp8).
+Case act_quant_case(int T) {
+  constexpr int64_t kHidden = 5120;
+  const std::vector<bf16_t> x = random_bf16(static_cast<size_t>(T) * kHidden);
+  const ref::ActQuant want = ref::act_quant(x.data(), T, kHidden, kHidden);
+  auto d_x = dev(x);
+  auto d_q = dev_poisoned<uint8_t>(want.q.size());
+  auto d_scale = dev_poisoned<uint8_t>(want.scale.size());
+  kn::ActQuantParams p;
+  p.x = d_x->get();
+  p.x_stride = kHidden;
+  p.q = d_q->get();
+  p.q_stride = kHidden;
+  p.scale = d_scale->get();
+  p.scale_stride = kHidden / 32;
+  p.m = T;
+  p.k = kHidden;
+  Case c;
+  c.kernel = "act_quant_fp8";
+  c.T = T;
+  c.bytes = static_cast<int64_t>(T) * (2 * kHidden + kHidden + kHidden / 32);
+  c.launch = [p](cudaStream_t s) { kn::run_act_quant_fp8(p, s, false); };
+  c.launch(nullptr);
+  c.valid = same_bytes(want.q, *d_q) && same_bytes(want.scale, *d_scale);
+  c.keep = {d_x, d_q, d_scale};
+  return c;
+}
+
+// Indexer q pack (32 heads): qi [T, 4096] -> RoPE -> FP4 codes + scales, and the head weights.
+Case q_pack_case(int T) {
+  constexpr int kHeads = kn::kIndexerHeads;
+  constexpr int64_t kQi = int64_t{kHeads} * kn::kIndexerHeadDim;
+  const std::vector<bf16_t> qi = random_bf16(static_cast<size_t>(T) * kQi);
+  const std::vector<bf16_t> wproj = random_bf16(static_cast<size_t>(T) * kHeads);
+  std::uniform_int_distribution<int32_t> pd(0, kMaxPos - 1);
+  std::vector<int32_t> pos(static_cast<size_t>(T));
+  for (auto& x : pos) x = pd(rng());
+  const ref::IndexerQ want = ref::indexer_q_pack(qi.data(), T, kHeads, pos.data(), compressed_table().data(), kMaxPos);
+  const std::vector<float> want_w = ref::indexer_weights(wproj.data(), T, kHeads, kHeads);
+  auto d_qi = dev(qi);
+  auto d_wproj = dev(wproj);
+  auto d_pos = dev(pos);
+  auto d_table = dev(compressed_table());
+  auto d_codes = dev_poisoned<uint8_t>(want.codes.size());
+  auto d_scales = dev_poisoned<uint8_t>(want.scales.size());
+  auto d_weights = dev_poisoned<float>(want_w.size());
+  kn::IndexerQPackParams p;
+  p.qi = d_qi->get();
+  p.qi_stride = kQi;
+  p.wproj_out = d_wproj->get();
+  p.wproj_stride = kHeads;
+  p.pos = d_pos->get();
+  p.rope_table = d_table->get();
+  p.max_pos = kMaxPos;
+  p.T = T;
+  p.heads = kHeads;
+  p.heads_total = kHeads;
+  p.q_codes = d_codes->get();
+  p.q_scales = d_scales->get();
+  p.weights = d_weights->get();
+  Case c;
+  c.kernel = "indexer_q_pack";
+  c.T = T;
+  c.bytes = static_cast<int64_t>(T) * (2 * kQi + 2 * kHeads + 4 + 128 + kHeads * (64 + 4 + 4));
+  c.launch = [p](cudaStream_t s) { kn::run_indexer_q_pack(p, s, false); };
+  c.launch(nullptr);
+  c.valid = same_bytes(want.codes, *d_codes) && same_bytes(want.scales, *d_scales) && same_bytes(want_w, *d_weights);
+  c.keep = {d_qi, d_wproj, d_pos, d_table, d_codes, d_scales, d_weights};
+  return c;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -414,6 +492,8 @@ int main(int argc, char** argv) {
         [](int T) { return c1_case(T); },
         [](int T) { return c2_case(T); },
         [](int T) { return index_k_case(T); },
+        [](int T) { return q_pack_case(T); },
+        [](int T) { return act_quant_case(T); },
     };
     std::printf("%-16s %-4s %5s %11s %10s %9s %7s %s\n", "kernel", "ver", "T", "median_us", "bytes", "floor_us", "ratio",
                 "valid");
