@@ -1,13 +1,16 @@
 // Device and host helpers shared by the prepare kernels (q_rope_store.cu, window_k.cu,
-// compressor.cu, index_k.cu). Every numeric step is a numerics.h primitive, applied in the same
-// order as the CPU reference (src/reference/), so the bytes agree.
+// compressor.cu, index_k.cu) and rmsnorm.cu. Every numeric step is a numerics.h primitive,
+// applied in the same order as the CPU reference (src/reference/), so the bytes agree.
 //
-// Warp-per-row convention (window-K, c1, c2, index-K): lane l owns the LaneSum chunks of its row,
-// i.e. dims [8l, 8l+8) and, for 512-wide rows, [256+8l, 256+8l+8) (chunk c -> lane c % 32). So the
-// per-lane sum of squares runs chunk l then chunk l+32, each in element order, and the warp
-// butterfly (dev::warp_lane_sum) finishes the LaneSum exactly as num::lane_sum_squares does.
-// Quantization blocks are 2 (block 16), 4 (block 32) or 8 (block 64) consecutive lanes' chunks;
-// their amax is combined with xor shuffles inside that lane group (max is order-free).
+// Two conventions. The small-T prepare kernels (window-K, c1, c2, index-K) give each thread one
+// pair of elements (see "pair-per-thread kernels" below). The chunk helpers serve q_rope_store and
+// rmsnorm.cu, and the warp-per-row convention they were written for: lane l owns the LaneSum
+// chunks of its row, i.e. dims [8l, 8l+8) and, for 512-wide rows, [256+8l, 256+8l+8) (chunk c ->
+// lane c % 32). So the per-lane sum of squares runs chunk l then chunk l+32, each in element
+// order, and the warp butterfly (dev::warp_lane_sum) finishes the LaneSum exactly as
+// num::lane_sum_squares does. Quantization blocks are 2 (block 16), 4 (block 32) or 8 (block 64)
+// consecutive lanes' chunks; their amax is combined with xor shuffles inside that lane group (max
+// is order-free).
 #pragma once
 
 #include <cuda_runtime.h>
