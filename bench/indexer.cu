@@ -25,14 +25,19 @@
 //    (auto tiles, independent block scales: the per-block path), all one row per CTA
 //    (group_rows 1); verify shapes add "g6" and "g6-wide" (group_rows 6: the 6 rows of a request
 //    in one CTA, one read of their K).
-//  - top-k and candidate mask "v1" (one CTA per row) and "v2" (many CTAs per row, workspace).
+//  - top-k and candidate mask "v1" (one CTA per row), "v2" (many CTAs per row, workspace) and
+//    "v3" (one thread-block cluster per row, automatic cluster size), "v3-c8" / "v3-c16" (8 / 16
+//    CTAs per row).
 //  - q pack "v2" (one thread per pair of values).
 //  - chain "idx": q pack -> scores (g6 for verify) -> top-k v2, and "idx+mask": with the
 //    candidate mask v2 before the top-k (the candidate source layer), captured once in a CUDA
-//    graph with PDL between the kernels; each replay timed like a kernel (cold L2).
+//    graph with PDL between the kernels; each replay timed like a kernel (cold L2). "idx-v3" and
+//    "idx+mask-v3": the same chains with the v3 selection.
 //
 // Usage: bench_indexer [--T 1,6,8,48,64] [--clen 4096,65536] [--shape decode,verify] [--reps 100]
-//                      [--json FILE]
+//                      [--select-only] [--json FILE]
+// (--select-only: top-k, candidate mask and the chains only; e.g. the v2 / v3 comparison:
+//  bench_indexer --T 6,24,32 --clen 32768,65536 --select-only)
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
@@ -240,6 +245,18 @@ kn::IndexerQPackParams qpack_params(const Problem& pb) {
   p.weights = pb.d_w.get();
   return p;
 }
+// Selection versions of top-k and the candidate mask.
+struct SelVersion {
+  const char* name;
+  int version;     // IndexerTopkParams / CandidateMaskParams::version
+  bool workspace;  // v2
+  int cluster;     // v3_cluster (0 = automatic)
+};
+constexpr SelVersion kSelVersions[] = {
+    {"v1", 0, false, 0}, {"v2", 0, true, 0}, {"v3", 3, false, 0}, {"v3-c8", 3, false, 8}, {"v3-c16", 3, false, 16}};
+constexpr SelVersion kChainV2 = kSelVersions[1];
+constexpr SelVersion kChainV3 = kSelVersions[2];
+
 kn::IndexerTopkParams topk_params(const Problem& pb, bool v2) {
   kn::IndexerTopkParams p;
   p.scores = pb.d_scores.get();
@@ -259,6 +276,12 @@ kn::IndexerTopkParams topk_params(const Problem& pb, bool v2) {
   }
   return p;
 }
+kn::IndexerTopkParams topk_params(const Problem& pb, const SelVersion& v) {
+  kn::IndexerTopkParams p = topk_params(pb, v.workspace);
+  p.version = v.version;
+  p.v3_cluster = v.cluster;
+  return p;
+}
 kn::CandidateMaskParams mask_params(const Problem& pb, bool v2) {
   kn::CandidateMaskParams p;
   p.scores = pb.d_scores.get();
@@ -273,6 +296,13 @@ kn::CandidateMaskParams mask_params(const Problem& pb, bool v2) {
     p.workspace = pb.d_ws.get();
     p.workspace_bytes = pb.d_ws.bytes();
   }
+  return p;
+}
+
+kn::CandidateMaskParams mask_params(const Problem& pb, const SelVersion& v) {
+  kn::CandidateMaskParams p = mask_params(pb, v.workspace);
+  p.version = v.version;
+  p.v3_cluster = v.cluster;
   return p;
 }
 
@@ -311,12 +341,12 @@ bool validate_scores(Problem& pb, cudaStream_t s, int group_rows = 1) {
 }
 
 // Top-k and candidate mask of one version against the reference, both fed the GPU scores.
-bool validate_topk_and_mask(Problem& pb, cudaStream_t s, bool v2, bool& mask_ok) {
+bool validate_topk_and_mask(Problem& pb, cudaStream_t s, const SelVersion& v, bool& mask_ok) {
   kn::run_indexer_scores(scores_params(pb, 0), s, false);
   pb.d_out.fill_bytes(0xAB, s);
   pb.d_mask.fill_bytes(0xAB, s);
-  kn::run_indexer_topk(topk_params(pb, v2), s, false);
-  kn::run_candidate_mask(mask_params(pb, v2), s, false);
+  kn::run_indexer_topk(topk_params(pb, v), s, false);
+  kn::run_candidate_mask(mask_params(pb, v), s, false);
   V4_CUDA_CHECK(cudaStreamSynchronize(s));
   const auto scores = to_host(pb.d_scores, static_cast<size_t>(pb.T) * pb.stride);
   const auto out = to_host(pb.d_out, static_cast<size_t>(pb.T) * kTopk);
@@ -333,13 +363,13 @@ bool validate_topk_and_mask(Problem& pb, cudaStream_t s, bool v2, bool& mask_ok)
 
 // The chain of one index-source layer (optionally with the candidate mask of the candidate source,
 // whose mask then also filters the top-k, like a later index source would), on stream s with PDL.
-void issue_chain(const Problem& pb, cudaStream_t s, bool with_mask) {
+void issue_chain(const Problem& pb, cudaStream_t s, bool with_mask, const SelVersion& sel) {
   const int group_rows = pb.shape == "verify" ? 6 : 1;
   kn::run_indexer_q_pack(qpack_params(pb), s, true);
   kn::run_indexer_scores(scores_params(pb, 0, group_rows), s, true);
-  kn::IndexerTopkParams tp = topk_params(pb, true);
+  kn::IndexerTopkParams tp = topk_params(pb, sel);
   if (with_mask) {
-    kn::run_candidate_mask(mask_params(pb, true), s, true);
+    kn::run_candidate_mask(mask_params(pb, sel), s, true);
     tp.candidate_mask = pb.d_mask.get();
     tp.mask_stride = pb.mask_stride;
     tp.mask_block = kMaskBlock;
@@ -349,11 +379,11 @@ void issue_chain(const Problem& pb, cudaStream_t s, bool with_mask) {
 
 // The chain's q pack bytes against the reference, and its top-k (and mask) against the reference
 // fed the chain's own scores.
-bool validate_chain(Problem& pb, cudaStream_t s, bool with_mask) {
+bool validate_chain(Problem& pb, cudaStream_t s, bool with_mask, const SelVersion& sel = kChainV2) {
   pb.d_codes.fill_bytes(0xAB, s);
   pb.d_out.fill_bytes(0xAB, s);
   pb.d_mask.fill_bytes(0xAB, s);
-  issue_chain(pb, s, with_mask);
+  issue_chain(pb, s, with_mask, sel);
   V4_CUDA_CHECK(cudaStreamSynchronize(s));
   const auto q = ref::indexer_q_pack(pb.qi.data(), pb.T, kHeads, pb.pos.data(), pb.rope.data(), pb.max_pos);
   const auto w = ref::indexer_weights(pb.wproj.data(), pb.T, kHeads, kHeads);
@@ -382,12 +412,14 @@ int main(int argc, char** argv) {
   std::vector<int64_t> clens = {4096, 65536};
   std::vector<std::string> shapes = {"decode", "verify"};
   int reps = 100;
+  bool select_only = false;
   std::string json_path;
   app.add_option("--T", Ts, "row counts T")->delimiter(',');
   app.add_option("--clen", clens, "context lengths (compressed positions per row)")->delimiter(',');
   app.add_option("--shape", shapes, "batch shapes: decode (one request per row), verify (6 rows per request)")
       ->delimiter(',');
   app.add_option("--reps", reps, "timed launches per case (>= 50)")->check(CLI::Range(50, 100000));
+  app.add_flag("--select-only", select_only, "only top-k, the candidate mask and the chains (skip scores / q pack rows)");
   app.add_option("--json", json_path, "also write the rows to this JSON file");
   CLI11_PARSE(app, argc, argv);
 
@@ -441,7 +473,7 @@ int main(int argc, char** argv) {
             return pb.distinct_positions * (kn::kIndexerCodeBytes + kn::kIndexerScaleBytes) +
                    pb.distinct_positions * 4 + int64_t{pb.T} * pb.stride * 4 + int64_t{pb.T} * kHeads * (64 + 4 + 4);
           };
-          {  // wide scales: the per-block path (auto tiles), one row per CTA and (verify) 6
+          if (!select_only) {  // wide scales: the per-block path (auto tiles), one row per CTA and (verify) 6
             Problem wide = make_problem(shape, T, clen, /*wide=*/true);
             V4_CUDA_CHECK(cudaDeviceSynchronize());
             for (int g : verify ? std::vector<int>{1, 6} : std::vector<int>{1}) {
@@ -453,14 +485,15 @@ int main(int argc, char** argv) {
           }
           Problem pb = make_problem(shape, T, clen, /*wide=*/false);
           V4_CUDA_CHECK(cudaDeviceSynchronize());
-          const bool scores_ok = validate_scores(pb, stream);
+          const bool scores_ok = select_only || validate_scores(pb, stream);
           for (int steps : {0, 1, 2, 4}) {  // narrow scales: the fused path
+            if (select_only) break;
             static const char* const kStepNames[] = {"auto", "s1", "s2", "s3", "s4"};
             const auto p = scores_params(pb, steps);
             row_of("scores", kStepNames[steps], scores_bytes(pb), scores_ok,
                    cold_median_us([&](cudaStream_t s) { kn::run_indexer_scores(p, s, false); }));
           }
-          if (verify) {
+          if (verify && !select_only) {
             const auto p = scores_params(pb, 0, 6);
             const bool ok = validate_scores(pb, stream, 6);
             row_of("scores", "g6", scores_bytes(pb), ok,
@@ -469,38 +502,40 @@ int main(int argc, char** argv) {
           // Top-k and the candidate mask read the scores the scores kernel left in d_scores.
           const int64_t topk_bytes = pb.visible_positions * 4 + int64_t{pb.T} * kTopk * (4 + 4);
           const int64_t mask_bytes = pb.visible_positions * 4 + int64_t{pb.T} * pb.mask_stride;
-          for (bool v2 : {false, true}) {
+          for (const SelVersion& v : kSelVersions) {
             bool mask_ok = false;
-            const bool topk_ok = validate_topk_and_mask(pb, stream, v2, mask_ok);
+            const bool topk_ok = validate_topk_and_mask(pb, stream, v, mask_ok);
             kn::run_indexer_scores(scores_params(pb, 0), stream, false);
-            const auto tp = topk_params(pb, v2);
-            row_of("topk", v2 ? "v2" : "v1", topk_bytes, topk_ok,
+            const auto tp = topk_params(pb, v);
+            row_of("topk", v.name, topk_bytes, topk_ok,
                    cold_median_us([&](cudaStream_t s) { kn::run_indexer_topk(tp, s, false); }));
-            const auto mp = mask_params(pb, v2);
-            row_of("candidate_mask", v2 ? "v2" : "v1", mask_bytes, mask_ok,
+            const auto mp = mask_params(pb, v);
+            row_of("candidate_mask", v.name, mask_bytes, mask_ok,
                    cold_median_us([&](cudaStream_t s) { kn::run_candidate_mask(mp, s, false); }));
           }
           // q pack, then the chains (q pack overwrites the random q of d_codes: done last).
           const int64_t qpack_bytes = int64_t{pb.T} * (kHeads * 128 * 2 + kHeads * 2 + kHeads * (64 + 4 + 4) + 4);
-          {
+          if (!select_only) {
             const auto qp = qpack_params(pb);
             const bool ok = validate_chain(pb, stream, false);  // checks the q pack bytes too
             row_of("qpack", "v2", qpack_bytes, ok,
                    cold_median_us([&](cudaStream_t s) { kn::run_indexer_q_pack(qp, s, false); }));
           }
-          for (bool with_mask : {false, true}) {
-            const bool ok = validate_chain(pb, stream, with_mask);
+          for (int chain = 0; chain < 4; ++chain) {
+            const bool with_mask = chain % 2 == 1;
+            const SelVersion& sel = chain < 2 ? kChainV2 : kChainV3;
+            const bool ok = validate_chain(pb, stream, with_mask, sel);
             cudaGraph_t graph;
             cudaGraphExec_t exec;
             V4_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-            issue_chain(pb, stream, with_mask);
+            issue_chain(pb, stream, with_mask, sel);
             V4_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
             V4_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
             const double us =
                 cold_median_us([&](cudaStream_t s) { V4_CUDA_CHECK(cudaGraphLaunch(exec, s)); });
             V4_CUDA_CHECK(cudaGraphExecDestroy(exec));
             V4_CUDA_CHECK(cudaGraphDestroy(graph));
-            row_of("chain", with_mask ? "idx+mask" : "idx",
+            row_of("chain", std::string(with_mask ? "idx+mask" : "idx") + (chain < 2 ? "" : "-v3"),
                    qpack_bytes + scores_bytes(pb) + topk_bytes + (with_mask ? mask_bytes : 0), ok, us);
           }
         }

@@ -1004,6 +1004,8 @@ size_t candidate_mask_workspace_bytes(int64_t T, int64_t score_stride, int block
 
 void run_indexer_topk(const IndexerTopkParams& p, cudaStream_t stream, bool pdl) {
   const char* who = "run_indexer_topk";
+  if (p.version == 3) return run_indexer_topk_v3(p, stream, pdl);  // src/kernels/indexer_select_v3.cu
+  require(p.version == 0, who, "version must be 0 (v2 with a workspace, else v1) or 3");
   require(p.T >= 0, who, "negative T");
   require(p.out_stride > 0 && p.out_stride % 64 == 0, who,
           "out_stride " + std::to_string(p.out_stride) + " must be a positive multiple of 64");
@@ -1047,6 +1049,8 @@ void run_indexer_topk(const IndexerTopkParams& p, cudaStream_t stream, bool pdl)
 
 void run_candidate_mask(const CandidateMaskParams& p, cudaStream_t stream, bool pdl) {
   const char* who = "run_candidate_mask";
+  if (p.version == 3) return run_candidate_mask_v3(p, stream, pdl);  // src/kernels/indexer_select_v3.cu
+  require(p.version == 0, who, "version must be 0 (v2 with a workspace, else v1) or 3");
   require(p.T >= 0, who, "negative T");
   require(p.block > 0, who, "block must be > 0");
   require(p.topk_blocks >= 0, who, "topk_blocks must be >= 0");

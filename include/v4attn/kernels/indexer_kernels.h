@@ -30,6 +30,13 @@
 // Launches that share a workspace must be ordered (one stream, or events; PDL is fine: the
 // workspace is touched only after griddepcontrol.wait). With `workspace` null the
 // one-CTA-per-row kernel ("v1") runs.
+//
+// Selection "v3" (`version = 3` in the params, or run_indexer_topk_v3 / run_candidate_mask_v3;
+// src/kernels/indexer_select_v3.cu), built for latency: one thread-block cluster per row (1..16
+// CTAs, `v3_cluster`, 0 = automatic), each CTA keeps its contiguous chunk of the row in shared
+// memory (read from global memory once), an 8-bit x 4-pass radix select whose per-pass histograms
+// are exchanged through distributed shared memory (one cluster barrier per pass), and an ordered
+// compaction in position order. No workspace; same results as v1 / v2 bit for bit.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -129,12 +136,16 @@ struct CandidateMaskParams {
   unsigned long long* err_count = nullptr;    // device counter (nullable)
   void* workspace = nullptr;              // v2 selection workspace (see the top); null: v1
   size_t workspace_bytes = 0;             // >= candidate_mask_workspace_bytes(T, score_stride, ...)
+  int version = 0;                        // 0: v2 with a workspace, else v1; 3: v3 (no workspace)
+  int v3_cluster = 0;                     // v3 tuning: CTAs per row (1, 2, 4, 8, 16); 0 = automatic
 };
 // Workspace bytes for run_candidate_mask with T rows of score_stride positions (monotone in every
 // argument). 0 when v2 cannot run such a launch (T > kSelectMaxRows): run_candidate_mask then
 // runs v1 whatever the workspace.
 size_t candidate_mask_workspace_bytes(int64_t T, int64_t score_stride, int block, int topk_blocks);
 void run_candidate_mask(const CandidateMaskParams& p, cudaStream_t stream, bool pdl);
+// v3 directly (what run_candidate_mask does with version 3; `version` and the workspace ignored).
+void run_candidate_mask_v3(const CandidateMaskParams& p, cudaStream_t stream, bool pdl);
 
 // In place: scores[t, j] = -inf for j < clen[t] with mask[t, j / block] == 0. Entries j >= clen
 // are not touched (the scores kernel already wrote -inf there). Grid: (row tiles, T).
@@ -180,11 +191,15 @@ struct IndexerTopkParams {
   unsigned long long* err_count = nullptr;    // device counter (nullable)
   void* workspace = nullptr;              // v2 selection workspace (see the top); null: v1
   size_t workspace_bytes = 0;             // >= indexer_topk_workspace_bytes(T, score_stride, topk)
+  int version = 0;                        // 0: v2 with a workspace, else v1; 3: v3 (no workspace)
+  int v3_cluster = 0;                     // v3 tuning: CTAs per row (1, 2, 4, 8, 16); 0 = automatic
 };
 // Workspace bytes for run_indexer_topk with T rows of score_stride positions and this topk
 // (monotone in every argument). 0 when v2 cannot run such a launch (T > kSelectMaxRows):
 // run_indexer_topk then runs v1 whatever the workspace.
 size_t indexer_topk_workspace_bytes(int64_t T, int64_t score_stride, int topk);
 void run_indexer_topk(const IndexerTopkParams& p, cudaStream_t stream, bool pdl);
+// v3 directly (what run_indexer_topk does with version 3; `version` and the workspace ignored).
+void run_indexer_topk_v3(const IndexerTopkParams& p, cudaStream_t stream, bool pdl);
 
 }  // namespace v4attn::kernels

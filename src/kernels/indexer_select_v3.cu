@@ -1,0 +1,753 @@
+// Indexer selection v3 (spec 3.4): top-k -> slots and the candidate-source block mask, built for
+// LATENCY (a few rows of up to 64K+ positions while the GPU is otherwise idle). Twins of
+// ref::topk_to_slots (optionally after ref::apply_candidate_mask, fused) and ref::candidate_mask,
+// bit-identical to v1 / v2 (src/kernels/indexer_topk.cu): exact indices, exact tie order.
+//
+// Grid: cluster * T CTAs of 512 threads, one thread-block CLUSTER of `cluster` CTAs (1..16) per
+// row (row t = blockIdx.x / cluster, chunk = the CTA's rank in its cluster). One CTA owns the
+// contiguous chunk [rank * per, (rank + 1) * per) of the row's elements (positions for top-k,
+// candidate blocks for the mask; per = ceil(n / cluster) rounded up to 8), processed in "rounds"
+// of 512 * N elements (thread i owns the N consecutive elements i*N .. i*N+N-1 of each round).
+//
+// Keys: each element's order-preserving 32-bit key (-0.0 folded onto +0.0, since the reference
+// compares floats and -0.0 == +0.0), 0 for an element that can never be selected (value not >
+// -inf: -inf, NaN, masked, past clen). Valid keys are >= 0x00800000. The reference order is
+// (value descending, index ascending); the top k is {key > K*} plus the lowest-index k_eq keys
+// == K*, K* the k-th largest key.
+//
+// 1. Load: the CTA reads its chunk from global memory ONCE and keeps the keys in shared memory
+//    ("resident"). A chunk larger than the CTA's key capacity (rows longer than cluster * 24K
+//    positions / 192K blocks) is not kept: each pass re-reads it (from L2), same results.
+// 2. Radix select of K* over the cluster: 4 passes of 8-bit digits from the top. Per pass: a
+//    local shared-memory histogram of the digit of the keys that match the prefix chosen so far
+//    (warp-aggregated atomics: equal digits in a warp cost one atomic), PUSHED into slot `rank`
+//    of every cluster CTA's receive buffer (st.shared::cluster, fire-and-forget), one cluster
+//    barrier (arrive.release / wait.acquire), then every CTA combines the cluster's histograms
+//    from its own shared memory and finds the digit holding the k-th key by a block scan over the
+//    bins in descending order, redundantly (all CTAs compute the same integers, so the same
+//    choice; no broadcast step). The receive buffers alternate by pass parity, so one barrier per
+//    pass suffices: a CTA writes buffer b of pass p + 2 only after barrier p + 1, which every CTA
+//    reaches after it finished reading buffer b in pass p. Every remote access precedes a
+//    barrier that its target waits on, so a CTA may exit without a final cluster barrier.
+//    The same scan also sums, per bin, the histograms of the LOWER ranks only: summed over the
+//    bins above the chosen digit (and over the passes) that is the number of keys > K* in the
+//    chunks before this CTA's; at the chosen digit of the last pass, the number of ties before
+//    it. So the CTA's output offset and tie budget come without another exchange.
+//    Short cuts (cluster-uniform): after pass 1, when at most k keys are valid, every valid key
+//    is selected (K* = 0); after any pass, when the chosen digit's bucket holds exactly the keys
+//    still needed, the selection is {key >= bucket start} and the remaining passes are skipped.
+// 3. Ordered compaction per round: one block scan of the packed (count > K*, count == K*) per
+//    thread gives each thread the number of keys > K* and of ties before its elements in position
+//    order (plus the lower ranks' counts), hence which of its ties are among the first k_eq and
+//    its output offset: top-k writes comp_slot_table[req * stride + j] of its selected positions
+//    at out[offset..] (sorted by position by construction), the mask writes 1 / 0 bytes for its
+//    chunk. The cluster then fills out[total, out_stride) with -1 / mask[n_blocks, mask_stride)
+//    with 0, interleaved over its CTAs.
+//
+// Bytes: the row's visible scores read once (resident), the selected slot table entries, the
+// output row. Shared memory: 2 * cluster KB of receive buffers + the chunk's keys.
+// PDL: clen and req are read before dev::pdl_wait(); scores, the mask and the slot table after
+// it. Every CTA triggers after its last store.
+#include "v4attn/kernels/indexer_kernels.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+
+#include "kernels/device_common.cuh"
+#include "runtime/cuda_utils.h"
+#include "runtime/launch.h"
+
+namespace v4attn::kernels {
+
+namespace {
+namespace v3 {
+
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+constexpr int kDigitBits = 8;
+constexpr int kBins = 1 << kDigitBits;       // 256
+constexpr int kPasses = 32 / kDigitBits;     // 4
+constexpr int kBinWarps = kBins / 32;        // warps that own one bin per thread in the combine
+constexpr int kMaxCluster = 16;
+constexpr int kTopkPer = 8;                  // top-k: consecutive positions per thread and round
+constexpr int kMaskPer = 2;                  // mask: consecutive blocks per thread and round
+constexpr size_t kMaxKeyBytes = 96 * 1024;   // resident key capacity per CTA
+constexpr uint32_t kFullMask = 0xffffffffu;
+static_assert(kThreads >= 2 * kBins, "the combine uses threads [0, kBins), the zeroing [kBins, 2*kBins)");
+static_assert(kThreads * kTopkPer < 65536 && kThreads * kMaskPer < 65536, "packed 16-bit round counts");
+
+// Rounds of 512 * per_thread elements that cover one CTA's chunk of a row of n elements (the
+// same formula on host and device: the host sizes the resident keys with it).
+__host__ __device__ inline int64_t chunk_elems(int64_t n, int cluster) {
+  return ((n + cluster - 1) / cluster + 7) / 8 * 8;
+}
+__host__ __device__ inline int chunk_rounds(int64_t n, int cluster, int per_thread) {
+  const int64_t round = int64_t{kThreads} * per_thread;
+  return static_cast<int>((chunk_elems(n, cluster) + round - 1) / round);
+}
+
+// The digit choice of one pass, written by the thread that owns the chosen bin.
+struct Found {
+  uint32_t bin;           // the digit holding the k_rem-th key
+  uint32_t above;         // cluster keys in higher digits
+  uint32_t before_above;  // of those, keys in the lower ranks' chunks
+  uint32_t before_d;      // keys of the chosen digit in the lower ranks' chunks
+  uint32_t total_d;       // cluster keys of the chosen digit
+};
+
+struct Smem {
+  uint32_t hloc[kBins];                // this CTA's histogram of the current pass
+  uint32_t comb[2][kBinWarps][2];      // combine scan: per-warp (total, lower-rank) sums, by parity
+  uint32_t scan[2][kWarps];            // compaction scan: per-warp packed sums, by round parity
+  Found found[2];                      // by pass parity
+};
+
+struct Args {
+  int cluster = 1;     // CTAs per row (the launch's cluster size)
+  int rounds_cap = 1;  // rounds of keys the dynamic shared memory holds
+  bool vec = false;    // score rows 16-byte aligned (float4 loads)
+};
+
+// Dynamic shared memory: receive buffers [2][cluster][kBins] then the keys [rounds_cap][round].
+inline size_t dyn_smem_bytes(int cluster, int rounds_cap, int per_thread) {
+  return (size_t{2} * cluster * kBins + size_t(rounds_cap) * kThreads * per_thread) * sizeof(uint32_t);
+}
+
+__device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
+
+// Order-preserving key of a selectable value (v > -inf, so never NaN); -0.0 maps like +0.0.
+__device__ __forceinline__ uint32_t value_key(float v) {
+  uint32_t u = num::f32_bits(v);
+  if (u == 0x80000000u) u = 0u;
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// ---- cluster primitives (sm_90 PTX) ----
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+// The kernel-start arrive: only "this CTA runs" matters (its shared memory exists), no data.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_arrive_release() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait_acquire() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+// The shared::cluster address of the same variable in the CTA of rank `rank`.
+__device__ __forceinline__ uint32_t map_to_rank(uint32_t addr, uint32_t rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
+  return r;
+}
+__device__ __forceinline__ void st_cluster_v4(uint32_t addr, uint4 v) {
+  asm volatile("st.shared::cluster.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w)
+               : "memory");
+}
+
+// ---- one CTA's chunk ----
+template <int N>
+struct Chunk {
+  static constexpr int kRound = kThreads * N;
+  int64_t begin = 0, end = 0;  // this CTA's elements [begin, end)
+  int rounds = 0;              // rounds covering a chunk (cluster-uniform)
+  bool resident = false;       // keys kept in shared memory (else re-read every pass)
+  __device__ int64_t first(int q) const {
+    return begin + int64_t{q} * kRound + int64_t{threadIdx.x} * N;
+  }
+};
+
+template <int N>
+__device__ Chunk<N> make_chunk(int64_t n, int cluster, uint32_t rank, int rounds_cap) {
+  const int64_t per = chunk_elems(n, cluster);
+  Chunk<N> ch;
+  ch.begin = min(int64_t{rank} * per, n);
+  ch.end = min(ch.begin + per, n);
+  ch.rounds = chunk_rounds(n, cluster, N);
+  ch.resident = ch.rounds <= rounds_cap;
+  return ch;
+}
+
+// This thread's keys of round q: from shared memory (resident) or through load(q, key).
+template <int N, class Load>
+__device__ __forceinline__ void round_keys(const Chunk<N>& ch, const Load& load, const uint32_t* keys_sm, int q,
+                                           uint32_t (&key)[N]) {
+  if (ch.resident) {
+    const uint32_t* src = keys_sm + int64_t{q} * Chunk<N>::kRound + int64_t{threadIdx.x} * N;
+    if constexpr (N % 4 == 0) {
+#pragma unroll
+      for (int i = 0; i < N / 4; ++i) {
+        const uint4 v = reinterpret_cast<const uint4*>(src)[i];
+        key[4 * i] = v.x, key[4 * i + 1] = v.y, key[4 * i + 2] = v.z, key[4 * i + 3] = v.w;
+      }
+    } else if constexpr (N == 2) {
+      const uint2 v = *reinterpret_cast<const uint2*>(src);
+      key[0] = v.x, key[1] = v.y;
+    } else {
+#pragma unroll
+      for (int e = 0; e < N; ++e) key[e] = src[e];
+    }
+  } else {
+    load(q, key);
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void store_round_keys(uint32_t* keys_sm, int q, const uint32_t (&key)[N]) {
+  uint32_t* dst = keys_sm + int64_t{q} * Chunk<N>::kRound + int64_t{threadIdx.x} * N;
+  if constexpr (N % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i)
+      reinterpret_cast<uint4*>(dst)[i] = make_uint4(key[4 * i], key[4 * i + 1], key[4 * i + 2], key[4 * i + 3]);
+  } else if constexpr (N == 2) {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(key[0], key[1]);
+  } else {
+#pragma unroll
+    for (int e = 0; e < N; ++e) dst[e] = key[e];
+  }
+}
+
+// ---- radix select over the cluster ----
+// The selection, in the terms every CTA needs for its part of the output.
+struct Selection {
+  uint32_t thr = 0;        // selected: valid keys > thr, plus the first k_eq valid keys == thr
+  uint32_t k_eq = 0;
+  uint32_t gt_before = 0;  // valid keys > thr in the lower ranks' chunks (= before this chunk)
+  uint32_t eq_before = 0;  // valid keys == thr in the lower ranks' chunks
+  uint32_t total = 0;      // keys the row selects: min(k, valid keys)
+};
+
+// Local histogram of digit (key >> shift) & 255 over the valid keys whose higher digits equal
+// `prefix` (all valid keys in pass 0), added into sm.hloc (zero on entry).
+template <int N, class Load>
+__device__ void local_histogram(const Chunk<N>& ch, const Load& load, const uint32_t* keys_sm, int pass,
+                                uint32_t prefix, Smem& sm) {
+  const int shift = 32 - kDigitBits * (pass + 1);
+  const unsigned lane = threadIdx.x & 31u;
+  for (int q = 0; q < ch.rounds; ++q) {  // cluster-uniform trip count: every lane iterates alike
+    uint32_t key[N];
+    round_keys(ch, load, keys_sm, q, key);
+#pragma unroll
+    for (int e = 0; e < N; ++e) {
+      const uint32_t k = key[e];
+      const bool take = k != 0u && (pass == 0 || (k >> (shift + kDigitBits)) == prefix);
+      const uint32_t active = __ballot_sync(kFullMask, take);
+      if (take) {
+        const uint32_t digit = (k >> shift) & (kBins - 1u);
+        const uint32_t peers = __match_any_sync(active, digit);  // ties cost one atomic per warp
+        if (lane == static_cast<unsigned>(__ffs(peers) - 1)) atomicAdd(&sm.hloc[digit], __popc(peers));
+      }
+    }
+  }
+}
+
+// The top k (k >= 1) of the row over the cluster. All threads of all CTAs of the cluster call it
+// with the same k and cluster-uniform chunk shapes. sm.hloc must be zero and visible (synced).
+// Clustered: the caller has issued cluster_arrive_relaxed() (matched here before the first push).
+template <int N, class Load>
+__device__ Selection cluster_select(const Chunk<N>& ch, const Load& load, uint32_t k, Smem& sm, uint32_t* recv,
+                                    uint32_t* keys_sm, int cluster, uint32_t rank) {
+  const bool clustered = cluster > 1;
+  const int tid = static_cast<int>(threadIdx.x), lane = tid & 31, wid = tid >> 5;
+  if (ch.resident)
+    for (int q = 0; q < ch.rounds; ++q) {
+      uint32_t key[N];
+      load(q, key);
+      store_round_keys(keys_sm, q, key);  // read back by this thread only: no barrier needed
+    }
+
+  Selection s;
+  uint32_t k_rem = k, prefix = 0u, gt_before = 0u;
+  for (int pass = 0; pass < kPasses; ++pass) {
+    const int b = pass & 1;
+    const int shift = 32 - kDigitBits * (pass + 1);
+    local_histogram(ch, load, keys_sm, pass, prefix, sm);
+    __syncthreads();  // hloc complete
+    if (pass == 0 && clustered) cluster_wait_acquire();  // every CTA of the cluster runs
+
+    // Push hloc into slot `rank` of receive buffer b of every CTA (this one included).
+    uint32_t* my_slot = recv + (int64_t{b} * cluster + rank) * kBins;
+    for (int item = tid; item < cluster * (kBins / 4); item += kThreads) {
+      const int r = item / (kBins / 4), quad = item % (kBins / 4);
+      const uint4 v = reinterpret_cast<const uint4*>(sm.hloc)[quad];
+      if (clustered) st_cluster_v4(map_to_rank(smem_addr(my_slot + 4 * quad), static_cast<uint32_t>(r)), v);
+      else reinterpret_cast<uint4*>(my_slot)[quad] = v;
+    }
+    if (clustered) {
+      cluster_arrive_release();  // our pushes are visible to every CTA that passes the wait
+      cluster_wait_acquire();    // every CTA's pushes into our buffer b are visible
+    } else {
+      __syncthreads();
+    }
+
+    // Combine: thread i < 256 owns bin 255 - i (descending), sums it over the cluster and over the
+    // lower ranks; threads 256.. zero hloc for the next pass (its push is done: barrier above).
+    uint32_t tot = 0u, bef = 0u, incl_t = 0u, incl_b = 0u;
+    const uint32_t bin = static_cast<uint32_t>(kBins - 1 - tid);
+    if (tid < kBins) {
+      const uint32_t* col = recv + int64_t{b} * cluster * kBins + bin;
+      for (int r = 0; r < cluster; ++r) {
+        const uint32_t v = col[int64_t{r} * kBins];
+        tot += v;
+        bef += static_cast<uint32_t>(r) < rank ? v : 0u;
+      }
+      incl_t = tot;
+      incl_b = bef;
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const uint32_t nt = __shfl_up_sync(kFullMask, incl_t, off);
+        const uint32_t nb = __shfl_up_sync(kFullMask, incl_b, off);
+        if (lane >= off) incl_t += nt, incl_b += nb;
+      }
+      if (lane == 31) {
+        sm.comb[b][wid][0] = incl_t;
+        sm.comb[b][wid][1] = incl_b;
+      }
+    } else if (tid < 2 * kBins) {
+      sm.hloc[tid - kBins] = 0u;
+    }
+    __syncthreads();
+    uint32_t all_t = 0u, all_b = 0u, warp_t = 0u, warp_b = 0u;
+#pragma unroll
+    for (int w = 0; w < kBinWarps; ++w) {
+      const uint32_t ct = sm.comb[b][w][0], cb = sm.comb[b][w][1];
+      all_t += ct;
+      all_b += cb;
+      if (w < wid) warp_t += ct, warp_b += cb;
+    }
+    if (pass == 0 && all_t <= k) {  // at most k valid keys: all of them (cluster-uniform)
+      s.thr = 0u;
+      s.k_eq = 0u;
+      s.gt_before = all_b;
+      s.eq_before = 0u;
+      s.total = all_t;
+      return s;
+    }
+    if (tid < kBins) {
+      incl_t += warp_t;
+      incl_b += warp_b;
+      const uint32_t above = incl_t - tot;
+      if (above < k_rem && k_rem <= incl_t) sm.found[b] = Found{bin, above, incl_b - bef, bef, tot};
+    }
+    __syncthreads();
+    const Found f = sm.found[b];
+    k_rem -= f.above;
+    gt_before += f.before_above;
+    prefix = (prefix << kDigitBits) | f.bin;
+    if (f.total_d == k_rem) {  // the whole bucket is taken: {key >= its first key}, no ties
+      const uint32_t lo = prefix << shift;
+      s.thr = lo == 0u ? 0u : lo - 1u;
+      s.k_eq = 0u;
+      s.gt_before = gt_before + f.before_d;
+      s.eq_before = 0u;
+      s.total = k;
+      return s;
+    }
+    if (pass == kPasses - 1) {
+      s.thr = prefix;
+      s.k_eq = k_rem;
+      s.gt_before = gt_before;
+      s.eq_before = f.before_d;
+      s.total = k;
+    }
+  }
+  return s;
+}
+
+// Exclusive prefix sum of one uint32 per thread over the CTA (one barrier); `total` gets the sum.
+// warp_tot (kWarps words) must not be read by anyone any more (callers alternate two).
+__device__ __forceinline__ uint32_t block_excl_scan(uint32_t v, uint32_t& total, uint32_t* warp_tot) {
+  const int lane = static_cast<int>(threadIdx.x) & 31, wid = static_cast<int>(threadIdx.x) >> 5;
+  uint32_t incl = v;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const uint32_t n = __shfl_up_sync(kFullMask, incl, off);
+    if (lane >= off) incl += n;
+  }
+  if (lane == 31) warp_tot[wid] = incl;
+  __syncthreads();
+  uint32_t before = 0u;
+  total = 0u;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    const uint32_t x = warp_tot[w];
+    total += x;
+    before += w < wid ? x : 0u;
+  }
+  return before + incl - v;
+}
+
+// Ordered compaction of this CTA's chunk: emit(first_element, selected_bits, output_offset) once
+// per thread and round (bit e = element first + e; offsets count from the row's first output).
+template <int N, class Load, class Emit>
+__device__ void emit_selected(const Chunk<N>& ch, const Load& load, const uint32_t* keys_sm, const Selection& s,
+                              Smem& sm, const Emit& emit) {
+  uint32_t gt_seen = s.gt_before, eq_seen = s.eq_before;
+  for (int q = 0; q < ch.rounds; ++q) {
+    uint32_t key[N];
+    round_keys(ch, load, keys_sm, q, key);
+    uint32_t n_gt = 0u, n_eq = 0u;
+#pragma unroll
+    for (int e = 0; e < N; ++e) {
+      const bool valid = key[e] != 0u;
+      n_gt += (valid && key[e] > s.thr) ? 1u : 0u;
+      n_eq += (valid && key[e] == s.thr) ? 1u : 0u;
+    }
+    uint32_t total;
+    const uint32_t excl = block_excl_scan((n_gt << 16) | n_eq, total, sm.scan[q & 1]);
+    const uint32_t gt = gt_seen + (excl >> 16);
+    uint32_t eq = eq_seen + (excl & 0xffffu);
+    const uint32_t off = gt + min(eq, s.k_eq);
+    uint32_t sel = 0u;
+#pragma unroll
+    for (int e = 0; e < N; ++e) {
+      const bool valid = key[e] != 0u;
+      const bool is_eq = valid && key[e] == s.thr;
+      const bool take = (valid && key[e] > s.thr) || (is_eq && eq < s.k_eq);
+      eq += is_eq ? 1u : 0u;
+      sel |= static_cast<uint32_t>(take) << e;
+    }
+    emit(ch.first(q), sel, off);
+    gt_seen += total >> 16;
+    eq_seen += total & 0xffffu;
+  }
+}
+
+__device__ __forceinline__ uint32_t* recv_buffers() {
+  extern __shared__ __align__(16) uint8_t v3_dyn_smem[];
+  return reinterpret_cast<uint32_t*>(v3_dyn_smem);
+}
+
+// ---- top-k ----
+// Keys of this thread's 8 consecutive positions j0.. (0 at or past `end`, for -inf / NaN, and
+// where the candidate mask is 0).
+__device__ __forceinline__ void load_score_keys(const float* row, const uint8_t* mask, int mask_block, int64_t j0,
+                                                int64_t end, bool vec, uint32_t (&key)[kTopkPer]) {
+  float v[kTopkPer];
+  if (vec && j0 + kTopkPer <= end) {
+    const float4 a = *reinterpret_cast<const float4*>(row + j0);
+    const float4 c = *reinterpret_cast<const float4*>(row + j0 + 4);
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = c.x, v[5] = c.y, v[6] = c.z, v[7] = c.w;
+  } else {
+#pragma unroll
+    for (int e = 0; e < kTopkPer; ++e) v[e] = j0 + e < end ? row[j0 + e] : neg_inf();
+  }
+#pragma unroll
+  for (int e = 0; e < kTopkPer; ++e) key[e] = (j0 + e < end && v[e] > neg_inf()) ? value_key(v[e]) : 0u;
+  if (mask != nullptr && j0 < end) {
+    int64_t m = j0 / mask_block;
+    int r = static_cast<int>(j0 - m * mask_block);
+    uint8_t mv = mask[m];
+#pragma unroll
+    for (int e = 0; e < kTopkPer; ++e) {
+      if (mv == 0) key[e] = 0u;
+      if (++r == mask_block) {
+        r = 0;
+        ++m;
+        mv = j0 + e + 1 < end ? mask[m] : uint8_t{1};  // no read past the row's last block
+      }
+    }
+  }
+}
+
+// Containment of the row metadata, exactly like v1 / v2 (counted once per row by the caller).
+__device__ __forceinline__ int64_t clamp_topk_row(int32_t req, int64_t c, const IndexerTopkParams& p, bool& err) {
+  err = false;
+  if (c < 0) {
+    c = 0;
+    err = true;
+  }
+  if (c > p.score_stride) {
+    c = p.score_stride;
+    err = true;
+  }
+  if (req < 0) {
+    c = 0;
+  } else if (req >= p.comp_table_rows) {
+    if (c > 0) err = true;
+    c = 0;
+  } else if (c > p.comp_table_stride) {
+    c = p.comp_table_stride;
+    err = true;
+  }
+  return c;
+}
+
+__global__ void __launch_bounds__(kThreads) indexer_topk_v3_kernel(const __grid_constant__ IndexerTopkParams p,
+                                                                     const Args a) {
+  __shared__ Smem sm;
+  uint32_t* recv = recv_buffers();
+  uint32_t* keys_sm = recv + 2 * a.cluster * kBins;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int64_t t = blockIdx.x / static_cast<unsigned>(a.cluster);
+  const uint32_t rank = a.cluster > 1 ? cluster_ctarank() : 0u;
+  const int32_t req = p.req[t];
+  bool err;
+  const int64_t c = clamp_topk_row(req, p.clen[t], p, err);
+  if (err && rank == 0 && tid == 0) dev::count_error(p.err_count);
+  const uint32_t k = static_cast<uint32_t>(min(static_cast<int64_t>(p.topk), c));  // cluster-uniform
+  for (int i = tid; i < kBins; i += kThreads) sm.hloc[i] = 0u;
+  if (k > 0 && a.cluster > 1) cluster_arrive_relaxed();
+
+  dev::pdl_wait();  // scores, the mask and the slot table come from predecessors
+
+  int32_t* out = p.out + t * p.out_stride;
+  uint32_t n_out = 0;
+  if (k > 0) {
+    __syncthreads();  // hloc zeroed
+    const Chunk<kTopkPer> ch = make_chunk<kTopkPer>(c, a.cluster, rank, a.rounds_cap);
+    const float* row = p.scores + t * p.score_stride;
+    const uint8_t* mrow = p.candidate_mask != nullptr ? p.candidate_mask + t * p.mask_stride : nullptr;
+    const auto load = [&](int q, uint32_t (&key)[kTopkPer]) {
+      load_score_keys(row, mrow, p.mask_block, ch.first(q), ch.end, a.vec, key);
+    };
+    const Selection s = cluster_select(ch, load, k, sm, recv, keys_sm, a.cluster, rank);
+    const int32_t* table = p.comp_slot_table + static_cast<int64_t>(req) * p.comp_table_stride;
+    const int64_t out_stride = p.out_stride;
+    emit_selected(ch, load, keys_sm, s, sm, [&](int64_t j0, uint32_t sel, uint32_t off) {
+      int32_t slot[kTopkPer];  // gather first, then store
+#pragma unroll
+      for (int e = 0; e < kTopkPer; ++e) slot[e] = ((sel >> e) & 1u) ? table[j0 + e] : -1;
+#pragma unroll
+      for (int e = 0; e < kTopkPer; ++e)
+        if ((sel >> e) & 1u) {
+          if (off < out_stride) out[off] = slot[e];
+          ++off;
+        }
+    });
+    n_out = s.total;
+  }
+  const int64_t step = int64_t{a.cluster} * kThreads;
+  for (int64_t i = int64_t{n_out} + int64_t{rank} * kThreads + tid; i < p.out_stride; i += step) out[i] = -1;
+
+  dev::pdl_launch_dependents();  // after this thread's last store
+}
+
+// ---- candidate mask ----
+// Key of candidate block b < n_blocks: max over its positions below clen (num::max_f from -inf,
+// in position order, as the reference), the newest block pinned to +inf.
+__device__ __forceinline__ uint32_t block_key(const float* row, int64_t c, int block, int64_t b, int64_t newest,
+                                              bool vec8) {
+  if (b == newest) return value_key(__int_as_float(0x7f800000));
+  float v = neg_inf();
+  const int64_t j0 = b * block, j1 = min(j0 + block, c);
+  if (vec8 && j1 == j0 + 8) {
+    const float4 x = *reinterpret_cast<const float4*>(row + j0);
+    const float4 y = *reinterpret_cast<const float4*>(row + j0 + 4);
+    v = num::max_f(num::max_f(num::max_f(num::max_f(v, x.x), x.y), x.z), x.w);
+    v = num::max_f(num::max_f(num::max_f(num::max_f(v, y.x), y.y), y.z), y.w);
+  } else {
+    for (int64_t j = j0; j < j1; ++j) v = num::max_f(v, row[j]);
+  }
+  return v > neg_inf() ? value_key(v) : 0u;
+}
+
+__global__ void __launch_bounds__(kThreads) candidate_mask_v3_kernel(const __grid_constant__ CandidateMaskParams p,
+                                                                       const Args a) {
+  __shared__ Smem sm;
+  uint32_t* recv = recv_buffers();
+  uint32_t* keys_sm = recv + 2 * a.cluster * kBins;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int64_t t = blockIdx.x / static_cast<unsigned>(a.cluster);
+  const uint32_t rank = a.cluster > 1 ? cluster_ctarank() : 0u;
+  int64_t c = p.clen[t];
+  if (c < 0 || c > p.score_stride) {
+    if (rank == 0 && tid == 0) dev::count_error(p.err_count);
+    c = c < 0 ? 0 : p.score_stride;
+  }
+  const int64_t n_blocks = (c + p.block - 1) / p.block;
+  const uint32_t k = static_cast<uint32_t>(min(static_cast<int64_t>(p.topk_blocks), n_blocks));
+  for (int i = tid; i < kBins; i += kThreads) sm.hloc[i] = 0u;
+  if (k > 0 && a.cluster > 1) cluster_arrive_relaxed();
+
+  dev::pdl_wait();
+
+  uint8_t* mask = p.mask + t * p.mask_stride;
+  int64_t zero_from = 0;  // the cluster zeroes [zero_from, mask_stride)
+  if (k > 0) {
+    __syncthreads();  // hloc zeroed
+    const Chunk<kMaskPer> ch = make_chunk<kMaskPer>(n_blocks, a.cluster, rank, a.rounds_cap);
+    const float* row = p.scores + t * p.score_stride;
+    const bool vec8 = a.vec && p.block == 8;
+    const auto load = [&](int q, uint32_t (&key)[kMaskPer]) {
+      const int64_t b0 = ch.first(q);
+#pragma unroll
+      for (int e = 0; e < kMaskPer; ++e)
+        key[e] = b0 + e < ch.end ? block_key(row, c, p.block, b0 + e, n_blocks - 1, vec8) : 0u;
+    };
+    const Selection s = cluster_select(ch, load, k, sm, recv, keys_sm, a.cluster, rank);
+    emit_selected(ch, load, keys_sm, s, sm, [&](int64_t b0, uint32_t sel, uint32_t) {
+#pragma unroll
+      for (int e = 0; e < kMaskPer; ++e)
+        if (b0 + e < ch.end) mask[b0 + e] = static_cast<uint8_t>((sel >> e) & 1u);
+    });
+    zero_from = n_blocks;
+  }
+  const int64_t step = int64_t{a.cluster} * kThreads;
+  for (int64_t i = zero_from + int64_t{rank} * kThreads + tid; i < p.mask_stride; i += step) mask[i] = 0;
+
+  dev::pdl_launch_dependents();
+}
+
+}  // namespace v3
+
+void require(bool ok, const char* who, const std::string& what) {
+  if (!ok) throw std::invalid_argument(std::string(who) + ": " + what);
+}
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+// Whether clusters of `cluster` CTAs of `kernel` with `smem` dynamic bytes can be resident on the
+// current device (cached per device, kernel, cluster size and smem size).
+bool cluster_fits(const void* kernel, int cluster, size_t smem) {
+  static std::mutex mu;
+  static std::map<std::tuple<int, const void*, int, size_t>, bool> cache;
+  int dev = 0;
+  V4_CUDA_CHECK(cudaGetDevice(&dev));
+  const auto key = std::make_tuple(dev, kernel, cluster, smem);
+  std::lock_guard<std::mutex> lock(mu);
+  const auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  V4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  if (cluster > 8) V4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  cudaLaunchConfig_t lc{};
+  lc.gridDim = dim3(static_cast<unsigned>(cluster), 1, 1);
+  lc.blockDim = dim3(v3::kThreads, 1, 1);
+  lc.dynamicSmemBytes = smem;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(cluster);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  lc.attrs = attr;
+  lc.numAttrs = 1;
+  int n = 0;
+  const cudaError_t e = cudaOccupancyMaxActiveClusters(&n, kernel, &lc);
+  if (e != cudaSuccess) (void)cudaGetLastError();  // treated as "does not fit"
+  const bool fits = e == cudaSuccess && n > 0;
+  cache.emplace(key, fits);
+  return fits;
+}
+
+// Launch plan of one v3 launch: the cluster size, the resident rounds and the smem bytes.
+struct Plan {
+  int cluster = 1;
+  int rounds_cap = 1;
+  size_t smem = 0;
+};
+
+// requested: 0 = automatic: the smallest power of two that gives each CTA at most `target`
+// elements of the longest possible row, at most 16 CTAs for T <= 16 (latency: the GPU is
+// mostly idle) and 8 above (the rows fill the GPU anyway), 8 when 16 cannot be resident.
+void require_cluster_choice(int requested, const char* who) {
+  require(requested == 0 || requested == 1 || requested == 2 || requested == 4 || requested == 8 || requested == 16,
+          who, "v3_cluster must be 0 (automatic), 1, 2, 4, 8 or 16, not " + std::to_string(requested));
+}
+Plan make_plan(const void* kernel, int requested, int64_t T, int64_t n_max, int per_thread, const char* who) {
+  const int64_t round = int64_t{v3::kThreads} * per_thread;
+  const int max_resident = static_cast<int>(v3::kMaxKeyBytes / (static_cast<size_t>(round) * sizeof(uint32_t)));
+  auto plan_for = [&](int cluster) {
+    Plan pl;
+    pl.cluster = cluster;
+    pl.rounds_cap = std::max(1, std::min(v3::chunk_rounds(n_max, cluster, per_thread), max_resident));
+    pl.smem = v3::dyn_smem_bytes(cluster, pl.rounds_cap, per_thread);
+    return pl;
+  };
+  if (requested != 0) {
+    const Plan pl = plan_for(requested);
+    if (pl.cluster > 8 && !cluster_fits(kernel, pl.cluster, pl.smem))
+      throw std::runtime_error(std::string(who) + ": clusters of " + std::to_string(pl.cluster) +
+                               " CTAs cannot be resident on this device");
+    return pl;
+  }
+  const int64_t target = (T <= 16 ? 4 : 8) * round / 8;  // 2048 / 4096 positions, 512 / 1024 blocks
+  const int cap = T <= 16 ? v3::kMaxCluster : 8;
+  int cluster = 1;
+  while (cluster < cap && cluster * target < n_max) cluster *= 2;
+  Plan pl = plan_for(cluster);
+  if (cluster > 8 && !cluster_fits(kernel, cluster, pl.smem)) pl = plan_for(8);
+  return pl;
+}
+
+void launch_plan(const char* who, const void* kernel_ptr, const Plan& pl, int64_t T, cudaStream_t stream, bool pdl,
+                 LaunchConfig& cfg) {
+  require(T * pl.cluster <= 0x7fffffff, who, "T too large for one grid dimension");
+  cfg.grid = dim3(static_cast<unsigned>(T * pl.cluster), 1, 1);
+  cfg.block = dim3(v3::kThreads, 1, 1);
+  cfg.smem_bytes = pl.smem;
+  cfg.stream = stream;
+  cfg.pdl = pdl;
+  cfg.cluster = dim3(static_cast<unsigned>(pl.cluster), 1, 1);
+  if (pl.cluster > 8)
+    V4_CUDA_CHECK(cudaFuncSetAttribute(kernel_ptr, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+}
+
+}  // namespace
+
+void run_indexer_topk_v3(const IndexerTopkParams& p, cudaStream_t stream, bool pdl) {
+  const char* who = "run_indexer_topk_v3";
+  require(p.T >= 0, who, "negative T");
+  require(p.out_stride > 0 && p.out_stride % 64 == 0, who,
+          "out_stride " + std::to_string(p.out_stride) + " must be a positive multiple of 64");
+  require(p.topk >= 0 && p.topk <= p.out_stride, who,
+          "topk " + std::to_string(p.topk) + " must be in [0, out_stride]");
+  require(p.score_stride > 0 && p.score_stride < (int64_t{1} << 31), who, "score_stride must be in [1, 2^31)");
+  require(p.comp_table_stride >= 0 && p.comp_table_rows >= 0, who, "negative slot table shape");
+  if (p.candidate_mask != nullptr) {
+    require(p.mask_block > 0, who, "mask_block must be > 0");
+    require(p.mask_stride >= (p.score_stride + p.mask_block - 1) / p.mask_block, who,
+            "mask_stride must be >= ceil(score_stride / mask_block)");
+  }
+  require_cluster_choice(p.v3_cluster, who);
+  if (p.T == 0) return;
+  require(p.scores != nullptr && p.clen != nullptr && p.req != nullptr && p.out != nullptr, who, "null pointer");
+  require(p.comp_slot_table != nullptr || p.comp_table_rows == 0, who, "null slot table");
+  const auto kernel = v3::indexer_topk_v3_kernel;
+  const Plan pl = make_plan(reinterpret_cast<const void*>(kernel), p.v3_cluster, p.T, p.score_stride, v3::kTopkPer, who);
+
+  v3::Args a;
+  a.cluster = pl.cluster;
+  a.rounds_cap = pl.rounds_cap;
+  a.vec = aligned16(p.scores) && p.score_stride % 4 == 0;
+  LaunchConfig cfg;
+  launch_plan(who, reinterpret_cast<const void*>(kernel), pl, p.T, stream, pdl, cfg);
+  launch_kernel("indexer_topk_v3", kernel, cfg, p, a);
+}
+
+void run_candidate_mask_v3(const CandidateMaskParams& p, cudaStream_t stream, bool pdl) {
+  const char* who = "run_candidate_mask_v3";
+  require(p.T >= 0, who, "negative T");
+  require(p.block > 0, who, "block must be > 0");
+  require(p.topk_blocks >= 0, who, "topk_blocks must be >= 0");
+  require(p.score_stride > 0 && p.score_stride < (int64_t{1} << 31), who, "score_stride must be in [1, 2^31)");
+  require(p.mask_stride >= (p.score_stride + p.block - 1) / p.block && p.mask_stride < (int64_t{1} << 31), who,
+          "mask_stride must be >= ceil(score_stride / block) (and < 2^31)");
+  require_cluster_choice(p.v3_cluster, who);
+  if (p.T == 0) return;
+  require(p.scores != nullptr && p.clen != nullptr && p.mask != nullptr, who, "null pointer");
+  const auto kernel = v3::candidate_mask_v3_kernel;
+  const Plan pl = make_plan(reinterpret_cast<const void*>(kernel), p.v3_cluster, p.T,
+                            (p.score_stride + p.block - 1) / p.block, v3::kMaskPer, who);
+
+  v3::Args a;
+  a.cluster = pl.cluster;
+  a.rounds_cap = pl.rounds_cap;
+  a.vec = aligned16(p.scores) && p.score_stride % 4 == 0;
+  LaunchConfig cfg;
+  launch_plan(who, reinterpret_cast<const void*>(kernel), pl, p.T, stream, pdl, cfg);
+  launch_kernel("candidate_mask_v3", kernel, cfg, p, a);
+}
+
+}  // namespace v4attn::kernels

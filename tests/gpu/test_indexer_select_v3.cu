@@ -1,0 +1,881 @@
+// Indexer selection v3 (src/kernels/indexer_select_v3.cu: one thread-block cluster per row) against
+// the CPU reference (ref::topk_to_slots, ref::apply_candidate_mask + topk for the fused mask,
+// ref::candidate_mask), byte for byte, and against v1 / v2 where cheap. Every output (plus a guard
+// tail) is poisoned before the call and compared whole, so an unwritten element or a write past the
+// end fails. Each case runs under several cluster sizes (1, 2, 8, 16 CTAs per row and the
+// automatic choice): the chunk edges, the cross-CTA tie counts and the DSMEM exchange differ per
+// cluster size, the result must not.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "gpu_test_util.h"
+#include "kernels/device_common.cuh"
+#include "runtime/cuda_utils.h"
+#include "runtime/launch.h"
+#include "v4attn/kernels/indexer_kernels.h"
+#include "v4attn/numerics.h"
+#include "v4attn/reference/indexer.h"
+
+namespace {
+
+using namespace v4attn;
+
+constexpr uint8_t kPoison = 0xAB;
+constexpr size_t kGuardBytes = 256;
+constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr int kClusters[] = {0, 1, 2, 8, 16};  // 0 = automatic
+
+std::string cl_name(int cluster) { return cluster == 0 ? "cluster auto" : "cluster " + std::to_string(cluster); }
+
+// ---- buffers ------------------------------------------------------------------------------------
+template <class T>
+DeviceBuffer<T> to_device(const std::vector<T>& h) {
+  DeviceBuffer<T> d(std::max<size_t>(h.size(), 4));
+  if (!h.empty()) d.upload(h.data(), h.size());
+  return d;
+}
+
+template <class T>
+struct PoisonedOutput {
+  size_t n;
+  DeviceBuffer<uint8_t> buf;
+  explicit PoisonedOutput(size_t n_elems) : n(n_elems), buf(n_elems * sizeof(T) + kGuardBytes) {
+    buf.fill_bytes(kPoison);
+  }
+  T* get() const { return reinterpret_cast<T*>(buf.get()); }
+  std::vector<T> download_checked() const {
+    std::vector<uint8_t> raw(buf.size());
+    buf.download(raw.data(), raw.size());
+    for (size_t i = n * sizeof(T); i < raw.size(); ++i)
+      if (raw[i] != kPoison) {
+        ADD_FAILURE() << "write past the end of the output, byte " << i - n * sizeof(T) << " of the guard";
+        break;
+      }
+    std::vector<T> out(n);
+    std::memcpy(out.data(), raw.data(), n * sizeof(T));
+    return out;
+  }
+};
+
+struct ErrorCount {
+  DeviceBuffer<unsigned long long> buf{1};
+  ErrorCount() { buf.fill_bytes(0); }
+  unsigned long long* get() const { return buf.get(); }
+  unsigned long long read() const {
+    unsigned long long v = 0;
+    buf.download(&v, 1);
+    return v;
+  }
+};
+
+template <class T>
+void expect_same_bytes(const std::vector<T>& got, const std::vector<T>& want, const std::string& what,
+                       int64_t row_len = 0) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  if (std::memcmp(got.data(), want.data(), got.size() * sizeof(T)) == 0) return;
+  size_t bad = 0, n_bad = 0;
+  for (size_t i = 0; i < got.size(); ++i)
+    if (std::memcmp(&got[i], &want[i], sizeof(T)) != 0) {
+      if (n_bad++ == 0) bad = i;
+    }
+  std::string where = "element " + std::to_string(bad);
+  if (row_len > 0) where += " (row " + std::to_string(bad / row_len) + ", col " + std::to_string(bad % row_len) + ")";
+  ADD_FAILURE() << what << ": " << n_bad << " element(s) differ; first at " << where << ": got " << +got[bad]
+                << ", want " << +want[bad];
+}
+
+// ---- launch modes -------------------------------------------------------------------------------
+// kPdlLate: the scores are written by a "late producer" that lets its dependents launch at once,
+// spins ~25 us, then copies the scores in; a kernel that reads them before griddepcontrol.wait
+// sees poison and fails the comparison.
+enum class Launch { kPlain, kPdl, kPdlLate };
+bool pdl_of(Launch m) { return m != Launch::kPlain; }
+const char* launch_name(Launch m) { return m == Launch::kPlain ? "plain" : (m == Launch::kPdl ? "pdl" : "pdl-late"); }
+
+__global__ void late_copy_kernel(const uint4* src, uint4* dst, long long n16, long long spin_cycles) {
+  dev::pdl_launch_dependents();
+  const long long t0 = clock64();
+  while (clock64() - t0 < spin_cycles) {
+  }
+  for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < n16;
+       i += static_cast<long long>(gridDim.x) * blockDim.x)
+    dst[i] = src[i];
+}
+
+struct TestStream {
+  cudaStream_t s = nullptr;
+  TestStream() {
+    V4_CUDA_CHECK(cudaDeviceSynchronize());
+    V4_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  }
+  ~TestStream() {
+    cudaStreamSynchronize(s);
+    cudaStreamDestroy(s);
+  }
+  TestStream(const TestStream&) = delete;
+  TestStream& operator=(const TestStream&) = delete;
+};
+
+void late_feed(Launch mode, DeviceBuffer<float>& input, DeviceBuffer<float>& staging, cudaStream_t s) {
+  if (mode != Launch::kPdlLate) return;
+  ASSERT_EQ(input.bytes() % 16, 0u) << "late inputs are copied in 16-byte units";
+  staging.resize(input.size());
+  V4_CUDA_CHECK(cudaMemcpyAsync(staging.get(), input.get(), input.bytes(), cudaMemcpyDeviceToDevice, s));
+  V4_CUDA_CHECK(cudaMemsetAsync(input.get(), kPoison, input.bytes(), s));
+  LaunchConfig cfg;
+  cfg.grid = dim3(8, 1, 1);
+  cfg.block = dim3(256, 1, 1);
+  cfg.stream = s;
+  launch_kernel("late_copy", late_copy_kernel, cfg, reinterpret_cast<const uint4*>(staging.get()),
+                reinterpret_cast<uint4*>(input.get()), static_cast<long long>(input.bytes() / 16), 50000LL);
+}
+
+// ---- inputs -------------------------------------------------------------------------------------
+struct SlotTable {
+  int64_t rows = 0, stride = 0;
+  std::vector<int32_t> v;
+};
+SlotTable shuffled_table(int64_t rows, int64_t stride, int64_t n_slots, std::mt19937_64& rng) {
+  SlotTable tab;
+  tab.rows = rows;
+  tab.stride = stride;
+  tab.v.resize(static_cast<size_t>(rows * stride));
+  std::vector<int32_t> perm(static_cast<size_t>(n_slots));
+  std::iota(perm.begin(), perm.end(), 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    std::shuffle(perm.begin(), perm.end(), rng);
+    for (int64_t j = 0; j < stride; ++j) tab.v[r * stride + j] = perm[j % n_slots];
+  }
+  return tab;
+}
+
+// Score flavours:
+//  kNormal: N(0, 3) (continuous: the radix select mostly ends on a whole bucket before pass 4).
+//  kTies:   a handful of small integers, +0.0 and -0.0, some continuous values, -inf, NaN, +inf.
+//  kAdjacent: runs of neighbouring floats (1.0 + i ulp, many exact duplicates, keys that differ by
+//           1), so the threshold K* - 1 and K* are both present: the bucket short cut and the
+//           tie budget at their sharpest.
+// Entries past clen are large finite garbage (must be ignored).
+enum class Flavour { kNormal, kTies, kAdjacent };
+const char* flavour_name(Flavour f) {
+  return f == Flavour::kNormal ? "normal" : (f == Flavour::kTies ? "ties" : "adjacent");
+}
+
+std::vector<float> make_scores(int64_t T, int64_t stride, const std::vector<int32_t>& clen, std::mt19937_64& rng,
+                               Flavour f, int levels = 5) {
+  std::vector<float> s(static_cast<size_t>(T * stride));
+  std::normal_distribution<float> nd(0.0f, 3.0f);
+  std::uniform_int_distribution<int> lvl(0, levels - 1);
+  std::uniform_real_distribution<float> cont(-4.0f, 4.0f);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < stride; ++j) {
+      float v;
+      const uint64_t r = rng() % 1000;
+      if (j >= clen[t]) {
+        v = 100.0f + static_cast<float>(j % 7);
+      } else if (f == Flavour::kNormal) {
+        v = r < 3 ? -kInf : nd(rng);
+      } else if (f == Flavour::kTies) {
+        if (r < 60) v = -kInf;
+        else if (r < 62) v = std::numeric_limits<float>::quiet_NaN();
+        else if (r < 63) v = kInf;
+        else if (r < 200) v = cont(rng);
+        else if (r < 260) v = -0.0f;
+        else if (r < 300) v = 0.0f;
+        else v = static_cast<float>(lvl(rng));
+      } else {
+        if (r < 20) v = -kInf;
+        else if (r < 25) v = std::numeric_limits<float>::quiet_NaN();
+        else v = num::f32_from_bits(num::f32_bits(1.0f) + static_cast<uint32_t>(rng() % 1200));
+      }
+      s[t * stride + j] = v;
+    }
+  return s;
+}
+
+// ---- top-k --------------------------------------------------------------------------------------
+struct TopkProblem {
+  int64_t T = 0, stride = 0;
+  std::vector<float> scores;
+  std::vector<int32_t> req, clen;
+  SlotTable table;
+  int topk = 512;
+  int64_t out_stride = 576;
+  std::vector<uint8_t> mask;  // optional [T, mask_stride]
+  int64_t mask_stride = 0;
+  int mask_block = 8;
+};
+
+TopkProblem make_topk_problem(const std::vector<int32_t>& clen, int64_t stride, int topk, int64_t out_stride,
+                              std::mt19937_64& rng, Flavour f) {
+  TopkProblem pb;
+  pb.T = static_cast<int64_t>(clen.size());
+  pb.stride = stride;
+  pb.clen = clen;
+  pb.topk = topk;
+  pb.out_stride = out_stride;
+  const int64_t n_req = 3;
+  pb.req.resize(clen.size());
+  for (size_t t = 0; t < clen.size(); ++t) pb.req[t] = static_cast<int32_t>(rng() % n_req);
+  pb.table = shuffled_table(n_req, stride, stride + 11, rng);
+  pb.scores = make_scores(pb.T, stride, clen, rng, f);
+  return pb;
+}
+
+// The reference on well-formed rows (the caller fixes the expectation of contained rows).
+std::vector<int32_t> reference_topk(const TopkProblem& pb) {
+  std::vector<float> s = pb.scores;
+  if (!pb.mask.empty())
+    ref::apply_candidate_mask(s.data(), pb.T, pb.stride, pb.clen.data(), pb.mask_block, pb.mask.data(), pb.mask_stride);
+  std::vector<int32_t> out(static_cast<size_t>(pb.T * pb.out_stride));
+  ref::topk_to_slots(s.data(), pb.T, pb.stride, pb.clen.data(), pb.topk, pb.req.data(), pb.table.v.data(),
+                     pb.table.stride, out.data(), pb.out_stride);
+  return out;
+}
+
+// Which entry point runs: v3 through run_indexer_topk (version 3) or run_indexer_topk_v3, or the
+// older versions (v1: no workspace, v2: a zeroed workspace) for the cross-version check.
+enum class Entry { kDispatch, kDirect, kV1, kV2 };
+
+struct TopkRun {
+  int cluster = 0;
+  Launch mode = Launch::kPlain;
+  Entry entry = Entry::kDispatch;
+  unsigned long long* errors = nullptr;  // null: expect no error counted
+};
+
+std::vector<int32_t> gpu_topk(const TopkProblem& pb, const TopkRun& run = {}) {
+  auto d_scores = to_device(pb.scores);
+  auto d_req = to_device(pb.req);
+  auto d_clen = to_device(pb.clen);
+  auto d_table = to_device(pb.table.v);
+  auto d_mask = to_device(pb.mask);
+  PoisonedOutput<int32_t> out(static_cast<size_t>(pb.T * pb.out_stride));
+  ErrorCount err;
+  DeviceBuffer<uint8_t> ws;
+  kernels::IndexerTopkParams p;
+  p.scores = d_scores.get();
+  p.score_stride = pb.stride;
+  p.clen = d_clen.get();
+  p.req = d_req.get();
+  p.T = pb.T;
+  p.comp_slot_table = d_table.get();
+  p.comp_table_stride = pb.table.stride;
+  p.comp_table_rows = pb.table.rows;
+  if (!pb.mask.empty()) {
+    p.candidate_mask = d_mask.get();
+    p.mask_stride = pb.mask_stride;
+    p.mask_block = pb.mask_block;
+  }
+  p.topk = pb.topk;
+  p.out = out.get();
+  p.out_stride = pb.out_stride;
+  p.err_count = err.get();
+  p.v3_cluster = run.cluster;
+  if (run.entry == Entry::kDispatch) p.version = 3;
+  if (run.entry == Entry::kV2) {
+    ws.resize(std::max<size_t>(kernels::indexer_topk_workspace_bytes(pb.T, pb.stride, pb.topk), 16));
+    ws.fill_bytes(0);
+    p.workspace = ws.get();
+    p.workspace_bytes = ws.bytes();
+  }
+  {
+    TestStream stream;
+    DeviceBuffer<float> staging;
+    late_feed(run.mode, d_scores, staging, stream.s);
+    if (run.entry == Entry::kDirect) kernels::run_indexer_topk_v3(p, stream.s, pdl_of(run.mode));
+    else kernels::run_indexer_topk(p, stream.s, pdl_of(run.mode));
+    V4_CUDA_CHECK_LAUNCH();
+    V4_CUDA_CHECK(cudaStreamSynchronize(stream.s));
+  }
+  auto got = out.download_checked();
+  const auto e = err.read();
+  if (run.errors != nullptr) *run.errors = e;
+  else EXPECT_EQ(e, 0u);
+  return got;
+}
+
+// Every cluster size against `want`.
+void check_topk_all_clusters(const TopkProblem& pb, const std::vector<int32_t>& want, const std::string& what,
+                             Launch mode = Launch::kPlain) {
+  for (int cl : kClusters) {
+    TopkRun run;
+    run.cluster = cl;
+    run.mode = mode;
+    expect_same_bytes(gpu_topk(pb, run), want, what + ", " + cl_name(cl) + ", " + launch_name(mode), pb.out_stride);
+  }
+}
+
+// Row lengths cycled over the rows of a batch of T.
+std::vector<int32_t> cycled_clen(int64_t T, const std::vector<int32_t>& lengths, int64_t offset) {
+  std::vector<int32_t> clen(static_cast<size_t>(T));
+  for (int64_t t = 0; t < T; ++t) clen[t] = lengths[(t + offset) % lengths.size()];
+  return clen;
+}
+
+const std::vector<int32_t> kLengths = {0, 1, 511, 512, 513, 4095, 32768, 65536};
+
+// ---- candidate mask -----------------------------------------------------------------------------
+struct MaskProblem {
+  int64_t T = 0, stride = 0, mask_stride = 0;
+  std::vector<float> scores;
+  std::vector<int32_t> clen;
+  int block = 8, topk_blocks = 2048;
+};
+
+std::vector<uint8_t> reference_mask(const MaskProblem& pb) {
+  std::vector<uint8_t> m(static_cast<size_t>(pb.T * pb.mask_stride));
+  ref::candidate_mask(pb.scores.data(), pb.T, pb.stride, pb.clen.data(), pb.block, pb.topk_blocks, m.data(),
+                      pb.mask_stride);
+  return m;
+}
+
+std::vector<uint8_t> gpu_mask(const MaskProblem& pb, int cluster, Launch mode = Launch::kPlain,
+                              Entry entry = Entry::kDispatch, unsigned long long* errors = nullptr) {
+  auto d_scores = to_device(pb.scores);
+  auto d_clen = to_device(pb.clen);
+  PoisonedOutput<uint8_t> out(static_cast<size_t>(pb.T * pb.mask_stride));
+  ErrorCount err;
+  DeviceBuffer<uint8_t> ws;
+  kernels::CandidateMaskParams p;
+  p.scores = d_scores.get();
+  p.score_stride = pb.stride;
+  p.clen = d_clen.get();
+  p.T = pb.T;
+  p.block = pb.block;
+  p.topk_blocks = pb.topk_blocks;
+  p.mask = out.get();
+  p.mask_stride = pb.mask_stride;
+  p.err_count = err.get();
+  p.v3_cluster = cluster;
+  if (entry == Entry::kDispatch) p.version = 3;
+  if (entry == Entry::kV2) {
+    ws.resize(std::max<size_t>(kernels::candidate_mask_workspace_bytes(pb.T, pb.stride, pb.block, pb.topk_blocks), 16));
+    ws.fill_bytes(0);
+    p.workspace = ws.get();
+    p.workspace_bytes = ws.bytes();
+  }
+  {
+    TestStream stream;
+    DeviceBuffer<float> staging;
+    late_feed(mode, d_scores, staging, stream.s);
+    if (entry == Entry::kDirect) kernels::run_candidate_mask_v3(p, stream.s, pdl_of(mode));
+    else kernels::run_candidate_mask(p, stream.s, pdl_of(mode));
+    V4_CUDA_CHECK_LAUNCH();
+    V4_CUDA_CHECK(cudaStreamSynchronize(stream.s));
+  }
+  const auto e = err.read();
+  if (errors != nullptr) *errors = e;
+  else EXPECT_EQ(e, 0u);
+  return out.download_checked();
+}
+
+void check_mask_all_clusters(const MaskProblem& pb, const std::string& what, Launch mode = Launch::kPlain) {
+  const auto want = reference_mask(pb);
+  for (int cl : kClusters)
+    expect_same_bytes(gpu_mask(pb, cl, mode), want, what + ", " + cl_name(cl) + ", " + launch_name(mode),
+                      pb.mask_stride);
+}
+
+// =================================================================================================
+// top-k
+// =================================================================================================
+
+TEST(GpuIndexerSelectV3, TopkBatchesOfMixedRowLengths) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5e1e3001);
+  // T rows cycling through the edge lengths (T = 1: one full row), each flavour of scores.
+  for (int64_t T : {1, 6, 8, 32, 64}) {
+    const auto clen = T == 1 ? std::vector<int32_t>{65536} : cycled_clen(T, kLengths, T);
+    for (Flavour f : {Flavour::kNormal, Flavour::kTies, Flavour::kAdjacent}) {
+      if (T >= 32 && f == Flavour::kAdjacent) continue;  // covered by the smaller batches
+      const auto pb = make_topk_problem(clen, 65536, 512, 576, rng, f);
+      const auto want = reference_topk(pb);
+      check_topk_all_clusters(pb, want, "T=" + std::to_string(T) + " " + flavour_name(f));
+    }
+  }
+}
+
+TEST(GpuIndexerSelectV3, TopkEqualsV1AndV2) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5e1e3002);
+  const auto pb = make_topk_problem(cycled_clen(8, kLengths, 0), 65536, 512, 512, rng, Flavour::kTies);
+  const auto want = reference_topk(pb);
+  for (Entry e : {Entry::kV1, Entry::kV2, Entry::kDirect, Entry::kDispatch}) {
+    TopkRun run;
+    run.entry = e;
+    expect_same_bytes(gpu_topk(pb, run), want, "entry " + std::to_string(static_cast<int>(e)), pb.out_stride);
+  }
+}
+
+TEST(GpuIndexerSelectV3, TopkPdlLaunches) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5e1e3003);
+  const auto pb = make_topk_problem({65536, 65535, 65534, 65533, 65532, 65531}, 65536, 512, 512, rng, Flavour::kNormal);
+  const auto want = reference_topk(pb);
+  for (Launch mode : {Launch::kPdl, Launch::kPdlLate})
+    for (int cl : {0, 16}) {
+      TopkRun run;
+      run.cluster = cl;
+      run.mode = mode;
+      expect_same_bytes(gpu_topk(pb, run), want, std::string("verify rows ") + launch_name(mode) + " " + cl_name(cl),
+                        pb.out_stride);
+    }
+}
+
+TEST(GpuIndexerSelectV3, TopkAllEqualRowsTakeTheLowestPositions) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5e1e3004);
+  auto pb = make_topk_problem({65536, 3000, 512, 40000}, 65536, 512, 512, rng, Flavour::kNormal);
+  for (int64_t t = 0; t < pb.T; ++t)
+    for (int64_t j = 0; j < pb.clen[t]; ++j) pb.scores[t * pb.stride + j] = 0.5f;
+  // Row 1: the equal run starts at 100 after -inf positions; one larger value at the end.
+  for (int64_t j = 0; j < 100; ++j) pb.scores[1 * pb.stride + j] = -kInf;
+  pb.scores[1 * pb.stride + 2999] = 1.0f;
+  // Row 3: +0.0 and -0.0 alternating (one key), a single larger value in the last chunk.
+  for (int64_t j = 0; j < 40000; ++j) pb.scores[3 * pb.stride + j] = (j % 3 == 0) ? -0.0f : 0.0f;
+  pb.scores[3 * pb.stride + 39999] = 1e-30f;
+  const auto want = reference_topk(pb);
+  for (int cl : kClusters) {
+    TopkRun run;
+    run.cluster = cl;
+    const auto got = gpu_topk(pb, run);
+    expect_same_bytes(got, want, "all equal, " + cl_name(cl), pb.out_stride);
+    // Independent of the reference: row 0 is the slots of positions 0..511.
+    for (int i = 0; i < 512; ++i)
+      ASSERT_EQ(got[i], pb.table.v[pb.req[0] * pb.table.stride + i]) << cl_name(cl) << " " << i;
+  }
+}
+
+// Ties that straddle CTA chunks: K* occurs in several chunks and the budget k_eq ends inside a
+// later chunk; the values above K* are spread over all chunks.
+TEST(GpuIndexerSelectV3, TopkTieBudgetAcrossChunks) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5e1e3005);
+  auto pb = make_topk_problem({65536, 65536, 20000, 4096}, 65536, 512, 512, rng, Flavour::kNormal);
+  for (int64_t t = 0; t < pb.T; ++t) {
+    float* row = pb.scores.data() + t * pb.stride;
+    for (int64_t j = 0; j < pb.clen[t]; ++j) row[j] = -1.0f;
+    // 300 values above K* spread evenly; K* = 2.0 every 97th position (many more than 212).
+    for (int i = 0; i < 300; ++i) row[(static_cast<int64_t>(i) * 7919 + t) % pb.clen[t]] = 3.0f + static_cast<float>(i % 5);
+    for (int64_t j = 5 + t; j < pb.clen[t]; j += 97)
+      if (row[j] < 0.0f) row[j] = 2.0f;
+  }
+  check_topk_all_clusters(pb, reference_topk(pb), "tie budget across chunks");
+}
+
+TEST(GpuIndexerSelectV3, TopkOtherKAndWidths) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5e1e3006);
+  for (int topk : {0, 1, 64, 500, 2048}) {
+    const std::vector<int32_t> clen = {0, 63, 2000, 2049, 9000, 33000};
+    const int64_t out_stride = std::max<int64_t>(64, (topk + 63) / 64 * 64);
+    const auto pb = make_topk_problem(clen, 33024, topk, out_stride, rng, topk % 2 == 0 ? Flavour::kTies : Flavour::kNormal);
+    check_topk_all_clusters(pb, reference_topk(pb), "topk " + std::to_string(topk));
+  }
+}
+
+// Rows longer than the resident key capacity of a CTA (6 rounds of 4096 positions): the chunk is
+// re-read from global memory every pass. Cluster 1 at 65536 positions, cluster 2 at 65536 and
+// cluster 16 at 600064; short rows of the same launch stay resident.
+TEST(GpuIndexerSelectV3, TopkTiledPathForLongRows) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5e1e3007);
+  for (Flavour f : {Flavour::kNormal, Flavour::kTies}) {
+    const auto pb = make_topk_problem({65536, 24577, 24576, 100, 49153}, 65536, 512, 576, rng, f);
+    const auto want = reference_topk(pb);
+    for (int cl : {1, 2}) {
+      TopkRun run;
+      run.cluster = cl;
+      expect_same_bytes(gpu_topk(pb, run), want, std::string("tiled 64K, ") + flavour_name(f) + ", " + cl_name(cl),
+                        pb.out_stride);
+    }
+  }
+  const auto pb = make_topk_problem({600000, 393217, 70000}, 600064, 2048, 2048, rng, Flavour::kTies);
+  const auto want = reference_topk(pb);
+  for (int cl : {0, 16}) {
+    TopkRun run;
+    run.cluster = cl;
+    expect_same_bytes(gpu_topk(pb, run), want, "tiled 600K, " + cl_name(cl), pb.out_stride);
+  }
+}
+
+TEST(GpuIndexerSelectV3, TopkFusedCandidateMask) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5e1e3008);
+  const std::vector<int32_t> clen = {0, 9, 800, 4100, 30000, 65536};
+  for (int mask_block : {8, 5}) {
+    for (Flavour f : {Flavour::kNormal, Flavour::kTies}) {
+      auto pb = make_topk_problem(clen, 65536, 512, 512, rng, f);
+      pb.mask_block = mask_block;
+      pb.mask_stride = (pb.stride + mask_block - 1) / mask_block + 64;
+      pb.mask.resize(static_cast<size_t>(pb.T * pb.mask_stride));
+      for (auto& m : pb.mask) m = (rng() % 4 == 0) ? 1 : 0;
+      check_topk_all_clusters(pb, reference_topk(pb),
+                              "fused mask, block " + std::to_string(mask_block) + ", " + flavour_name(f));
+    }
+  }
+}
+
+TEST(GpuIndexerSelectV3, TopkPaddedAndBadRowsAreContainedAndCounted) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5e1e3009);
+  // Rows: 0 ok; 1 padded (req -1, stale clen: all -1, not counted); 2 unknown request (req 3 of 3
+  // table rows: all -1, counted); 3 clen past the score stride (clamped to 4096, counted); 4 clen
+  // < 0 (all -1, counted); 5 ok (a short row); 6 clen past the slot table's stride (the table is
+  // 4000 wide: clamped to 4000, counted).
+  auto pb = make_topk_problem({3000, 3000, 3000, 3000, 3000, 300, 3000}, 4096, 512, 512, rng, Flavour::kTies);
+  pb.table = shuffled_table(3, 4000, 4100, rng);
+  auto good = pb;  // the expectation from well-formed rows
+  good.req[1] = 0;
+  good.req[2] = 0;
+  good.clen[3] = 4000;  // rows 3 and 6 are compared to their clamped twins
+  good.clen[4] = 0;
+  good.clen[6] = 4000;
+  auto want = reference_topk(good);
+  std::fill_n(want.begin() + 1 * 512, 512, -1);
+  std::fill_n(want.begin() + 2 * 512, 512, -1);
+  // Row 3 clamps to the score stride (4096) first, then to the table stride (4000): its twin has
+  // clen 4000 above.
+  pb.req[1] = -1;
+  pb.req[2] = 3;
+  pb.clen[3] = 5000;
+  pb.clen[4] = -7;
+  pb.clen[6] = 4096;
+  for (int cl : kClusters) {
+    unsigned long long errors = 0;
+    TopkRun run;
+    run.cluster = cl;
+    run.errors = &errors;
+    const auto got = gpu_topk(pb, run);
+    EXPECT_EQ(errors, 4u) << cl_name(cl);
+    expect_same_bytes(got, want, "contained rows, " + cl_name(cl), pb.out_stride);
+  }
+}
+
+TEST(GpuIndexerSelectV3, TopkDecodeShapesWithPaddedRows) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5e1e300a);
+  for (int64_t T : {1, 6, 8, 32, 64}) {
+    std::vector<int32_t> clen(static_cast<size_t>(T));
+    for (auto& c : clen) c = static_cast<int32_t>(rng() % 32769);
+    auto pb = make_topk_problem(clen, 32768, 512, 512, rng, T % 2 == 0 ? Flavour::kTies : Flavour::kNormal);
+    if (T > 2) {
+      pb.req[T - 1] = -1;  // padded rows give all -1
+      pb.clen[T - 2] = 0;
+    }
+    const auto want = reference_topk(pb);
+    TopkRun run;
+    run.mode = T == 6 ? Launch::kPdlLate : Launch::kPlain;
+    expect_same_bytes(gpu_topk(pb, run), want, "decode T=" + std::to_string(T), pb.out_stride);
+    run.cluster = 8;
+    run.entry = Entry::kDirect;
+    expect_same_bytes(gpu_topk(pb, run), want, "decode T=" + std::to_string(T) + " direct", pb.out_stride);
+  }
+}
+
+// =================================================================================================
+// candidate mask
+// =================================================================================================
+
+TEST(GpuIndexerSelectV3, MaskMatchesReference) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5e1e3101);
+  // Row lengths on both sides of the budget (2048 blocks = 16384 positions) and of the edges.
+  const std::vector<int32_t> clen = {0, 1, 7, 8, 9, 511, 512, 513, 4095, 16383, 16384, 16385, 16393, 32768, 65536};
+  for (Flavour f : {Flavour::kNormal, Flavour::kTies, Flavour::kAdjacent}) {
+    MaskProblem pb;
+    pb.T = static_cast<int64_t>(clen.size());
+    pb.stride = 65536;
+    pb.mask_stride = 8192 + 128;
+    pb.clen = clen;
+    pb.scores = make_scores(pb.T, pb.stride, clen, rng, f, 3);
+    // A few blocks of only -inf (never kept unless newest).
+    for (int64_t t = 0; t < pb.T; ++t)
+      for (int64_t j = 800; j < std::min<int64_t>(clen[t], 880); ++j) pb.scores[t * pb.stride + j] = -kInf;
+    check_mask_all_clusters(pb, std::string("mask ") + flavour_name(f), f == Flavour::kTies ? Launch::kPdlLate : Launch::kPlain);
+  }
+}
+
+TEST(GpuIndexerSelectV3, MaskBatchesAndBudgets) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5e1e3102);
+  for (int64_t T : {1, 6, 8, 32, 64}) {
+    const auto clen = T == 1 ? std::vector<int32_t>{65536} : cycled_clen(T, kLengths, T + 3);
+    for (int budget : {0, 3, 100, 2048, 9000}) {
+      if (T >= 32 && budget != 2048) continue;
+      MaskProblem pb;
+      pb.T = T;
+      pb.stride = 65536;
+      pb.mask_stride = 8192 + 64;
+      pb.clen = clen;
+      pb.topk_blocks = budget;
+      pb.scores = make_scores(pb.T, pb.stride, clen, rng, budget % 2 == 0 ? Flavour::kTies : Flavour::kNormal, 4);
+      check_mask_all_clusters(pb, "mask T=" + std::to_string(T) + " budget " + std::to_string(budget));
+    }
+  }
+}
+
+TEST(GpuIndexerSelectV3, MaskOtherBlockSizes) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5e1e3103);
+  const std::vector<int32_t> clen = {0, 5, 333, 4000, 12345};
+  for (int block : {1, 5, 8, 16}) {
+    for (int budget : {3, 100, 2048}) {
+      MaskProblem pb;
+      pb.T = static_cast<int64_t>(clen.size());
+      pb.stride = 12352;
+      pb.block = block;
+      pb.topk_blocks = budget;
+      pb.mask_stride = (pb.stride + block - 1) / block + 3;
+      pb.clen = clen;
+      pb.scores = make_scores(pb.T, pb.stride, clen, rng, Flavour::kTies, 4);
+      check_mask_all_clusters(pb, "block " + std::to_string(block) + " budget " + std::to_string(budget));
+    }
+  }
+}
+
+// More blocks than a CTA keeps resident (24 rounds of 1024 blocks): cluster 1 at 262144 positions
+// (32768 blocks), and the same launch's short rows resident; plus v1 / v2 agreement.
+TEST(GpuIndexerSelectV3, MaskTiledPathAndOlderVersions) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5e1e3104);
+  MaskProblem pb;
+  pb.clen = {262144, 196609, 70001, 0};
+  pb.T = 4;
+  pb.stride = 262144;
+  pb.mask_stride = 32768 + 16;
+  pb.scores = make_scores(pb.T, pb.stride, pb.clen, rng, Flavour::kTies, 3);
+  for (int budget : {2048, 30000}) {
+    pb.topk_blocks = budget;
+    const auto want = reference_mask(pb);
+    for (int cl : {1, 2, 0})
+      expect_same_bytes(gpu_mask(pb, cl), want, "tiled mask, budget " + std::to_string(budget) + ", " + cl_name(cl),
+                        pb.mask_stride);
+    for (Entry e : {Entry::kV1, Entry::kV2, Entry::kDirect})
+      expect_same_bytes(gpu_mask(pb, 0, Launch::kPlain, e), want,
+                        "mask entry " + std::to_string(static_cast<int>(e)) + ", budget " + std::to_string(budget),
+                        pb.mask_stride);
+  }
+}
+
+TEST(GpuIndexerSelectV3, MaskBadClenIsClampedAndCounted) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5e1e3105);
+  MaskProblem pb;
+  pb.clen = {4096, 9000, -3};
+  pb.T = 3;
+  pb.stride = 4096;
+  pb.mask_stride = 512 + 64;
+  pb.scores = make_scores(pb.T, pb.stride, {4096, 4096, 0}, rng, Flavour::kNormal);
+  MaskProblem good = pb;
+  good.clen = {4096, 4096, 0};
+  const auto want = reference_mask(good);
+  for (int cl : kClusters) {
+    unsigned long long errors = 0;
+    const auto got = gpu_mask(pb, cl, Launch::kPlain, Entry::kDispatch, &errors);
+    EXPECT_EQ(errors, 2u) << cl_name(cl);
+    expect_same_bytes(got, want, "clamped mask rows, " + cl_name(cl), pb.mask_stride);
+  }
+}
+
+// The launchers query (once per device, kernel, cluster size and smem size) whether 16-CTA
+// clusters fit; the first such query may happen while a stream is being captured into a graph
+// (the prepare cycle is a graph). Shapes no other test uses make the query happen inside the
+// capture here.
+TEST(GpuIndexerSelectV3, FirstLaunchInsideGraphCapture) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5e1e3201);
+  const auto pb = make_topk_problem({100000, 99999, 70000, 5000, 100000, 1}, 100000, 512, 512, rng, Flavour::kNormal);
+  MaskProblem mp;
+  mp.T = pb.T;
+  mp.stride = pb.stride;
+  mp.clen = pb.clen;
+  mp.block = 1;
+  mp.topk_blocks = 2048;
+  mp.mask_stride = mp.stride + 8;
+  mp.scores = pb.scores;
+  auto d_scores = to_device(pb.scores);
+  auto d_req = to_device(pb.req);
+  auto d_clen = to_device(pb.clen);
+  auto d_table = to_device(pb.table.v);
+  PoisonedOutput<int32_t> out(static_cast<size_t>(pb.T * pb.out_stride));
+  PoisonedOutput<uint8_t> mask(static_cast<size_t>(mp.T * mp.mask_stride));
+  kernels::IndexerTopkParams p;
+  p.scores = d_scores.get();
+  p.score_stride = pb.stride;
+  p.clen = d_clen.get();
+  p.req = d_req.get();
+  p.T = pb.T;
+  p.comp_slot_table = d_table.get();
+  p.comp_table_stride = pb.table.stride;
+  p.comp_table_rows = pb.table.rows;
+  p.topk = pb.topk;
+  p.out = out.get();
+  p.out_stride = pb.out_stride;
+  p.version = 3;
+  kernels::CandidateMaskParams m;
+  m.scores = d_scores.get();
+  m.score_stride = mp.stride;
+  m.clen = d_clen.get();
+  m.T = mp.T;
+  m.block = mp.block;
+  m.topk_blocks = mp.topk_blocks;
+  m.mask = mask.get();
+  m.mask_stride = mp.mask_stride;
+  m.version = 3;
+  {
+    TestStream stream;
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    V4_CUDA_CHECK(cudaStreamBeginCapture(stream.s, cudaStreamCaptureModeThreadLocal));
+    kernels::run_candidate_mask(m, stream.s, true);
+    kernels::run_indexer_topk(p, stream.s, true);
+    V4_CUDA_CHECK(cudaStreamEndCapture(stream.s, &graph));
+    V4_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    V4_CUDA_CHECK(cudaGraphLaunch(exec, stream.s));
+    V4_CUDA_CHECK(cudaStreamSynchronize(stream.s));
+    V4_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    V4_CUDA_CHECK(cudaGraphDestroy(graph));
+  }
+  expect_same_bytes(out.download_checked(), reference_topk(pb), "top-k in a graph", pb.out_stride);
+  expect_same_bytes(mask.download_checked(), reference_mask(mp), "mask in a graph", mp.mask_stride);
+}
+
+// =================================================================================================
+// host checks (no GPU needed: every case is refused before any CUDA call)
+// =================================================================================================
+
+template <class T>
+T* fake_ptr() {
+  return reinterpret_cast<T*>(uintptr_t{0x10000});
+}
+
+kernels::IndexerTopkParams valid_topk_params() {
+  kernels::IndexerTopkParams p;
+  p.scores = fake_ptr<float>();
+  p.score_stride = 1024;
+  p.clen = fake_ptr<int32_t>();
+  p.req = fake_ptr<int32_t>();
+  p.T = 2;
+  p.comp_slot_table = fake_ptr<int32_t>();
+  p.comp_table_stride = 1024;
+  p.comp_table_rows = 1;
+  p.topk = 512;
+  p.out = fake_ptr<int32_t>();
+  p.out_stride = 512;
+  p.version = 3;
+  return p;
+}
+
+kernels::CandidateMaskParams valid_mask_params() {
+  kernels::CandidateMaskParams p;
+  p.scores = fake_ptr<float>();
+  p.score_stride = 1024;
+  p.clen = fake_ptr<int32_t>();
+  p.T = 1;
+  p.mask = fake_ptr<uint8_t>();
+  p.mask_stride = 128;
+  p.version = 3;
+  return p;
+}
+
+TEST(GpuIndexerSelectV3, HostRefusesBadParams) {
+  using kernels::run_indexer_topk;
+  using kernels::run_indexer_topk_v3;
+  auto refuse_topk = [](const kernels::IndexerTopkParams& p, const char* what) {
+    EXPECT_THROW(run_indexer_topk(p, nullptr, false), std::invalid_argument) << what;
+    EXPECT_THROW(run_indexer_topk_v3(p, nullptr, false), std::invalid_argument) << what << " (direct)";
+  };
+  auto p = valid_topk_params();
+  p.out_stride = 500;
+  refuse_topk(p, "out_stride not a multiple of 64");
+  p = valid_topk_params();
+  p.topk = 576;
+  refuse_topk(p, "topk wider than the output");
+  p = valid_topk_params();
+  p.topk = -1;
+  refuse_topk(p, "negative topk");
+  p = valid_topk_params();
+  p.score_stride = 0;
+  refuse_topk(p, "score_stride 0");
+  p = valid_topk_params();
+  p.candidate_mask = fake_ptr<uint8_t>();
+  p.mask_stride = 100;  // < 1024 / 8
+  refuse_topk(p, "mask_stride too small");
+  p = valid_topk_params();
+  p.candidate_mask = fake_ptr<uint8_t>();
+  p.mask_stride = 1024;
+  p.mask_block = 0;
+  refuse_topk(p, "mask_block 0");
+  p = valid_topk_params();
+  p.out = nullptr;
+  refuse_topk(p, "null out");
+  p = valid_topk_params();
+  p.scores = nullptr;
+  refuse_topk(p, "null scores");
+  p = valid_topk_params();
+  p.comp_slot_table = nullptr;
+  refuse_topk(p, "null table");
+  p = valid_topk_params();
+  p.T = -1;
+  refuse_topk(p, "negative T");
+  for (int cl : {3, 5, 32, -1}) {
+    p = valid_topk_params();
+    p.v3_cluster = cl;
+    refuse_topk(p, "v3_cluster not in {0, 1, 2, 4, 8, 16}");
+  }
+  p = valid_topk_params();
+  p.version = 4;
+  EXPECT_THROW(run_indexer_topk(p, nullptr, false), std::invalid_argument) << "unknown version";
+  p.version = 1;
+  EXPECT_THROW(run_indexer_topk(p, nullptr, false), std::invalid_argument) << "version 1 is not selectable";
+  // T == 0 launches nothing and needs no pointers (any version).
+  p = valid_topk_params();
+  p.T = 0;
+  p.scores = nullptr;
+  EXPECT_NO_THROW(run_indexer_topk(p, nullptr, false));
+
+  using kernels::run_candidate_mask;
+  using kernels::run_candidate_mask_v3;
+  auto refuse_mask = [](const kernels::CandidateMaskParams& m, const char* what) {
+    EXPECT_THROW(run_candidate_mask(m, nullptr, false), std::invalid_argument) << what;
+    EXPECT_THROW(run_candidate_mask_v3(m, nullptr, false), std::invalid_argument) << what << " (direct)";
+  };
+  auto m = valid_mask_params();
+  m.mask_stride = 127;
+  refuse_mask(m, "mask_stride too small");
+  m = valid_mask_params();
+  m.block = 0;
+  refuse_mask(m, "block 0");
+  m = valid_mask_params();
+  m.topk_blocks = -1;
+  refuse_mask(m, "negative budget");
+  m = valid_mask_params();
+  m.mask = nullptr;
+  refuse_mask(m, "null mask");
+  m = valid_mask_params();
+  m.score_stride = 0;
+  refuse_mask(m, "score_stride 0");
+  m = valid_mask_params();
+  m.v3_cluster = 12;
+  refuse_mask(m, "v3_cluster 12");
+  m = valid_mask_params();
+  m.version = 2;
+  EXPECT_THROW(run_candidate_mask(m, nullptr, false), std::invalid_argument) << "version 2 is not selectable";
+  m = valid_mask_params();
+  m.T = 0;
+  m.mask = nullptr;
+  EXPECT_NO_THROW(run_candidate_mask(m, nullptr, false));
+}
+
+}  // namespace
