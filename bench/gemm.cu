@@ -27,8 +27,9 @@
 //         fp8 GEMM (128x128 weight scales, 1x128 activation scales) on the same e4m3 codes with unit
 //         scales -- a speed reference only (V4.1's 32x32 scales are not expressible there; its
 //         output is not compared; cuBLASLt has no algorithm for it at M = 1).
-//   bf16: v0, v1, "cublasLt bf16" (wo_a: one strided-batched call for the 8 groups).
-//   f32:  v0, v1, "cublasLt f32" (x widened to fp32 for it; CUBLAS_COMPUTE_32F, no TF32).
+//   bf16: v0, v1, v5 (kSkinny), "cublasLt bf16" (wo_a: one strided-batched call for the 8 groups).
+//   f32:  v0, v1, v5 (kSkinny), "cublasLt f32" (x widened to fp32 for it; CUBLAS_COMPUTE_32F, no TF32).
+//   ("auto" in a v1 / v5 row's note says which of them kAuto runs for that shape and m.)
 // v0 (one thread per output) is slow: when one launch takes > 2 ms it is timed with 5 launches
 // (the "reps" column says so); v0 is not graph-timed; --no-v0 skips it.
 //
@@ -39,8 +40,8 @@
 // Usage: bench_gemm [--m 1,6,8,24,48,64] [--shapes wq_b,wo_b,...] [--reps 50] [--no-v0]
 //                   [--no-peer] [--no-graph] [--graph-launches 20] [--splits S] [--mtiles 1|2]
 //                   [--stages N] [--v3-masks -1,0,15] [--json FILE]
-// --splits / --mtiles override the v1, v2 and v3 plans (v3: S <= 8), --stages v2's and v3's ring
-// depth (tuning; the note column shows the plan used).
+// --splits / --mtiles override the v1, v2, v3 and v5 plans (v3, v5: S <= 8), --stages v2's and v3's
+// ring depth (tuning; the note column shows the plan used).
 #include <CLI/CLI.hpp>
 #include <cublasLt.h>
 
@@ -337,6 +338,9 @@ std::string plan_note(kn::GemmVersion v, int m, int64_t n, int64_t k, int groups
   } else if (v == kn::GemmVersion::kWgmma) {
     const kn::GemmPlan p = kn::plan_gemm_wgmma(m, n, k, groups, env.force_splits, env.force_mtiles, env.force_stages);
     std::snprintf(note, sizeof(note), "MT %d S %d ST %d smem %zu", p.warp_mtiles, p.splits, p.stages, p.smem_bytes);
+  } else if (v == kn::GemmVersion::kSkinny) {
+    const kn::GemmPlan p = kn::plan_gemm_skinny(m, n, k, groups, false, env.force_splits, env.force_mtiles);
+    std::snprintf(note, sizeof(note), "rows %d S %d (cluster) ST %d smem %zu", p.block_n, p.splits, p.stages, p.smem_bytes);
   } else {
     const kn::GemmPlan p = kn::plan_gemm_tc(m, n, k, groups, env.force_splits, env.force_mtiles);
     std::snprintf(note, sizeof(note), "MT %d S %d", p.warp_mtiles, p.splits);
@@ -580,18 +584,21 @@ void bench_bf16(const Shape& sh, const std::vector<int>& ms, Env& env, std::vect
     const kn::GemmWorkspace ws = workspace(env, m, n, k, groups);
     kn::init_gemm_workspace(ws, env.stream);
     const int64_t bytes = groups * (n * k * 2 + m * k * 2 + m * n * 2);
-    for (kn::GemmVersion v : {kn::GemmVersion::kSimple, kn::GemmVersion::kTensorCore}) {
+    // What kAuto runs here (run_gemm_bf16's rule; the bench's overrides make it v1).
+    const bool auto_v5 = groups == 1 && env.force_splits == 0 && env.force_mtiles == 0 && kn::skinny_gemm_preferred(m, n, k);
+    for (kn::GemmVersion v : {kn::GemmVersion::kSimple, kn::GemmVersion::kTensorCore, kn::GemmVersion::kSkinny}) {
       if (v == kn::GemmVersion::kSimple && !env.run_v0) continue;
       out.fill_bytes(0xAB, env.stream);
       kn::run_gemm_bf16(p, ws, v, env.stream, false);
       V4_CUDA_CHECK(cudaStreamSynchronize(env.stream));
       const auto [ulps, differ] = ulp_diff(to_host(out, out.size()), want, n);
-      Row r = make_row(sh, v == kn::GemmVersion::kSimple ? "v0" : "v1", m, bytes);
+      Row r = make_row(sh, v == kn::GemmVersion::kSimple ? "v0" : v == kn::GemmVersion::kTensorCore ? "v1" : "v5 skinny", m, bytes);
       r.valid = v == kn::GemmVersion::kSimple ? differ == 0 : ulps <= 1;
-      if (v == kn::GemmVersion::kTensorCore) {
+      if (v != kn::GemmVersion::kSimple) {
         char pct[48];
         std::snprintf(pct, sizeof(pct), "%.3f%% differ; ", 100.0 * static_cast<double>(differ) / static_cast<double>(want.size()));
         r.note = pct + plan_note(v, m, n, k, groups, env);
+        if ((v == kn::GemmVersion::kSkinny) == auto_v5) r.note += "; auto";
       }
       time_row(r, env,
                [&, v](cudaStream_t s, int c, bool pdl) {
@@ -667,14 +674,24 @@ void bench_f32(const Shape& sh, const std::vector<int>& ms, Env& env, std::vecto
     p.m = m;
     p.n = n;
     p.k = k;
+    p.force_splits = env.force_splits;  // v5 only
     const int64_t bytes = n * k * 4 + m * k * 2 + m * n * 4;
-    for (kn::GemmVersion v : {kn::GemmVersion::kSimple, kn::GemmVersion::kTensorCore}) {
+    const bool auto_v5 = kn::skinny_gemm_preferred(m, n, k) && k % 32 == 0;  // x is dense and aligned here
+    for (kn::GemmVersion v : {kn::GemmVersion::kSimple, kn::GemmVersion::kTensorCore, kn::GemmVersion::kSkinny}) {
       if (v == kn::GemmVersion::kSimple && !env.run_v0) continue;
       out.fill_bytes(0xAB, env.stream);
       kn::run_gemm_f32(p, v, env.stream, false);
       V4_CUDA_CHECK(cudaStreamSynchronize(env.stream));
-      Row r = make_row(sh, v == kn::GemmVersion::kSimple ? "v0" : "v1", m, bytes);
+      Row r = make_row(sh, v == kn::GemmVersion::kSimple ? "v0" : v == kn::GemmVersion::kTensorCore ? "v1" : "v5 skinny", m, bytes);
       r.valid = within(to_host(out, out.size()), v == kn::GemmVersion::kSimple);
+      if (v == kn::GemmVersion::kSkinny) {
+        const kn::GemmPlan sp = kn::plan_gemm_skinny(m, n, k, 1, true, env.force_splits);
+        char note[96];
+        std::snprintf(note, sizeof(note), "rows %d S %d (cluster) ST %d smem %zu", sp.block_n, sp.splits, sp.stages, sp.smem_bytes);
+        r.note = note;
+      }
+      if (v != kn::GemmVersion::kSimple && (v == kn::GemmVersion::kSkinny) == auto_v5)
+        r.note += r.note.empty() ? "auto" : "; auto";
       time_row(r, env,
                [&, v](cudaStream_t s, int c, bool pdl) {
                  kn::F32GemmParams q = p;
@@ -714,9 +731,9 @@ int main(int argc, char** argv) {
   app.add_option("--shapes", shapes, "shapes to run (default all): " + shape_names)->delimiter(',');
   app.add_option("--reps", env.reps, "timed eager launches per case (>= 50)")->check(CLI::Range(50, 100000));
   app.add_flag("--no-v0", no_v0, "skip the (slow) v0 baseline");
-  app.add_option("--splits", env.force_splits, "v1 / v2 / v3: force S K-splits (0 = automatic plan; v3 caps it at 8)")
+  app.add_option("--splits", env.force_splits, "v1 / v2 / v3 / v5: force S K-splits (0 = automatic plan; v3 and v5 cap it at 8)")
       ->check(CLI::Range(0, 4096));
-  app.add_option("--mtiles", env.force_mtiles, "v1: force 1 or 2 m16 tiles per warp; v2, v3: 1 or 2 m64 tiles per warpgroup (0 = automatic)")
+  app.add_option("--mtiles", env.force_mtiles, "v1: force 1 or 2 m16 tiles per warp; v2, v3: 1 or 2 m64 tiles per warpgroup; v5 bf16: 1 or 2 m16 tiles per CTA (0 = automatic)")
       ->check(CLI::Range(0, 2));
   app.add_option("--stages", env.force_stages, "v2, v3: at most this many TMA ring stages (0 = automatic)")->check(CLI::Range(0, 8));
   app.add_option("--v3-masks", env.v3_masks,

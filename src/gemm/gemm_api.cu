@@ -1,6 +1,6 @@
 // Public entry points of the GEMM family: validate once (std::invalid_argument, nothing launched),
-// then dispatch to v0 (gemm_simple.cu), v1 (gemm_tc.cu, gemm_f32.cu), v2 (gemm_wgmma.cu) or v3
-// (gemm_wgmma_pipelined.cu).
+// then dispatch to v0 (gemm_simple.cu), v1 (gemm_tc.cu, gemm_f32.cu), v2 (gemm_wgmma.cu), v3
+// (gemm_wgmma_pipelined.cu) or v5 (gemm_skinny.cu, bf16 / fp32).
 #include <algorithm>
 #include <string>
 
@@ -56,8 +56,9 @@ const char* gemm_version_name(GemmVersion v) {
     case GemmVersion::kSimple: return "v0 simple";
     case GemmVersion::kTensorCore: return "v1 tensor-core";
     case GemmVersion::kWgmma: return "v2 wgmma";
-    case GemmVersion::kAuto: return "auto (fp8: v2/v3 by shape; bf16/fp32: v1)";
+    case GemmVersion::kAuto: return "auto (fp8: v2/v3 by shape; bf16/fp32: v5/v1 by shape)";
     case GemmVersion::kWgmmaPipelined: return "v3 wgmma-pipelined";
+    case GemmVersion::kSkinny: return "v5 skinny";
   }
   return "?";
 }
@@ -81,6 +82,7 @@ GemmPlan plan_gemm(GemmVersion version, int m, int64_t n, int64_t k, int groups,
     case GemmVersion::kWgmma: return plan_gemm_wgmma(m, n, k, groups, force_splits, force_mtiles);
     case GemmVersion::kWgmmaPipelined: return plan_gemm_wgmma_pipelined(m, n, k, groups, force_splits, force_mtiles);
     case GemmVersion::kAuto: return plan_gemm(best_fp8_gemm_version(m, n, k), m, n, k, groups, force_splits, force_mtiles);
+    case GemmVersion::kSkinny: return plan_gemm_skinny(m, n, k, groups, false, force_splits, force_mtiles);
   }
   throw std::invalid_argument("plan_gemm: unknown version");
 }
@@ -96,7 +98,8 @@ void run_gemm_fp8(const Fp8GemmParams& p, const GemmWorkspace& ws, GemmVersion v
   const char* who = "run_gemm_fp8";
   if (p.m < 0) fail(who, "m < 0");
   if (p.m == 0) return;
-  if (version == GemmVersion::kAuto) version = best_fp8_gemm_version(p.m, p.n, p.k);
+  // kSkinny has no fp8 kernel: the fp8 GEMMs of a stack run with kSkinny take kAuto's choice.
+  if (version == GemmVersion::kAuto || version == GemmVersion::kSkinny) version = best_fp8_gemm_version(p.m, p.n, p.k);
   check_nk(who, p.n, p.k);
   check_rows_groups(who, p.m, p.groups);
   if (!p.a_q || !p.a_scale || !p.w || !p.w_scale || !p.out) fail(who, "null pointer");
@@ -107,7 +110,8 @@ void run_gemm_fp8(const Fp8GemmParams& p, const GemmWorkspace& ws, GemmVersion v
     fail(who, "a_q must be 16-byte aligned with a_stride and a_group_stride multiples of 16");
   if (!aligned(p.w, 16) || p.w_group_stride % 16 != 0) fail(who, "w must be 16-byte aligned with w_group_stride % 16 == 0");
   switch (version) {
-    case GemmVersion::kAuto: break;  // resolved above
+    case GemmVersion::kAuto:
+    case GemmVersion::kSkinny: break;  // resolved above
     case GemmVersion::kSimple: detail::launch_gemm_fp8_simple(p, stream, pdl); return;
     case GemmVersion::kTensorCore: {
       const GemmPlan plan = check_tc(who, version, p.m, p.n, p.k, p.groups, p.force_splits, p.force_mtiles, ws);
@@ -146,12 +150,25 @@ void run_gemm_bf16(const Bf16GemmParams& p, const GemmWorkspace& ws, GemmVersion
   if (!aligned(p.x, 16) || p.x_stride % 8 != 0 || p.x_group_stride % 8 != 0)
     fail(who, "x must be 16-byte aligned with x_stride and x_group_stride multiples of 8");
   if (!aligned(p.w, 16) || p.w_group_stride % 8 != 0) fail(who, "w must be 16-byte aligned with w_group_stride % 8 == 0");
+  if (version == GemmVersion::kAuto)  // v1 plan overrides (tests, bench) keep v1
+    version = p.groups == 1 && p.force_splits == 0 && p.force_mtiles == 0 && skinny_gemm_preferred(p.m, p.n, p.k)
+                  ? GemmVersion::kSkinny
+                  : GemmVersion::kTensorCore;
   switch (version) {
     case GemmVersion::kSimple: detail::launch_gemm_bf16_simple(p, stream, pdl); return;
+    case GemmVersion::kSkinny: {
+      if (p.m > kGemmMaxRows) fail(who, "v5 skinny takes m <= 64 (got " + std::to_string(p.m) + ")");
+      if (p.force_splits < 0) fail(who, "force_splits < 0");
+      if (p.force_mtiles != 0 && p.force_mtiles != 1 && p.force_mtiles != 2 && p.force_mtiles != 4)
+        fail(who, "v5 skinny: force_mtiles must be 0, 1, 2 or 4 (got " + std::to_string(p.force_mtiles) + ")");
+      const GemmPlan plan = plan_gemm_skinny(p.m, p.n, p.k, p.groups, false, p.force_splits, p.force_mtiles);
+      detail::launch_gemm_bf16_skinny(p, plan, stream, pdl);
+      return;
+    }
     case GemmVersion::kTensorCore:
     case GemmVersion::kWgmma:
     case GemmVersion::kWgmmaPipelined:
-    case GemmVersion::kAuto: {  // no v2 / v3 of the bf16 GEMM: v1
+    case GemmVersion::kAuto: {  // no v2 / v3 of the bf16 GEMM: v1 (kAuto: resolved above)
       const GemmPlan plan =
           check_tc(who, GemmVersion::kTensorCore, p.m, p.n, p.k, p.groups, p.force_splits, p.force_mtiles, ws);
       detail::launch_gemm_bf16_tc(p, plan, ws, stream, pdl);
@@ -174,12 +191,26 @@ void run_gemm_f32(const F32GemmParams& p, GemmVersion version, cudaStream_t stre
   if (p.out_stride < p.n) fail(who, "out_stride < n");
   if (!aligned(p.w, 16)) fail(who, "w must be 16-byte aligned");
   if (!aligned(p.x, 8) || p.x_stride % 4 != 0) fail(who, "x must be 8-byte aligned with x_stride % 4 == 0");
+  if (p.force_splits < 0) fail(who, "force_splits < 0");
+  // v5's extra requirements (16-byte cp.async of x, whole K blocks, at most 64 rows).
+  const bool skinny_ok = p.m <= kGemmMaxRows && p.k % kGemmBlock == 0 && aligned(p.x, 16) && p.x_stride % 8 == 0;
+  if (version == GemmVersion::kAuto)
+    version = skinny_ok && skinny_gemm_preferred(p.m, p.n, p.k) ? GemmVersion::kSkinny : GemmVersion::kTensorCore;
   switch (version) {
     case GemmVersion::kSimple: detail::launch_gemm_f32_simple(p, stream, pdl); return;
+    case GemmVersion::kSkinny: {
+      if (p.m > kGemmMaxRows) fail(who, "v5 skinny takes m <= 64 (got " + std::to_string(p.m) + ")");
+      if (p.k % kGemmBlock != 0) fail(who, "v5 skinny: k " + std::to_string(p.k) + " is not a multiple of 32");
+      if (!aligned(p.x, 16) || p.x_stride % 8 != 0)
+        fail(who, "v5 skinny: x must be 16-byte aligned with x_stride % 8 == 0");
+      const GemmPlan plan = plan_gemm_skinny(p.m, p.n, p.k, 1, true, p.force_splits, 0);
+      detail::launch_gemm_f32_skinny(p, plan, stream, pdl);
+      return;
+    }
     case GemmVersion::kTensorCore:
     case GemmVersion::kWgmma:
     case GemmVersion::kWgmmaPipelined:
-    case GemmVersion::kAuto: detail::launch_gemm_f32_warp(p, stream, pdl); return;  // no v2 / v3: v1
+    case GemmVersion::kAuto: detail::launch_gemm_f32_warp(p, stream, pdl); return;  // no v2 / v3: v1 (kAuto: resolved above)
   }
   fail(who, "unknown version");
 }

@@ -36,6 +36,11 @@ void launch_gemm_fp8_wgmma_pipelined(const Fp8GemmParams& p, const GemmPlan& pla
 // v1 of the fp32 GEMM: CUDA cores (gemm_f32.cu).
 void launch_gemm_f32_warp(const F32GemmParams& p, cudaStream_t stream, bool pdl);
 
+// v5 (kSkinny) of the bf16 and fp32 GEMMs (gemm_skinny.cu); `plan` comes from plan_gemm_skinny with
+// the params' overrides. Split-K in a cluster, no workspace.
+void launch_gemm_bf16_skinny(const Bf16GemmParams& p, const GemmPlan& plan, cudaStream_t stream, bool pdl);
+void launch_gemm_f32_skinny(const F32GemmParams& p, const GemmPlan& plan, cudaStream_t stream, bool pdl);
+
 // Raises a kernel's dynamic shared-memory limit to `bytes` before its launch. Needed for any
 // dynamic size that, together with the kernel's static shared memory, exceeds the 48 KB default:
 // launch_kernel() raises it only above 48 KB of dynamic memory, so a kernel with static shared

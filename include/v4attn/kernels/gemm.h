@@ -41,7 +41,19 @@
 //    arrival counters, (5) a coalesced (shared-memory staged) bf16 epilogue.
 //    run_gemm_bf16 / run_gemm_f32 accept it and run their v1.
 //    What to use: fp8 GEMMs with m <= 64: kWgmma (best_fp8_gemm_version; v3 is the candidate to
-//    replace it once measured); bf16 / fp32: kTensorCore.
+//    replace it once measured); bf16 / fp32: kTensorCore, or kSkinny where skinny_gemm_preferred.
+//  - kSkinny (v5, bf16 and fp32 only; M <= 64; src/gemm/gemm_skinny.cu): for the SMALL, memory-bound
+//    projections (weights_proj 32x5120, wk 128x512, ratio-1 wkv 512x5120, ratio-2 [wkv; wgate]
+//    1024x5120 fp32). Grid (tiles_n, S, groups), cluster (1, S, 1): one CTA owns block_n weight rows
+//    x one of S contiguous K ranges (S <= 8, from (n, k, groups) only), its 4 warps split that range
+//    again into 4 contiguous parts; each warp streams its own part through a private cp.async ring
+//    (16-byte copies; up to 8 K blocks in flight per warp; weights of the first slots issued before
+//    the PDL wait), so ~256 CTAs stream at m = 1. bf16: mma.sync m16n8k16 as v1 (block_n = 16,
+//    32 or 64 rows by m: fewer activation re-reads at larger m). fp32: CUDA cores, one weight row
+//    per lane (block_n = 32), x widened to fp32 once per warp and K block. The 4 S partial sums
+//    of an output are reduced in a fixed order (warps in the CTA, then the cluster's CTAs through
+//    distributed shared memory): no workspace, no second kernel. fp8 calls given kSkinny run
+//    kAuto's fp8 choice. Numerics below.
 //
 // Numerics of v1 (what differs from the reference, and why it stays within the spec's allowance):
 //  - fp8: per 32-wide K block b, the tensor core forms blocksum(b) of the 32 exact products
@@ -73,6 +85,23 @@
 //  - f32 v1: each lane accumulates (fma) a strided slice of K in order, then a fixed butterfly
 //    across lanes and a fixed order across warps: equal to the reference up to rounding
 //    (|diff| <= ~K * 2^-24 * sum_k |x_k * w_k|).
+//  - v5 (kSkinny), bf16: v1's numerics: per 32-wide K block the tensor core forms the block sum
+//    from zero (two chained k16 mmas), acc = add_rn(acc, blocksum) in block order over each of the
+//    P = 4 S contiguous K parts (part p = warp p % 4 of split p / 4, blocks [p kb / P, (p+1) kb / P),
+//    possibly empty = +0); then per output Q_s = ((P_s0 + P_s1) + P_s2) + P_s3 inside CTA s and
+//    ((Q_0 + Q_1) + Q_2) + ... over the cluster, all add_rn: fixed, never timing-dependent. S (so P)
+//    depends only on (n, k, groups); the rows per CTA depend on m but not the order, so a token's
+//    output does not depend on the batch it is in (tested). Within 1 bf16 ulp of the reference
+//    in rare elements, like v1 (another split structure than v1's, so v1 and v5 may differ by 1 ulp).
+//  - v5 (kSkinny), fp32: per output, each of the P = 4 S contiguous K parts (as above) is ONE
+//    sequential fma chain in increasing k from +0 (the reference's order, with a fused multiply-add
+//    instead of mul_rn then add_rn), then the same fixed reduction of the P partials. Error: the
+//    exact sum s = sum_k x_k w_k and a = sum_k |x_k w_k| give |v5 - s| <= (K/P + P) u a (u = 2^-24,
+//    to first order: each part is a recursive sum of <= ceil(K/P) fma-rounded terms, then P - 1 more
+//    additions), and the reference has |ref - s| <= K u a (2 roundings per term, K terms in a
+//    chain; its products round too), so |v5 - ref| <= (2K + 8) u a for K >= 32 (inside the
+//    2 (K + 8) u a the tests check). Exact (equal to the reference byte for byte) whenever every partial sum is
+//    representable (e.g. small integers). No workspace.
 //
 // Conventions: params structs passed by value; all pointers are device pointers; strides and
 // group strides are in elements. Host launchers validate everything and throw
@@ -95,9 +124,16 @@ using num::bf16_t;
 constexpr int kGemmBlock = 32;    // K block of the fp8 GEMM / act quant; N block of weight scales
 constexpr int kGemmMaxRows = 64;  // M limit of the tensor-core versions
 
-// kAuto: fp8 GEMMs take best_fp8_gemm_version(m, n, k); bf16 / fp32 GEMMs take kTensorCore.
-enum class GemmVersion : int { kSimple = 0, kTensorCore = 1, kWgmma = 2, kWgmmaPipelined = 3, kAuto = 4 };
+// kAuto: fp8 GEMMs take best_fp8_gemm_version(m, n, k); bf16 / fp32 GEMMs take kSkinny where
+// skinny_gemm_preferred(m, n, k) says so (bf16: only single-group calls without v1 plan overrides;
+// both: only when the arguments meet kSkinny's requirements), kTensorCore otherwise.
+// kSkinny (v5): bf16 / fp32 only; fp8 calls given it run kAuto's fp8 choice.
+enum class GemmVersion : int { kSimple = 0, kTensorCore = 1, kWgmma = 2, kWgmmaPipelined = 3, kAuto = 4, kSkinny = 5 };
 const char* gemm_version_name(GemmVersion v);
+// Whether kAuto runs a bf16 / fp32 GEMM of m rows against an [n, k] weight with kSkinny (v5):
+// 1 <= m <= 64 and the small projections of the prepare path (n <= 1024, k a multiple of 32,
+// k <= 8192). The lead measures and may narrow it (docs/perf.md).
+bool skinny_gemm_preferred(int m, int64_t n, int64_t k);
 // The fastest exact-enough fp8 version for m rows: kWgmma for 1 <= m <= 64, kSimple otherwise
 // (no tensor-core version takes more than 64 rows).
 GemmVersion best_fp8_gemm_version(int m);
@@ -156,7 +192,15 @@ GemmPlan plan_gemm_wgmma(int m, int64_t n, int64_t k, int groups, int force_spli
 // v3: force_splits is capped at 8 (the cluster size); workspace_bytes is always 0.
 GemmPlan plan_gemm_wgmma_pipelined(int m, int64_t n, int64_t k, int groups, int force_splits = 0, int force_mtiles = 0,
                                    int force_stages = 0);
-// The plan `version` uses (kSimple: no split, no workspace).
+// v5 (kSkinny): block_n = 16 * warp_mtiles rows per CTA (bf16; warp_mtiles 1, 2 or 4 by m unless
+// forced) or 32 (f32; warp_mtiles 1); splits = cluster = S <= 8 from (n, k, groups) only
+// (force_splits: capped at 8 and at k / 32); stages = slots of each warp's cp.async ring (each slot
+// one K block); smem_bytes per CTA; workspace_bytes always 0. Requires 0 <= m <= 64, k % 32 == 0,
+// force_mtiles in {0, 1, 2, 4} (f32: 0 or 1).
+GemmPlan plan_gemm_skinny(int m, int64_t n, int64_t k, int groups, bool f32, int force_splits = 0,
+                          int force_mtiles = 0);
+// The plan `version` uses (kSimple: no split, no workspace; kSkinny: the bf16 plan_gemm_skinny --
+// fp8 calls given kSkinny run kAuto's fp8 version, whose workspace gemm_workspace_bytes covers).
 GemmPlan plan_gemm(GemmVersion version, int m, int64_t n, int64_t k, int groups, int force_splits = 0,
                    int force_mtiles = 0);
 // Workspace bytes for any m <= m_max with the automatic plan of ANY version (what an engine
@@ -200,6 +244,8 @@ void run_gemm_fp8(const Fp8GemmParams& p, const GemmWorkspace& ws, GemmVersion v
 // ---- bf16 GEMM --------------------------------------------------------------------------------
 // out[m, n] = bf16( sum_k x[m, k] * w[n, k] ), fp32 accumulation. Requirements as for fp8;
 // alignment: x, w 16-byte aligned; x_stride, x_group_stride and w_group_stride multiples of 8.
+// kSkinny: the same (m <= 64, no workspace); force_splits = its S (capped at 8), force_mtiles =
+// its m16 tiles per CTA (0, 1, 2 or 4).
 struct Bf16GemmParams {
   const bf16_t* x = nullptr;  // [m, k]; row r at x + r * x_stride
   int64_t x_stride = 0;       // elements, >= k
@@ -220,7 +266,8 @@ void run_gemm_bf16(const Bf16GemmParams& p, const GemmWorkspace& ws, GemmVersion
 // ---- fp32 GEMM (ratio-2 compressor [wkv; wgate]) --------------------------------------------
 // out[m, n] = sum_k f32(x[m, k]) * w[n, k], fp32 out. Requirements: n % 4 == 0, k % 4 == 0 (both
 // versions); alignment: w 16-byte aligned, x 8-byte aligned, x_stride % 4 == 0. Any m (v1 tiles
-// m by 16).
+// m by 16). kSkinny additionally: m <= 64, k % 32 == 0, x 16-byte aligned, x_stride % 8 == 0
+// (kAuto falls back to v1 when these do not hold).
 struct F32GemmParams {
   const bf16_t* x = nullptr;  // [m, k]; row r at x + r * x_stride
   int64_t x_stride = 0;       // elements, >= k
@@ -229,6 +276,7 @@ struct F32GemmParams {
   int64_t out_stride = 0;     // elements, >= n
   int m = 0;
   int64_t n = 0, k = 0;
+  int force_splits = 0;  // kSkinny plan override (its S, capped at 8; 0 = automatic); v0 / v1 ignore it
 };
 void run_gemm_f32(const F32GemmParams& p, GemmVersion version, cudaStream_t stream, bool pdl);
 

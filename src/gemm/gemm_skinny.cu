@@ -1,0 +1,565 @@
+// v5 of the bf16 and fp32 GEMMs (GemmVersion::kSkinny): the SMALL, memory-bound projections of the
+// prepare path at m = 1..64 rows (weights_proj 32x5120, wk 128x512, ratio-1 wkv 512x5120 bf16; the
+// ratio-2 [wkv; wgate] 1024x5120 fp32), built for little fixed latency and enough loads in flight.
+//
+// Grid (tiles_n, S, groups), block 128 = 4 warps, cluster (1, S, 1) when S > 1 (S <= 8). One CTA owns
+// block_n weight rows (tile * block_n ..) x all m tokens x split s of S contiguous K ranges; warp w of
+// the CTA owns part p = 4 s + w of the P = 4 S contiguous K parts (blocks [p kb / P, (p + 1) kb / P),
+// maybe empty) for ALL block_n rows of the tile. S depends only on (n, k, groups), so the per-output
+// order below never depends on m (block_n does, it moves no addition).
+//
+// Data path: every warp streams its own part through a PRIVATE ring of D slots (one K block each:
+// the 32-element slice of every weight row of the tile and of every token row) with 16-byte cp.async
+// copies; D = min(8, the part's blocks, what fits in ~100 KB per CTA), so at the model's shapes and
+// m <= 8 the whole part is in flight at once. Lanes 0..15 copy the weights, lanes 16..31 the
+// activations; after its copies of a slot every lane does cp.async.mbarrier.arrive.noinc on the
+// slot's mbarrier (32 arrivals per phase), which fires when that lane's copies so far have landed.
+// So a slot is complete when ITS weights and activations are, whatever was issued later by the other
+// lanes: the weight copies of the first D slots go out before dev::pdl_wait() (weights are
+// constants), the activation copies after it, and the warp still starts on block 0 as soon as block 0
+// has landed (cp.async groups could not express that: they complete in issue order, so block 0's
+// activations would wait for every weight copy issued before them). No CTA barrier in the loop: a
+// lane waits on the slot's barrier (acquire), the warp __syncwarp()s after its last read of the slot,
+// then refills it.
+//
+// bf16 (template NT = ceil(m / 8) n8 token tiles, R = m16 weight tiles per warp; block_n = 16 R):
+// 64-byte slot rows (one K block), no swizzle needed: a quarter-warp reads two rows x 4 chunks of 16
+// bytes (rows g, g+1 at 16 t), all 32 banks. mma.sync m16n8k16 exactly as v1 (gemm_tc.cu): thread
+// (g, t) owns elements [8t, 8t + 8) of its weight rows g, g + 8 and token row g; two chained k16 mmas
+// from C = 0 form the block sum; acc = add_rn(acc, blocksum). Token rows m..8 NT - 1 of every slot
+// are zero (never loaded). R grows with m (1 for m <= 16, 2 for m <= 32, 4 above; never more rows
+// than n needs, never below 128 CTAs) so that each activation byte is re-read by fewer CTAs.
+//
+// fp32 (template TOK >= m, a power of two; block_n = 32): lane l owns weight row l of the tile.
+// Slot: 32 weight rows x 128 bytes with the 16-byte chunk c of row r at chunk c ^ (r % 8) (the 8
+// lanes of a quarter-warp read 8 rows at one logical chunk: 8 distinct bank groups), then the m token
+// rows as bf16 (64 bytes each). Per K block the warp first widens the block's activations to fp32
+// into its own [m][32] buffer (each value once per warp, not once per lane), then every lane runs
+// acc[tok] = fma(x, w, acc[tok]) over the block's 32 k in increasing order (x read as broadcast
+// float4s). So each warp's partial is the reference's sequential order over its part, with fma.
+//
+// Epilogue (both): after a CTA barrier (the reduction buffer aliases the rings) every warp stores
+// its fp32 partial tile [m][block_n]; thread e of the CTA adds the 4 warps' values in warp order
+// (add_rn). S == 1: round / store. S > 1: the CTA's sums stay in its shared memory, the cluster
+// synchronises, CTA s reduces elements [s E / S, (s + 1) E / S) of the tile (E = m block_n),
+// reading the S partials from the cluster's shared memory (DSMEM) in split order, ((Q0 + Q1) + Q2)
+// + ..., and stores; a last cluster barrier keeps every CTA's shared memory alive until all remote
+// reads are done. No workspace, no second kernel, no counters.
+#include <algorithm>
+#include <string>
+
+#include "gemm/gemm_internal.h"
+#include "gemm/hopper_ptx.cuh"
+#include "kernels/device_common.cuh"
+#include "runtime/launch.h"
+
+namespace v4attn::kernels {
+
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kMaxSplits = 8;                   // portable cluster size
+constexpr int kMaxDepth = 8;                    // slots per warp ring (cp.async.wait_group immediates 0..7)
+constexpr int kTargetCtas = 256;                // ~2 CTAs per SM of the H200's 132
+constexpr int kMinCtas = 128;                   // bf16: more rows per CTA only while this many CTAs remain
+constexpr size_t kSmemBudget = 100 * 1024;      // per CTA, for the rings: two CTAs per SM
+constexpr size_t kSmemLimit = 227 * 1024;       // sm_90 opt-in dynamic shared memory per block
+constexpr int kBf16RowBytes = kGemmBlock * 2;   // one K block of bf16 (64 B)
+constexpr int kF32RowBytes = kGemmBlock * 4;    // one K block of fp32 (128 B)
+constexpr int kF32Rows = 32;                    // fp32: weight rows per CTA (one per lane)
+constexpr size_t kBarrierBytes = kWarps * kMaxDepth * 8;  // one mbarrier per slot of every warp's ring
+
+struct SkinnyParams {
+  const void* w = nullptr;      // [groups][n, k] bf16 or fp32, dense rows of k elements
+  const bf16_t* x = nullptr;    // [groups][m, k] bf16; row r at x + r * x_stride
+  void* out = nullptr;          // [groups][m, n] bf16 or fp32; row r at out + r * out_stride
+  int64_t x_stride = 0, out_stride = 0;                                  // elements
+  int64_t w_group_stride = 0, x_group_stride = 0, out_group_stride = 0;  // elements
+  int m = 0, n = 0, k_blocks = 0;
+  int splits = 1;           // S: CTAs per output tile (= cluster size)
+  int depth = 1;            // D: slots of each warp's ring
+  uint32_t slot_bytes = 0;  // one slot (multiple of 64)
+  uint32_t warp_bytes = 0;  // one warp's region: D slots (+ fp32: the widened-x buffer), multiple of 128
+  uint32_t bar_offset = 0;  // the mbarriers [kWarps][D] (8 bytes each), past the rings / reduction buffer
+};
+
+constexpr int kLoaderLanes = 16;  // lanes 0..15 copy weights, lanes 16..31 activations
+
+// ---- PTX wrappers ---------------------------------------------------------------------------------
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+// One arrival on the mbarrier when every cp.async this thread issued so far has landed (the
+// barrier's expected count includes it: .noinc).
+__device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+__device__ __forceinline__ float ld_cluster_f32(uint32_t cluster_addr) {
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(cluster_addr) : "memory");
+  return v;
+}
+// d = A * B + c, m16n8k16, bf16 inputs, fp32 accumulate.
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1,
+                                               const float (&c)[4]) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%10,%11,%12,%13};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+}
+
+// The K part of this warp: blocks [begin, begin + count) of the row (count may be 0).
+struct WarpPart {
+  int begin = 0, count = 0;
+};
+__device__ __forceinline__ WarpPart warp_part(const SkinnyParams& p, int split, int warp) {
+  const int parts = p.splits * kWarps, part = split * kWarps + warp;
+  WarpPart wp;
+  wp.begin = static_cast<int>(static_cast<int64_t>(part) * p.k_blocks / parts);
+  wp.count = static_cast<int>(static_cast<int64_t>(part + 1) * p.k_blocks / parts) - wp.begin;
+  return wp;
+}
+
+// Token rows of one slot, bf16, 64 bytes each (both versions): rows < m of K block `kb` (relative to
+// the part's first block, x already offset to it), by the 16 activation lanes (xl = lane - 16).
+__device__ __forceinline__ void load_x_rows(uint32_t dst, const bf16_t* x, int64_t x_stride, int m, int kb, int xl) {
+  for (int c = xl; c < m * 4; c += kLoaderLanes) {
+    const int r = c >> 2, ch = c & 3;
+    cp_async_16(dst + static_cast<uint32_t>(r * kBf16RowBytes + ch * 16), x + r * x_stride + kb * kGemmBlock + ch * 8);
+  }
+}
+
+// This warp's slot barriers: init (lane 0; 32 arrivals per phase), visible to the warp.
+__device__ __forceinline__ void init_slot_barriers(uint32_t bar0, int depth, int lane) {
+  if (lane == 0)
+    for (int s = 0; s < depth; ++s) hopper::mbar_init(bar0 + 8u * static_cast<uint32_t>(s), 32u);
+  hopper::fence_mbarrier_init();
+  __syncwarp();
+}
+
+// The CTA-level epilogue: red = [kWarps][m][BN] fp32 partial tiles (written by the warps before
+// the call; rows >= rows_valid unused). Adds the warps in order, then (S > 1) the cluster's CTAs in
+// split order; store(tok, row, value) writes one output.
+template <int BN, class Store>
+__device__ __forceinline__ void reduce_and_store(const SkinnyParams& p, float* red, int rows_valid, int split,
+                                                 Store store) {
+  const int mn = p.m * BN;
+  __syncthreads();  // every warp's partial tile is in red
+  for (int e = static_cast<int>(threadIdx.x); e < mn; e += kThreads) {
+    const int tok = e / BN, row = e % BN;
+    if (row >= rows_valid) continue;
+    float s = red[e];
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) s = num::add_rn(s, red[w * mn + e]);
+    if (p.splits == 1) store(tok, row, s);
+    else red[e] = s;  // this CTA's partial Q_split (only this thread touches element e)
+  }
+  if (p.splits == 1) return;
+  hopper::cluster_sync();  // every CTA's Q is in its shared memory (release / acquire, cluster scope)
+  const int lo = static_cast<int>(static_cast<int64_t>(split) * mn / p.splits);
+  const int hi = static_cast<int>(static_cast<int64_t>(split + 1) * mn / p.splits);
+  const uint32_t red_s = hopper::smem_u32(red);
+  for (int e = lo + static_cast<int>(threadIdx.x); e < hi; e += kThreads) {
+    const int tok = e / BN, row = e % BN;
+    if (row >= rows_valid) continue;
+    const uint32_t addr = red_s + static_cast<uint32_t>(e) * 4u;
+    float v[kMaxSplits];
+#pragma unroll
+    for (int sp = 0; sp < kMaxSplits; ++sp)
+      if (sp < p.splits) v[sp] = ld_cluster_f32(hopper::map_to_cluster_rank(addr, static_cast<uint32_t>(sp)));
+    float s = v[0];
+#pragma unroll
+    for (int sp = 1; sp < kMaxSplits; ++sp)
+      if (sp < p.splits) s = num::add_rn(s, v[sp]);  // split order: ((Q0 + Q1) + Q2) + ...
+    store(tok, row, s);
+  }
+  hopper::cluster_sync_relaxed();  // no CTA exits (freeing its shared memory) before all remote reads are done
+}
+
+// ---- bf16 ---------------------------------------------------------------------------------------------
+template <int NT, int R>
+__global__ void __launch_bounds__(kThreads) gemm_bf16_skinny_kernel(const __grid_constant__ SkinnyParams p) {
+  constexpr int BN = 16 * R;  // weight rows per CTA (every warp: all of them)
+  constexpr int BM = 8 * NT;  // token rows per slot (rows >= m are zero)
+  extern __shared__ __align__(128) uint8_t smem[];
+
+  const int tid = static_cast<int>(threadIdx.x), lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int row0 = static_cast<int>(blockIdx.x) * BN, split = static_cast<int>(blockIdx.y);
+  const int grp = static_cast<int>(blockIdx.z);
+  const int64_t k = static_cast<int64_t>(p.k_blocks) * kGemmBlock;
+  const WarpPart part = warp_part(p, split, warp);
+  const int rows_valid = min(BN, p.n - row0);  // a multiple of 16 (n % 32 == 0), > 0
+
+  const bf16_t* w = static_cast<const bf16_t*>(p.w) + grp * p.w_group_stride + row0 * k +
+                    static_cast<int64_t>(part.begin) * kGemmBlock;
+  const bf16_t* x = p.x + grp * p.x_group_stride + static_cast<int64_t>(part.begin) * kGemmBlock;
+  uint8_t* ring = smem + warp * p.warp_bytes;
+  const uint32_t ring_s = hopper::smem_u32(ring);
+  const int depth = p.depth;
+  const uint32_t bar0 = hopper::smem_u32(smem + p.bar_offset) + 8u * static_cast<uint32_t>(warp * depth);
+  const bool w_lane = lane < kLoaderLanes;
+
+  // Block `it` of the part into slot it % D: this lane's share (weights or activations), then its
+  // arrival on the slot's barrier.
+  auto load = [&](int it) {
+    const uint32_t dst = ring_s + static_cast<uint32_t>(it % depth) * p.slot_bytes;
+    if (w_lane) {
+#pragma unroll
+      for (int i = 0; i < BN * 4 / kLoaderLanes; ++i) {
+        const int c = lane + kLoaderLanes * i, r = c >> 2, ch = c & 3;
+        if (r < rows_valid)
+          cp_async_16(dst + static_cast<uint32_t>(r * kBf16RowBytes + ch * 16), w + r * k + it * kGemmBlock + ch * 8);
+      }
+    } else {
+      load_x_rows(dst + BN * kBf16RowBytes, x, p.x_stride, p.m, it, lane - kLoaderLanes);
+    }
+    cp_async_arrive_noinc(bar0 + 8u * static_cast<uint32_t>(it % depth));
+  };
+
+  // ---- prologue: weights (constants) before the PDL wait, activations after ----------------------
+  init_slot_barriers(bar0, depth, lane);
+  const int pre = min(depth, part.count);
+  if (w_lane)
+    for (int s = 0; s < pre; ++s) load(s);
+  for (int s = 0; s < pre; ++s)  // token rows m..BM-1 stay zero (never loaded)
+    for (int c = p.m * 4 + lane; c < BM * 4; c += 32)
+      *reinterpret_cast<uint4*>(ring + s * p.slot_bytes + BN * kBf16RowBytes + c * 16) = make_uint4(0u, 0u, 0u, 0u);
+  __syncwarp();     // the zeros are visible to the warp
+  dev::pdl_wait();  // x is the predecessor's output
+  if (!w_lane)
+    for (int s = 0; s < pre; ++s) load(s);
+
+  float acc[R][NT][4];
+#pragma unroll
+  for (int mt = 0; mt < R; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
+  bool live[R];  // m16 tile inside n (all in or all out)
+#pragma unroll
+  for (int mt = 0; mt < R; ++mt) live[mt] = mt * 16 < rows_valid;
+  const float zero4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+
+  // ---- main loop: one K block per iteration ------------------------------------------------------------
+  for (int it = 0; it < part.count; ++it) {
+    // Every lane's copies of block `it` have landed (phase it / D of the slot's barrier; acquire).
+    hopper::mbar_wait(bar0 + 8u * static_cast<uint32_t>(it % depth), static_cast<uint32_t>((it / depth) & 1));
+    const uint8_t* ws = ring + (it % depth) * p.slot_bytes;
+    const uint8_t* xs = ws + BN * kBf16RowBytes;
+    uint32_t af[R][2][4];
+#pragma unroll
+    for (int mt = 0; mt < R; ++mt) {
+      const int r = mt * 16 + g;
+      uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;
+      if (live[mt]) {
+        lo = *reinterpret_cast<const uint4*>(ws + r * kBf16RowBytes + t * 16);
+        hi = *reinterpret_cast<const uint4*>(ws + (r + 8) * kBf16RowBytes + t * 16);
+      }
+      af[mt][0][0] = lo.x;  // row g,   elements 8t + 0, 1 (logical k 2t, 2t+1 of mma 0)
+      af[mt][0][1] = hi.x;  // row g+8, elements 8t + 0, 1
+      af[mt][0][2] = lo.y;  // row g,   elements 8t + 2, 3 (logical k 2t+8, 2t+9)
+      af[mt][0][3] = hi.y;
+      af[mt][1][0] = lo.z;  // mma 1: elements 8t + 4..7
+      af[mt][1][1] = hi.z;
+      af[mt][1][2] = lo.w;
+      af[mt][1][3] = hi.w;
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const uint4 q = *reinterpret_cast<const uint4*>(xs + (nt * 8 + g) * kBf16RowBytes + t * 16);  // token nt*8+g
+#pragma unroll
+      for (int mt = 0; mt < R; ++mt) {
+        if (!live[mt]) continue;
+        float d[4];
+        mma_bf16_16816(d, af[mt][0], q.x, q.y, zero4);  // elements 8t + 0..3 of the block
+        mma_bf16_16816(d, af[mt][1], q.z, q.w, d);      // elements 8t + 4..7: d = block sum
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[mt][nt][i] = num::add_rn(acc[mt][nt][i], d[i]);
+      }
+    }
+    __syncwarp();  // every lane is done reading the slot (and has passed its wait) before it is refilled
+    if (it + depth < part.count) load(it + depth);
+  }
+  cp_async_wait_all();  // nothing is pending (every loaded slot was waited for); keep the ring quiet at exit
+  dev::pdl_launch_dependents();
+
+  // ---- epilogue ------------------------------------------------------------------------------------------
+  __syncthreads();  // the reduction buffer aliases every warp's ring
+  float* red = reinterpret_cast<float*>(smem);
+  const int mn = p.m * BN;
+  // Element (mt, nt, i): row mt*16 + g + (i >= 2 ? 8 : 0), token nt*8 + 2t + (i & 1).
+#pragma unroll
+  for (int mt = 0; mt < R; ++mt) {
+    if (!live[mt]) continue;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int row = mt * 16 + g + (i >= 2 ? 8 : 0), tok = nt * 8 + 2 * t + (i & 1);
+        if (tok < p.m) red[warp * mn + tok * BN + row] = acc[mt][nt][i];
+      }
+  }
+  bf16_t* out = static_cast<bf16_t*>(p.out) + grp * p.out_group_stride + row0;
+  reduce_and_store<BN>(p, red, rows_valid, split,
+                       [&](int tok, int row, float v) { out[tok * p.out_stride + row] = num::bf16_from_f32(v); });
+}
+
+// ---- fp32 ---------------------------------------------------------------------------------------------
+template <int TOK>
+__global__ void __launch_bounds__(kThreads) gemm_f32_skinny_kernel(const __grid_constant__ SkinnyParams p) {
+  constexpr int BN = kF32Rows;
+  constexpr int kChunks = kF32RowBytes / 16;  // 8 float4 per weight row and block
+  extern __shared__ __align__(128) uint8_t smem[];
+
+  const int tid = static_cast<int>(threadIdx.x), lane = tid & 31, warp = tid >> 5;
+  const int row0 = static_cast<int>(blockIdx.x) * BN, split = static_cast<int>(blockIdx.y);
+  const int grp = static_cast<int>(blockIdx.z);
+  const int64_t k = static_cast<int64_t>(p.k_blocks) * kGemmBlock;
+  const WarpPart part = warp_part(p, split, warp);
+  const int rows_valid = min(BN, p.n - row0);  // > 0
+
+  const float* w = static_cast<const float*>(p.w) + grp * p.w_group_stride + row0 * k +
+                   static_cast<int64_t>(part.begin) * kGemmBlock;
+  const bf16_t* x = p.x + grp * p.x_group_stride + static_cast<int64_t>(part.begin) * kGemmBlock;
+  uint8_t* ring = smem + warp * p.warp_bytes;
+  const uint32_t ring_s = hopper::smem_u32(ring);
+  const int depth = p.depth;
+  float* xf = reinterpret_cast<float*>(ring + depth * p.slot_bytes);  // [m][32] widened activations
+  const uint32_t bar0 = hopper::smem_u32(smem + p.bar_offset) + 8u * static_cast<uint32_t>(warp * depth);
+  const bool w_lane = lane < kLoaderLanes;
+
+  // As bf16; weight chunk c of row r goes to chunk c ^ (r % 8) of the row.
+  auto load = [&](int it) {
+    const uint32_t dst = ring_s + static_cast<uint32_t>(it % depth) * p.slot_bytes;
+    if (w_lane) {
+#pragma unroll
+      for (int i = 0; i < BN * kChunks / kLoaderLanes; ++i) {
+        const int c = lane + kLoaderLanes * i, r = c / kChunks, ch = c % kChunks;
+        if (r < rows_valid)
+          cp_async_16(dst + static_cast<uint32_t>(r * kF32RowBytes + ((ch ^ (r & 7)) << 4)),
+                      w + r * k + it * kGemmBlock + ch * 4);
+      }
+    } else {
+      load_x_rows(dst + BN * kF32RowBytes, x, p.x_stride, p.m, it, lane - kLoaderLanes);
+    }
+    cp_async_arrive_noinc(bar0 + 8u * static_cast<uint32_t>(it % depth));
+  };
+
+  // ---- prologue (as bf16) ------------------------------------------------------------------------------
+  init_slot_barriers(bar0, depth, lane);
+  const int pre = min(depth, part.count);
+  if (w_lane)
+    for (int s = 0; s < pre; ++s) load(s);
+  dev::pdl_wait();
+  if (!w_lane)
+    for (int s = 0; s < pre; ++s) load(s);
+
+  float acc[TOK];
+#pragma unroll
+  for (int i = 0; i < TOK; ++i) acc[i] = 0.0f;
+
+  // ---- main loop ------------------------------------------------------------------------------------------
+  for (int it = 0; it < part.count; ++it) {
+    hopper::mbar_wait(bar0 + 8u * static_cast<uint32_t>(it % depth), static_cast<uint32_t>((it / depth) & 1));
+    const uint8_t* ws = ring + (it % depth) * p.slot_bytes;
+    const bf16_t* xs = reinterpret_cast<const bf16_t*>(ws + BN * kF32RowBytes);
+    for (int tok = 0; tok < p.m; ++tok) xf[tok * kGemmBlock + lane] = num::f32_from_bf16(xs[tok * kGemmBlock + lane]);
+    __syncwarp();  // the widened block is visible to the warp
+    const uint8_t* wrow = ws + lane * kF32RowBytes;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const float4 wv = *reinterpret_cast<const float4*>(wrow + ((c ^ (lane & 7)) << 4));  // k = 4c .. 4c + 3
+#pragma unroll
+      for (int tok = 0; tok < TOK; ++tok) {
+        if (tok < p.m) {
+          const float4 xv = *reinterpret_cast<const float4*>(xf + tok * kGemmBlock + 4 * c);  // broadcast
+          float a = acc[tok];
+          a = __fmaf_rn(xv.x, wv.x, a);  // increasing k: the reference's order
+          a = __fmaf_rn(xv.y, wv.y, a);
+          a = __fmaf_rn(xv.z, wv.z, a);
+          a = __fmaf_rn(xv.w, wv.w, a);
+          acc[tok] = a;
+        }
+      }
+    }
+    __syncwarp();  // every lane is done with the slot and with xf
+    if (it + depth < part.count) load(it + depth);
+  }
+  cp_async_wait_all();
+  dev::pdl_launch_dependents();
+
+  // ---- epilogue ------------------------------------------------------------------------------------------
+  __syncthreads();  // the reduction buffer aliases every warp's ring
+  float* red = reinterpret_cast<float*>(smem);
+  const int mn = p.m * BN;
+#pragma unroll
+  for (int tok = 0; tok < TOK; ++tok)
+    if (tok < p.m) red[warp * mn + tok * BN + lane] = acc[tok];  // rows >= rows_valid: never read
+  float* out = static_cast<float*>(p.out) + grp * p.out_group_stride + row0;
+  reduce_and_store<BN>(p, red, rows_valid, split, [&](int tok, int row, float v) { out[tok * p.out_stride + row] = v; });
+}
+
+using SkinnyKernel = void (*)(SkinnyParams);
+
+template <int R>
+SkinnyKernel pick_bf16_kernel(int nt) {
+  switch (nt) {
+    case 1: return gemm_bf16_skinny_kernel<1, R>;
+    case 2: return gemm_bf16_skinny_kernel<2, R>;
+    case 3: return gemm_bf16_skinny_kernel<3, R>;
+    case 4: return gemm_bf16_skinny_kernel<4, R>;
+    case 5: return gemm_bf16_skinny_kernel<5, R>;
+    case 6: return gemm_bf16_skinny_kernel<6, R>;
+    case 7: return gemm_bf16_skinny_kernel<7, R>;
+    case 8: return gemm_bf16_skinny_kernel<8, R>;
+    default: throw std::invalid_argument("gemm v5: m must be 1..64");
+  }
+}
+
+SkinnyKernel pick_f32_kernel(int m) {
+  if (m <= 1) return gemm_f32_skinny_kernel<1>;
+  if (m <= 2) return gemm_f32_skinny_kernel<2>;
+  if (m <= 4) return gemm_f32_skinny_kernel<4>;
+  if (m <= 8) return gemm_f32_skinny_kernel<8>;
+  if (m <= 16) return gemm_f32_skinny_kernel<16>;
+  if (m <= 32) return gemm_f32_skinny_kernel<32>;
+  if (m <= kGemmMaxRows) return gemm_f32_skinny_kernel<64>;
+  throw std::invalid_argument("gemm v5: m must be 1..64");
+}
+
+// Per-warp ring geometry of a plan (host; the kernels get it through SkinnyParams).
+struct RingGeometry {
+  size_t slot_bytes = 0, xf_bytes = 0, warp_bytes = 0;
+};
+RingGeometry ring_geometry(bool f32, int m, int warp_mtiles, int depth) {
+  RingGeometry g;
+  const int nt = std::max(1, (m + 7) / 8);
+  g.slot_bytes = f32 ? static_cast<size_t>(kF32Rows * kF32RowBytes + m * kBf16RowBytes)
+                     : static_cast<size_t>((16 * warp_mtiles + 8 * nt) * kBf16RowBytes);
+  g.xf_bytes = f32 ? static_cast<size_t>(m) * kF32RowBytes : 0;
+  g.warp_bytes = (static_cast<size_t>(depth) * g.slot_bytes + g.xf_bytes + 127) / 128 * 128;
+  return g;
+}
+
+void launch_skinny(const char* name, SkinnyKernel kernel, SkinnyParams t, const GemmPlan& plan, bool f32, int groups,
+                   cudaStream_t stream, bool pdl) {
+  const RingGeometry geo = ring_geometry(f32, t.m, plan.warp_mtiles, plan.stages);
+  t.splits = plan.splits;
+  t.depth = plan.stages;
+  t.slot_bytes = static_cast<uint32_t>(geo.slot_bytes);
+  t.warp_bytes = static_cast<uint32_t>(geo.warp_bytes);
+  t.bar_offset = static_cast<uint32_t>(plan.smem_bytes - kBarrierBytes);
+  LaunchConfig cfg;
+  cfg.grid = dim3(static_cast<unsigned>(plan.tiles_n), static_cast<unsigned>(plan.splits), static_cast<unsigned>(groups));
+  cfg.block = dim3(kThreads);
+  cfg.cluster = dim3(1, static_cast<unsigned>(plan.splits), 1);  // {1, 1, 1} when S == 1: no cluster attribute
+  cfg.smem_bytes = plan.smem_bytes;
+  cfg.stream = stream;
+  cfg.pdl = pdl;
+  launch_kernel(name, kernel, cfg, t);
+}
+
+}  // namespace
+
+bool skinny_gemm_preferred(int m, int64_t n, int64_t k) {
+  return m >= 1 && m <= kGemmMaxRows && n >= 1 && n <= 1024 && k >= kGemmBlock && k <= 8192 && k % kGemmBlock == 0;
+}
+
+GemmPlan plan_gemm_skinny(int m, int64_t n, int64_t k, int groups, bool f32, int force_splits, int force_mtiles) {
+  auto fail = [](const std::string& what) { throw std::invalid_argument("plan_gemm_skinny: " + what); };
+  if (m < 0 || m > kGemmMaxRows) fail("m must be 0..64 (got " + std::to_string(m) + ")");
+  if (n <= 0 || k <= 0 || k % kGemmBlock != 0 || groups < 1)
+    fail("need n > 0, k a positive multiple of 32, groups >= 1 (got n " + std::to_string(n) + ", k " + std::to_string(k) +
+         ", groups " + std::to_string(groups) + ")");
+  if (force_splits < 0) fail("force_splits < 0");
+  if (f32 ? (force_mtiles != 0 && force_mtiles != 1)
+          : (force_mtiles != 0 && force_mtiles != 1 && force_mtiles != 2 && force_mtiles != 4))
+    fail(f32 ? "force_mtiles must be 0 or 1 (fp32: 32 rows per CTA)" : "force_mtiles must be 0, 1, 2 or 4");
+  const int64_t kb = k / kGemmBlock;
+  const int nt = std::max(1, (m + 7) / 8);
+  GemmPlan plan;
+  // S from (n, k, groups) only (the numerics): ~kTargetCtas CTAs with the smallest tiles (16 rows
+  // bf16, 32 fp32), at most the cluster size, and (automatic plan) at least one K block per warp.
+  const int64_t unit_rows = f32 ? kF32Rows : 16;
+  const int64_t units = static_cast<int64_t>(groups) * ((n + unit_rows - 1) / unit_rows);
+  int64_t s;
+  if (force_splits != 0) {
+    s = std::min<int64_t>({force_splits, kMaxSplits, kb});
+  } else {
+    s = std::clamp<int64_t>((kTargetCtas + units - 1) / units, 1, kMaxSplits);
+    s = std::min<int64_t>(s, std::max<int64_t>(1, kb / kWarps));
+  }
+  plan.splits = static_cast<int>(s);
+  plan.cluster = plan.splits;
+  // Rows per CTA (no effect on the numerics): bf16 more m16 tiles at larger m, so fewer CTAs re-read
+  // the activations, but never more tiles than n needs and never below kMinCtas CTAs for it.
+  int r = 1;
+  if (!f32) {
+    if (force_mtiles != 0) {
+      r = force_mtiles;
+    } else {
+      r = nt <= 2 ? 1 : nt <= 4 ? 2 : 4;
+      auto ctas = [&](int rr) { return static_cast<int64_t>(groups) * ((n + 16 * rr - 1) / (16 * rr)) * s; };
+      while (r > 1 && (16 * (r / 2) >= n || ctas(r) < kMinCtas)) r /= 2;
+    }
+  }
+  plan.warp_mtiles = r;
+  plan.block_n = f32 ? kF32Rows : 16 * r;
+  plan.tiles_n = static_cast<int>((n + plan.block_n - 1) / plan.block_n);
+  // Ring depth: as many slots as the largest part has blocks, <= 8, within the CTA's budget.
+  const int64_t max_part = (kb + s * kWarps - 1) / (s * kWarps);
+  const RingGeometry one = ring_geometry(f32, m, r, 1);
+  const size_t per_warp = kSmemBudget / kWarps;
+  const int64_t fit = per_warp > one.xf_bytes ? static_cast<int64_t>((per_warp - one.xf_bytes) / one.slot_bytes) : 0;
+  plan.stages = static_cast<int>(std::clamp<int64_t>(std::min<int64_t>(fit, max_part), 1, kMaxDepth));
+  const RingGeometry geo = ring_geometry(f32, m, r, plan.stages);
+  const size_t ring = kWarps * geo.warp_bytes;
+  const size_t red = static_cast<size_t>(kWarps) * static_cast<size_t>(m) * static_cast<size_t>(plan.block_n) * sizeof(float);
+  // The slot barriers go past both (the reduction buffer aliases the rings, never the barriers).
+  plan.smem_bytes = (std::max(ring, red) + 127) / 128 * 128 + kBarrierBytes;
+  if (plan.smem_bytes > kSmemLimit) fail("shared memory plan over the limit (internal)");
+  plan.workspace_bytes = 0;  // split-K reduced inside the cluster
+  return plan;
+}
+
+namespace detail {
+
+void launch_gemm_bf16_skinny(const Bf16GemmParams& p, const GemmPlan& plan, cudaStream_t stream, bool pdl) {
+  SkinnyParams t;
+  t.w = p.w;
+  t.x = p.x;
+  t.out = p.out;
+  t.x_stride = p.x_stride;
+  t.out_stride = p.out_stride;
+  t.w_group_stride = p.w_group_stride;
+  t.x_group_stride = p.x_group_stride;
+  t.out_group_stride = p.out_group_stride;
+  t.m = p.m;
+  t.n = static_cast<int>(p.n);
+  t.k_blocks = static_cast<int>(p.k / kGemmBlock);
+  const int nt = (p.m + 7) / 8;
+  const SkinnyKernel kernel = plan.warp_mtiles == 4   ? pick_bf16_kernel<4>(nt)
+                              : plan.warp_mtiles == 2 ? pick_bf16_kernel<2>(nt)
+                                                      : pick_bf16_kernel<1>(nt);
+  launch_skinny("gemm_bf16_skinny", kernel, t, plan, false, p.groups, stream, pdl);
+}
+
+void launch_gemm_f32_skinny(const F32GemmParams& p, const GemmPlan& plan, cudaStream_t stream, bool pdl) {
+  SkinnyParams t;
+  t.w = p.w;
+  t.x = p.x;
+  t.out = p.out;
+  t.x_stride = p.x_stride;
+  t.out_stride = p.out_stride;
+  t.m = p.m;
+  t.n = static_cast<int>(p.n);
+  t.k_blocks = static_cast<int>(p.k / kGemmBlock);
+  launch_skinny("gemm_f32_skinny", pick_f32_kernel(p.m), t, plan, true, 1, stream, pdl);
+}
+
+}  // namespace detail
+}  // namespace v4attn::kernels
