@@ -100,8 +100,8 @@ struct Found {
   uint32_t total_d;       // cluster keys of the chosen digit
 };
 
-struct Smem {
-  uint32_t hloc[kBins];                // this CTA's histogram of the current pass
+struct alignas(16) Smem {
+  uint32_t hloc[kBins];                // this CTA's histogram of the current pass (read as uint4)
   uint32_t comb[2][kBinWarps][2];      // combine scan: per-warp (total, lower-rank) sums, by parity
   uint32_t scan[2][kWarps];            // compaction scan: per-warp packed sums, by round parity
   Found found[2];                      // by pass parity
@@ -609,6 +609,17 @@ void require(bool ok, const char* who, const std::string& what) {
 }
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
+// This thread's stream-capture mode set to relaxed for the scope: the occupancy query below is
+// not a stream operation, but a launcher may be called while its stream is being captured into a
+// graph (the prepare cycle), and the relaxed mode is the documented way to make such calls then.
+struct RelaxedCaptureMode {
+  cudaStreamCaptureMode prev = cudaStreamCaptureModeRelaxed;
+  RelaxedCaptureMode() { V4_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&prev)); }
+  ~RelaxedCaptureMode() { (void)cudaThreadExchangeStreamCaptureMode(&prev); }
+  RelaxedCaptureMode(const RelaxedCaptureMode&) = delete;
+  RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
+};
+
 // Whether clusters of `cluster` CTAs of `kernel` with `smem` dynamic bytes can be resident on the
 // current device (cached per device, kernel, cluster size and smem size).
 bool cluster_fits(const void* kernel, int cluster, size_t smem) {
@@ -620,6 +631,7 @@ bool cluster_fits(const void* kernel, int cluster, size_t smem) {
   std::lock_guard<std::mutex> lock(mu);
   const auto it = cache.find(key);
   if (it != cache.end()) return it->second;
+  const RelaxedCaptureMode relaxed;
   V4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   if (cluster > 8) V4_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
   cudaLaunchConfig_t lc{};
@@ -648,9 +660,27 @@ struct Plan {
   size_t smem = 0;
 };
 
+// Multiprocessors of the current device (cached per device).
+int sm_count() {
+  static std::mutex mu;
+  static std::map<int, int> cache;
+  int dev = 0;
+  V4_CUDA_CHECK(cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lock(mu);
+  const auto it = cache.find(dev);
+  if (it != cache.end()) return it->second;
+  int n = 0;
+  V4_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+  cache.emplace(dev, n);
+  return n;
+}
+
 // requested: 0 = automatic: the smallest power of two that gives each CTA at most `target`
-// elements of the longest possible row, at most 16 CTAs for T <= 16 (latency: the GPU is
-// mostly idle) and 8 above (the rows fill the GPU anyway), 8 when 16 cannot be resident.
+// elements of the longest possible row (2048 positions / 512 blocks when the rows are few,
+// twice that above 16 rows), at most 16 CTAs, and at most what keeps the launch in one wave of
+// 2 CTAs per multiprocessor (T * cluster <= 2 * SMs: 16 for T <= 8, 8 for T = 24 / 32, 4 for
+// T = 48 / 64 on 132 SMs; a second wave costs more than bigger chunks). 8 when 16 cannot be
+// resident.
 void require_cluster_choice(int requested, const char* who) {
   require(requested == 0 || requested == 1 || requested == 2 || requested == 4 || requested == 8 || requested == 16,
           who, "v3_cluster must be 0 (automatic), 1, 2, 4, 8 or 16, not " + std::to_string(requested));
@@ -673,7 +703,8 @@ Plan make_plan(const void* kernel, int requested, int64_t T, int64_t n_max, int 
     return pl;
   }
   const int64_t target = (T <= 16 ? 4 : 8) * round / 8;  // 2048 / 4096 positions, 512 / 1024 blocks
-  const int cap = T <= 16 ? v3::kMaxCluster : 8;
+  int cap = v3::kMaxCluster;
+  while (cap > 1 && T * cap > 2 * int64_t{sm_count()}) cap /= 2;
   int cluster = 1;
   while (cluster < cap && cluster * target < n_max) cluster *= 2;
   Plan pl = plan_for(cluster);
