@@ -34,6 +34,8 @@ struct BenchConfig {
   int scores_group_rows = 0;            // indexer scores: rows per CTA (0: the stack's default)
   int scores_steps = 0;                 // indexer scores: steps per warp (0: automatic)
   int side_priority = 0;                // CUDA stream priority of the side lanes (0: default)
+  kernels::GemmVersion gemm_small = kernels::GemmVersion::kAuto;  // bf16 / fp32 GEMMs (kAuto: follow gemm)
+  int select_version = 3;               // indexer top-k / candidate mask: v3 (cluster) or v2
   uint64_t seed = 1;
   std::string json_path;   // "" none, "-" stdout (then the table goes to `out`, which should be stderr)
   std::string trace_path;  // Chrome trace of one traced cycle of the last schedule ("" none)

@@ -212,6 +212,8 @@ struct BenchCliOptions {
   int scores_group_rows = 0;
   int scores_steps = 0;
   int side_priority = 0;
+  std::string select = "v3";
+  std::string gemm_small = "auto";
   uint64_t seed = 1;
   std::string json_path;
   std::string trace_path;
@@ -254,6 +256,8 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
   so.scores_group_rows = c.scores_group_rows;
   so.scores_steps = c.scores_steps;
   so.side_priority = c.side_priority;
+  so.select_version = c.select_version;
+  so.gemm_small = c.gemm_small;
   so.pdl = c.pdl;
   so.pdl_everywhere = c.pdl_everywhere;
   so.gemm = c.gemm;
@@ -349,6 +353,8 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
     j["scores_group_rows"] = c.scores_group_rows;
     j["scores_steps"] = c.scores_steps;
     j["side_priority"] = c.side_priority;
+    j["select_version"] = c.select_version;
+    j["gemm_small"] = kernels::gemm_version_name(c.gemm_small);
     j["seed"] = c.seed;
     j["device_bytes"] = stack.device_bytes();
     j["weight_bytes"] = stack.weight_bytes();
@@ -431,7 +437,7 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
   sub->add_option("--gemm", o->gemm,
                   "GEMM version: auto (fp8: v2 or v3 by shape, as measured; others tc), wgmma (v2), "
                   "wgmma-pipelined (v3), tc (v1, mma.sync) or simple (v0, reference order)")
-      ->check(CLI::IsMember({"auto", "wgmma", "wgmma-pipelined", "tc", "simple"}))
+      ->check(CLI::IsMember({"auto", "wgmma", "wgmma-pipelined", "tc", "simple", "skinny"}))
       ->capture_default_str();
   sub->add_option("--s-fork", o->s_fork, "Three-lane S-fork placement (runtime/lanes.h experiment knob)")
       ->check(CLI::IsMember({"at-layer-start", "after-q-norm", "idx-on-k", "idx-gemms-on-k"}))
@@ -448,6 +454,15 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
   sub->add_option("--side-priority", o->side_priority,
                   "CUDA stream priority of the side lanes S and K (negative = higher than main; 0: default)")
       ->check(CLI::Range(-16, 0))
+      ->capture_default_str();
+  sub->add_option("--gemm-small", o->gemm_small,
+                  "Version of the bf16 / fp32 GEMMs only (compressor, weights_proj, wk): auto (follow --gemm), "
+                  "tc (v1) or skinny (v5)")
+      ->check(CLI::IsMember({"auto", "tc", "skinny"}))
+      ->capture_default_str();
+  sub->add_option("--select", o->select,
+                  "Indexer top-k / candidate-mask kernels: v3 (one cluster per row) or v2 (chunk CTAs + merge)")
+      ->check(CLI::IsMember({"v2", "v3"}))
       ->capture_default_str();
   sub->add_option("--seed", o->seed, "Seed of the device-random weights and inputs")->capture_default_str();
   sub->add_option("--json", o->json_path, "Write the results as JSON to FILE ('-': stdout, table to stderr)")
@@ -474,6 +489,7 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
                : o->gemm == "tc"   ? kernels::GemmVersion::kTensorCore
                : o->gemm == "wgmma-pipelined" ? kernels::GemmVersion::kWgmmaPipelined
                : o->gemm == "wgmma" ? kernels::GemmVersion::kWgmma
+               : o->gemm == "skinny" ? kernels::GemmVersion::kSkinny
                                    : kernels::GemmVersion::kAuto;
       c.s_fork = o->s_fork == "after-q-norm"     ? LayerIssue::SFork::kAfterQNorm
                  : o->s_fork == "idx-on-k"       ? LayerIssue::SFork::kIdxOnKWithoutCmp
@@ -483,6 +499,10 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       c.scores_group_rows = o->scores_group_rows;
       c.scores_steps = o->scores_steps;
       c.side_priority = o->side_priority;
+      c.select_version = o->select == "v2" ? 2 : 3;
+      c.gemm_small = o->gemm_small == "tc"       ? kernels::GemmVersion::kTensorCore
+                     : o->gemm_small == "skinny" ? kernels::GemmVersion::kSkinny
+                                                 : kernels::GemmVersion::kAuto;
       c.seed = o->seed;
       c.json_path = o->json_path;
       c.trace_path = o->trace_path;

@@ -146,6 +146,8 @@ void validate_options(const ModelPlan& plan, const GpuStackOptions& o) {
   check_buckets(o.verify_buckets, "verify");
   if (o.scores_group_rows < 0 || o.scores_group_rows > 8)
     fail("scores_group_rows must be in [0, 8] (got " + std::to_string(o.scores_group_rows) + ")");
+  if (o.select_version != 2 && o.select_version != 3)
+    fail("select_version must be 2 or 3 (got " + std::to_string(o.select_version) + ")");
   if (o.scores_steps < 0 || o.scores_steps > 4)
     fail("scores_steps must be in [0, 4] (got " + std::to_string(o.scores_steps) + ")");
 }
@@ -274,6 +276,9 @@ struct GpuPrepareStack::Impl {
   const int32_t* mf(MetaField f) const { return meta + static_cast<int64_t>(f) * o.max_rows; }
   const float* table(int L) const { return rope[lp(L).ratio > 0 ? 1 : 0]; }
   bf16_t* x(int L) const { return x_all + static_cast<int64_t>(L) * x_layer_stride; }
+  // The bf16 / fp32 GEMMs' version: gemm_small unless it is kAuto, then the cycle's version.
+  kn::GemmVersion small_gemm() const { return o.gemm_small != kn::GemmVersion::kAuto ? o.gemm_small : o.gemm; }
+
   const kn::GemmWorkspace& ws_for(cudaStream_t s) const {
     if (s == lanes.stream(Lane::kS)) return ws[static_cast<int>(Lane::kS)];
     if (s == lanes.stream(Lane::kK)) return ws[static_cast<int>(Lane::kK)];
@@ -728,7 +733,7 @@ void GpuPrepareStack::Impl::issue_cmp(int L, int T, cudaStream_t s) {
     g.m = T;
     g.n = kHd;
     g.k = dim;
-    kn::run_gemm_bf16(g, wsp, o.gemm, s, pdl_rest());
+    kn::run_gemm_bf16(g, wsp, small_gemm(), s, pdl_rest());
     kn::C1FusedParams c;
     c.proj = proj;
     c.proj_row_stride = kHd;
@@ -756,7 +761,7 @@ void GpuPrepareStack::Impl::issue_cmp(int L, int T, cudaStream_t s) {
     g.m = T;
     g.n = kStateRow;
     g.k = dim;
-    kn::run_gemm_f32(g, o.gemm, s, pdl_rest());
+    kn::run_gemm_f32(g, small_gemm(), s, pdl_rest());
     kn::C2FusedParams c;
     c.kvs = kvs;
     c.kvs_row_stride = kStateRow;
@@ -791,7 +796,7 @@ void GpuPrepareStack::Impl::issue_cmp(int L, int T, cudaStream_t s) {
   g.m = T;
   g.n = kIdxHd;
   g.k = kHd;
-  kn::run_gemm_bf16(g, wsp, o.gemm, s, pdl_rest());
+  kn::run_gemm_bf16(g, wsp, small_gemm(), s, pdl_rest());
   kn::IndexKStoreParams k;
   k.kproj = kproj;
   k.kproj_row_stride = kIdxHd;
@@ -847,7 +852,7 @@ void GpuPrepareStack::Impl::issue_idx_x(int L, int T, cudaStream_t s) {
     g.m = T;
     g.n = wproj_rows;
     g.k = dim;
-    kn::run_gemm_bf16(g, wsp, o.gemm, s, pdl_rest());
+    kn::run_gemm_bf16(g, wsp, small_gemm(), s, pdl_rest());
   }
 }
 
@@ -913,6 +918,7 @@ void GpuPrepareStack::Impl::issue_idx_rest(int L, int T, cudaStream_t s) {
     p.err_count = err.get();
     p.workspace = select_ws;
     p.workspace_bytes = select_ws_bytes;
+    p.version = o.select_version == 3 ? 3 : 0;  // 0: v2 with the workspace
     kn::run_candidate_mask(p, s, pdl_rest());
   }
   kn::IndexerTopkParams p;
@@ -935,6 +941,7 @@ void GpuPrepareStack::Impl::issue_idx_rest(int L, int T, cudaStream_t s) {
   p.err_count = err.get();
   p.workspace = select_ws;
   p.workspace_bytes = select_ws_bytes;
+  p.version = o.select_version == 3 ? 3 : 0;  // 0: v2 with the workspace
   kn::run_indexer_topk(p, s, pdl_rest());
 }
 

@@ -116,7 +116,9 @@ struct GpuStackOptions {
   // metadata before griddepcontrol.wait: the GEMMs start streaming weights while their
   // predecessor finishes). Measured 1.4-2.5 % per verify bs 1 cycle (docs/perf.md, run 12).
   bool pdl_everywhere = true;
-  kernels::GemmVersion gemm = kernels::GemmVersion::kAuto;  // every GEMM of the cycle (kAuto: fp8 v2/v3 by shape, bf16/f32 v1)
+  kernels::GemmVersion gemm = kernels::GemmVersion::kAuto;  // every GEMM of the cycle (kAuto: by shape, gemm.h)
+  // The bf16 / fp32 GEMMs only (compressor, weights_proj, wk); kAuto: follow `gemm`.
+  kernels::GemmVersion gemm_small = kernels::GemmVersion::kAuto;
   // Indexer scores launch shape (outputs do not depend on it): rows per CTA (0: the rows of one
   // request in verify, 1 in decode) and 32-position steps per warp (0: the launcher's choice).
   int scores_group_rows = 0;  // 0..8
@@ -125,6 +127,9 @@ struct GpuStackOptions {
   // the device's range). Experiment knob: side-lane CTAs are scheduled before main-lane CTAs that
   // wait for the same SMs (e.g. GEMM CTAs launched early under PDL).
   int side_priority = 0;
+  // Indexer top-k and candidate-mask kernels: 3 = one thread-block cluster per row (v3, no
+  // workspace), 2 = chunk CTAs + merge through the workspace (v2).
+  int select_version = 3;
   WeightSource weights = WeightSource::kDeviceRandom;
   uint64_t seed = 1;  // weights (both sources) and device-generated inputs
   std::function<void(const std::string&)> progress;  // optional progress lines (construction, prefill)
