@@ -465,8 +465,16 @@ void launch_skinny(const char* name, SkinnyKernel kernel, SkinnyParams t, const 
 
 }  // namespace
 
+// Measured (docs/perf.md, session 2 run 2, bench_gemm graph timing with PDL, bf16): v5 beats v1
+// at m >= 24 on every small projection (c1 wkv m=32: 10.9 vs 31.3 us), on wk (k 512) at every m
+// (3.6 vs 5.6 us at m=6) and on c1 wkv (n 512) from m = 2 (8.6 vs 10.3 us at m=6); v1 wins on
+// c1 wkv at m=1 (7.0 vs 8.5) and on weights_proj (n 32) below m = 24 (7.0 vs 7.7 at m=6).
+// fp32 (the ratio-2 compressor): v1 was faster at every m <= 32 (12.4 vs 23.5 us at m=6), so
+// kAuto never picks v5 for run_gemm_f32 (gemm_api.cu); kSkinny still runs it when asked.
 bool skinny_gemm_preferred(int m, int64_t n, int64_t k) {
-  return m >= 1 && m <= kGemmMaxRows && n >= 1 && n <= 1024 && k >= kGemmBlock && k <= 8192 && k % kGemmBlock == 0;
+  const bool shape_ok =
+      m >= 1 && m <= kGemmMaxRows && n >= 1 && n <= 1024 && k >= kGemmBlock && k <= 8192 && k % kGemmBlock == 0;
+  return shape_ok && (m >= 24 || k <= 1024 || (n >= 128 && m >= 2));
 }
 
 GemmPlan plan_gemm_skinny(int m, int64_t n, int64_t k, int groups, bool f32, int force_splits, int force_mtiles) {

@@ -600,14 +600,15 @@ void run_indexer_scores(const IndexerScoresParams& p, cudaStream_t stream, bool 
   while ((1 << page_shift) < P) ++page_shift;
   const int G = p.group_rows;
   const int64_t groups = (p.T + G - 1) / G;
-  // Steps per warp: 4 (512 positions per CTA) unless that leaves fewer than ~2 CTAs per SM of an
-  // H200 (132 SMs); then shorter tiles for more parallelism. (A CTA's q setup is amortized over
-  // its tile: multi-row groups prefer the longer tiles this gives them.)
+  // Steps per warp: 4 (512 positions per CTA) unless that leaves fewer than ~4 CTAs per SM of an
+  // H200 (132 SMs); then shorter tiles for more parallelism (the kernel is latency-bound at small
+  // T: in the stack, verify bs 1 at 64K, 6 rows per CTA, 1 step (512 CTAs) beat 2 steps (256 CTAs)
+  // by 37 us per 40-layer cycle; docs/perf.md session 2 run 2).
   int steps = p.steps_per_warp;
   if (steps == 0) {
     steps = kMaxSteps;
     auto ctas = [&](int s) { return groups * ((p.score_stride + kThreads * s - 1) / (kThreads * s)); };
-    while (steps > 1 && ctas(steps) < 256) steps /= 2;
+    while (steps > 1 && ctas(steps) < 512) steps /= 2;
   }
   const int64_t tile = static_cast<int64_t>(kWarps) * kStepPositions * steps;
   const int64_t tiles = (p.score_stride + tile - 1) / tile;
