@@ -28,6 +28,7 @@ struct BenchConfig {
   bool graph = true;                    // CUDA-graph replay (else eager launches)
   bool pdl = true;                      // q_rope_store with PDL
   bool pdl_everywhere = true;           // with pdl: every kernel of the cycle
+  bool fuse_x_quant = true;             // wq_a|wkv v3 GEMM quantises x itself (GpuStackOptions::fuse_x_quant)
   kernels::GemmVersion gemm = kernels::GemmVersion::kAuto;
   LayerIssue::SFork s_fork = LayerIssue::SFork::kAtLayerStart;
   bool lane_prologue = false;
@@ -35,6 +36,7 @@ struct BenchConfig {
   int scores_steps = 0;                 // indexer scores: steps per warp (0: automatic)
   int side_priority = 0;                // CUDA stream priority of the side lanes (0: default)
   kernels::GemmVersion gemm_small = kernels::GemmVersion::kAuto;  // bf16 / fp32 GEMMs (kAuto: follow gemm)
+  bool idx_gemm_on_main = false;        // indexer wq_b GEMM on main after q_norm
   int select_version = 3;               // indexer top-k / candidate mask: v3 (cluster) or v2
   uint64_t seed = 1;
   std::string json_path;   // "" none, "-" stdout (then the table goes to `out`, which should be stderr)

@@ -207,6 +207,7 @@ struct BenchCliOptions {
   bool eager = false;
   std::string pdl = "all";
   std::string gemm = "auto";
+  bool no_fuse_x_quant = false;
   std::string s_fork = "at-layer-start";
   bool lane_prologue = false;
   int scores_group_rows = 0;
@@ -214,6 +215,7 @@ struct BenchCliOptions {
   int side_priority = 0;
   std::string select = "v3";
   std::string gemm_small = "auto";
+  bool idx_gemm_main = false;
   uint64_t seed = 1;
   std::string json_path;
   std::string trace_path;
@@ -248,6 +250,7 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
   so.max_context = std::max(c.context + v, 2);  // the step writes positions context .. context + v - 1
   so.rows_per_request = v;
   so.max_rows = rows;
+  so.fuse_x_quant = c.fuse_x_quant;
   so.decode_buckets = {rows};  // exactly the step's rows: no padded rows in the measurement
   so.verify_buckets = {rows};
   so.schedule = c.schedules.front();
@@ -258,6 +261,7 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
   so.side_priority = c.side_priority;
   so.select_version = c.select_version;
   so.gemm_small = c.gemm_small;
+  so.idx_gemm_on_main = c.idx_gemm_on_main;
   so.pdl = c.pdl;
   so.pdl_everywhere = c.pdl_everywhere;
   so.gemm = c.gemm;
@@ -347,6 +351,7 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
     j["graph"] = c.graph;
     j["pdl"] = c.pdl;
     j["pdl_everywhere"] = c.pdl_everywhere;
+    j["fuse_x_quant"] = c.fuse_x_quant;
     j["gemm"] = kernels::gemm_version_name(c.gemm);
     j["s_fork"] = s_fork_name(c.s_fork);
     j["lane_prologue"] = c.lane_prologue;
@@ -355,6 +360,7 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
     j["side_priority"] = c.side_priority;
     j["select_version"] = c.select_version;
     j["gemm_small"] = kernels::gemm_version_name(c.gemm_small);
+    j["idx_gemm_on_main"] = c.idx_gemm_on_main;
     j["seed"] = c.seed;
     j["device_bytes"] = stack.device_bytes();
     j["weight_bytes"] = stack.weight_bytes();
@@ -443,6 +449,8 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       ->check(CLI::IsMember({"at-layer-start", "after-q-norm", "idx-on-k", "idx-gemms-on-k"}))
       ->capture_default_str();
   sub->add_flag("--lane-prologue", o->lane_prologue, "Anchor both side lanes at the cycle start (lanes.h experiment)");
+  sub->add_flag("--no-fuse-x-quant", o->no_fuse_x_quant,
+                "Run x's act quant as its own kernel before the wq_a|wkv GEMM (default: v3 quantises x itself)");
   sub->add_option("--scores-group-rows", o->scores_group_rows,
                   "Indexer scores: rows per CTA, 1..8 (0: a request's rows in verify, 1 in decode; tuning knob)")
       ->check(CLI::Range(0, 8))
@@ -460,6 +468,8 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
                   "tc (v1) or skinny (v5)")
       ->check(CLI::IsMember({"auto", "tc", "skinny"}))
       ->capture_default_str();
+  sub->add_flag("--idx-gemm-main", o->idx_gemm_main,
+                "Index-source layers: the indexer's wq_b GEMM on the main lane after q_norm (experiment knob)");
   sub->add_option("--select", o->select,
                   "Indexer top-k / candidate-mask kernels: v3 (one cluster per row) or v2 (chunk CTAs + merge)")
       ->check(CLI::IsMember({"v2", "v3"}))
@@ -485,6 +495,7 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       c.graph = !o->eager;
       c.pdl = o->pdl != "off";
       c.pdl_everywhere = o->pdl == "all";
+      c.fuse_x_quant = !o->no_fuse_x_quant;
       c.gemm = o->gemm == "simple" ? kernels::GemmVersion::kSimple
                : o->gemm == "tc"   ? kernels::GemmVersion::kTensorCore
                : o->gemm == "wgmma-pipelined" ? kernels::GemmVersion::kWgmmaPipelined
@@ -500,6 +511,7 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       c.scores_steps = o->scores_steps;
       c.side_priority = o->side_priority;
       c.select_version = o->select == "v2" ? 2 : 3;
+      c.idx_gemm_on_main = o->idx_gemm_main;
       c.gemm_small = o->gemm_small == "tc"       ? kernels::GemmVersion::kTensorCore
                      : o->gemm_small == "skinny" ? kernels::GemmVersion::kSkinny
                                                  : kernels::GemmVersion::kAuto;

@@ -146,6 +146,8 @@ void validate_options(const ModelPlan& plan, const GpuStackOptions& o) {
   check_buckets(o.verify_buckets, "verify");
   if (o.scores_group_rows < 0 || o.scores_group_rows > 8)
     fail("scores_group_rows must be in [0, 8] (got " + std::to_string(o.scores_group_rows) + ")");
+  if (o.idx_gemm_on_main && o.s_fork == LayerIssue::SFork::kIdxGemmsOnK)
+    fail("idx_gemm_on_main and s_fork idx-gemms-on-k place the indexer's GEMM on two different lanes");
   if (o.select_version != 2 && o.select_version != 3)
     fail("select_version must be 2 or 3 (got " + std::to_string(o.select_version) + ")");
   if (o.scores_steps < 0 || o.scores_steps > 4)
@@ -601,6 +603,14 @@ void GpuPrepareStack::Impl::issue_cycle(int T) {
     li.s_fork = o.s_fork;
     li.qa = [this, L, T](cudaStream_t s) { issue_qa(L, T, s); };
     li.q_norm = [this, L, T](cudaStream_t s) { issue_q_norm(L, T, s); };
+    // idx_gemm_on_main: the indexer's wq_b GEMM runs on main right after q_norm (with the whole
+    // machine, before the wq_b GEMM takes every SM), and lane S forks after it with qi ready.
+    const bool idx_gemm_main = o.idx_gemm_on_main && (li.work & kWorkIDX);
+    if (idx_gemm_main)
+      li.q_norm = [this, L, T](cudaStream_t s) {
+        issue_q_norm(L, T, s);
+        issue_idx_gemms(L, T, s);
+      };
     li.qb = [this, L, T](cudaStream_t s) { issue_qb(L, T, s); };
     li.kv = [this, L, T](cudaStream_t s) { issue_kv(L, T, s); };
     if (li.work & kWorkCMP) li.cmp = [this, L, T](cudaStream_t s) { issue_cmp(L, T, s); };
@@ -614,6 +624,8 @@ void GpuPrepareStack::Impl::issue_cycle(int T) {
         V4_CUDA_CHECK(cudaStreamWaitEvent(s, ev, 0));
         issue_idx_rest(L, T, s);
       };
+    } else if (idx_gemm_main) {
+      li.idx = [this, L, T](cudaStream_t s) { issue_idx_rest(L, T, s); };
     } else if (li.work & kWorkIDX) {
       li.idx = [this, L, T](cudaStream_t s) { issue_idx(L, T, s); };
     }
@@ -627,6 +639,26 @@ void GpuPrepareStack::Impl::issue_cycle(int T) {
 
 void GpuPrepareStack::Impl::issue_qa(int L, int T, cudaStream_t s) {
   const LayerWeightsDev& d = w[static_cast<size_t>(L)];
+  // fuse_x_quant: when the QA GEMM runs v3 and its plan holds a CTA's whole K range, v3 quantises x
+  // itself (the same bytes as act quant + v3), which takes the act-quant launch off the main lane.
+  kn::GemmVersion qa_version = o.gemm;
+  if (qa_version == kn::GemmVersion::kAuto || qa_version == kn::GemmVersion::kSkinny)
+    qa_version = kn::best_fp8_gemm_version(T, qkv_w, dim);
+  if (o.fuse_x_quant && qa_version == kn::GemmVersion::kWgmmaPipelined &&
+      kn::gemm_v3_fused_quant_supported(T, qkv_w, dim)) {
+    kn::Fp8GemmParams g;
+    g.a_bf16 = x(L);
+    g.a_bf16_stride = dim;
+    g.w = d.wqkv_a;
+    g.w_scale = d.wqkv_a_s;
+    g.out = qkv_a;
+    g.out_stride = qkv_w;
+    g.m = T;
+    g.n = qkv_w;
+    g.k = dim;
+    kn::run_gemm_fp8_fused_quant(g, qa_version, s, pdl_rest());
+    return;
+  }
   kn::ActQuantParams a;
   a.x = x(L);
   a.x_stride = dim;

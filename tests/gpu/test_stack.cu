@@ -143,6 +143,15 @@ TEST(GpuStackHost, ValidateOptionsRefusesWhatTheStackCannotRun) {
   refused([](GpuStackOptions& o) { o.max_rows = 65; }, "max_rows");
   refused([](GpuStackOptions& o) { o.decode_buckets = {1, 0}; }, "decode bucket 0");
   refused([](GpuStackOptions& o) { o.verify_buckets = {6, 65}; }, "verify bucket 65");
+  refused([](GpuStackOptions& o) { o.scores_group_rows = 9; }, "scores_group_rows");
+  refused([](GpuStackOptions& o) { o.scores_steps = 5; }, "scores_steps");
+  refused([](GpuStackOptions& o) { o.select_version = 1; }, "select_version");
+  refused(
+      [](GpuStackOptions& o) {
+        o.idx_gemm_on_main = true;
+        o.s_fork = LayerIssue::SFork::kIdxGemmsOnK;
+      },
+      "idx_gemm_on_main");
   const ModelPlan tp2 = build_plan(reduced_config(), 2);
   GpuStackOptions ref_tp2 = ok;
   ref_tp2.weights = WeightSource::kReference;
@@ -413,6 +422,11 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
     LayerIssue::SFork s_fork = LayerIssue::SFork::kAtLayerStart;
     bool lane_prologue = false;
     bool pdl_everywhere = false;
+    bool idx_gemm_on_main = false;
+    int select_version = 3;
+    int scores_group_rows = 0;
+    int scores_steps = 0;
+    int side_priority = 0;
   };
   std::vector<Config> configs;
   for (Schedule sched : kAllSchedules)
@@ -431,6 +445,14 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
   // PDL on every kernel of the cycle, eager and in graphs, on every schedule.
   for (Schedule sched : kAllSchedules)
     for (bool graph : {false, true}) configs.push_back({sched, graph, true, LayerIssue::SFork::kAtLayerStart, false, true});
+  // Session-2 knobs: the indexer's GEMM on main (eager, graph, serial), the v2 selection kernels,
+  // other scores launch shapes, high-priority side lanes.
+  configs.push_back({Schedule::kThreeLane, true, true, LayerIssue::SFork::kAtLayerStart, false, true, true});
+  configs.push_back({Schedule::kThreeLane, false, true, LayerIssue::SFork::kAtLayerStart, false, true, true});
+  configs.push_back({Schedule::kSerial, true, true, LayerIssue::SFork::kAtLayerStart, false, true, true});
+  configs.push_back({Schedule::kThreeLane, true, true, LayerIssue::SFork::kAtLayerStart, false, true, false, 2});
+  configs.push_back({Schedule::kThreeLane, true, true, LayerIssue::SFork::kAtLayerStart, false, true, false, 3, 2, 1});
+  configs.push_back({Schedule::kThreeLane, true, true, LayerIssue::SFork::kAtLayerStart, false, true, false, 3, 1, 4, -5});
 
   std::vector<Snapshot> first;  // per step, of the first configuration
   std::string first_name;
@@ -438,7 +460,10 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
   for (const Config& c : configs) {
     const std::string name = std::string(to_string(c.schedule)) + (c.graph ? " graph" : " eager") +
                              (c.pdl ? " pdl" : " no-pdl") + " s_fork " + std::to_string(static_cast<int>(c.s_fork)) +
-                             (c.lane_prologue ? " lane-prologue" : "") + (c.pdl_everywhere ? " pdl-everywhere" : "");
+                             (c.lane_prologue ? " lane-prologue" : "") + (c.pdl_everywhere ? " pdl-everywhere" : "") +
+                             (c.idx_gemm_on_main ? " idx-gemm-main" : "") + " select v" + std::to_string(c.select_version) +
+                             " scores g" + std::to_string(c.scores_group_rows) + " s" + std::to_string(c.scores_steps) +
+                             " side-priority " + std::to_string(c.side_priority);
     SCOPED_TRACE(name);
     // A fresh stack per configuration: the device inputs of padded rows depend on the step count.
     go.schedule = c.schedule;
@@ -446,6 +471,11 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
     go.s_fork = c.s_fork;
     go.lane_prologue = c.lane_prologue;
     go.pdl_everywhere = c.pdl_everywhere;
+    go.idx_gemm_on_main = c.idx_gemm_on_main;
+    go.select_version = c.select_version;
+    go.scores_group_rows = c.scores_group_rows;
+    go.scores_steps = c.scores_steps;
+    go.side_priority = c.side_priority;
     GpuPrepareStack gpu(plan, go);
     gpu.prefill_device_random(ctx);
     for (int step = 0; step < 2; ++step) {

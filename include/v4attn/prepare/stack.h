@@ -116,6 +116,9 @@ struct GpuStackOptions {
   // metadata before griddepcontrol.wait: the GEMMs start streaming weights while their
   // predecessor finishes). Measured 1.4-2.5 % per verify bs 1 cycle (docs/perf.md, run 12).
   bool pdl_everywhere = true;
+  // The wq_a|wkv GEMM quantises x itself (kernels::run_gemm_fp8_fused_quant, the same bytes) when
+  // it runs v3 and gemm_v3_fused_quant_supported holds; false: act quant + GEMM as two kernels.
+  bool fuse_x_quant = true;
   kernels::GemmVersion gemm = kernels::GemmVersion::kAuto;  // every GEMM of the cycle (kAuto: by shape, gemm.h)
   // The bf16 / fp32 GEMMs only (compressor, weights_proj, wk); kAuto: follow `gemm`.
   kernels::GemmVersion gemm_small = kernels::GemmVersion::kAuto;
@@ -130,6 +133,9 @@ struct GpuStackOptions {
   // Indexer top-k and candidate-mask kernels: 3 = one thread-block cluster per row (v3, no
   // workspace), 2 = chunk CTAs + merge through the workspace (v2).
   int select_version = 3;
+  // Index-source layers: run the indexer's wq_b GEMM (qr -> qi) on the main lane right after
+  // q_norm instead of first on lane S (experiment knob; docs/perf.md).
+  bool idx_gemm_on_main = false;
   WeightSource weights = WeightSource::kDeviceRandom;
   uint64_t seed = 1;  // weights (both sources) and device-generated inputs
   std::function<void(const std::string&)> progress;  // optional progress lines (construction, prefill)
