@@ -20,7 +20,9 @@
 //   fp8:  act_quant (bf16 x -> codes + scales), v0, v1, v2, v3 (GEMM on quantized x; v3 once per
 //         --v3-masks entry: "v3" = the default widening mask 0b1010, "v3 int<mask>" otherwise, e.g.
 //         "v3 int0" = all cvt, "v3 int15" = all integer), v1+quant / v2+quant / v3+quant
-//         (act_quant then the GEMM; with PDL in the event and gpdl columns), the peer
+//         (act_quant then the GEMM; with PDL in the event and gpdl columns), "v3 fused-quant"
+//         (run_gemm_fp8_fused_quant: the act quant inside v3, where gemm_v3_fused_quant_supported;
+//         valid when byte-identical to act_quant + v3; compare with "v3+quant"), the peer
 //         "cublasLt bf16 (2x bytes)": a bf16 cublasLtMatmul on a dequantised bf16 copy of the
 //         weight (exact: every e4m3 * 2^e is a bf16) and the unquantized bf16 x, validated against
 //         our bf16 v1 on the same copy, and the peer "cublasLt fp8 blk128": cuBLASLt's block-scaled
@@ -490,6 +492,38 @@ void bench_fp8(const Shape& sh, const std::vector<int>& ms, Env& env, std::vecto
                  g(s, c, pdl);
                },
                true, copies, true, true);
+      rows.push_back(r);
+    }
+    // v3 with the act quant fused in (run_gemm_fp8_fused_quant): the GEMM quantises x itself; valid
+    // when its output is byte-identical to act_quant + v3 (compare with the "v3+quant" row).
+    if (version_valid[static_cast<int>(kn::GemmVersion::kWgmmaPipelined)] && kn::gemm_v3_fused_quant_supported(m, n, k)) {
+      kn::Fp8GemmParams fp = gp;
+      fp.a_q = nullptr;
+      fp.a_scale = nullptr;
+      fp.a_bf16 = dx.get();
+      fp.a_bf16_stride = k;
+      Row r = make_row(sh, "v3 fused-quant", m, gemm_bytes - m * k - m * kb + m * k * 2);
+      try {
+        kn::run_gemm_fp8(gp, ws, kn::GemmVersion::kWgmmaPipelined, env.stream, false);
+        V4_CUDA_CHECK(cudaStreamSynchronize(env.stream));
+        const std::vector<bf16_t> unfused = to_host(out, out.size());
+        out.fill_bytes(0xAB, env.stream);
+        kn::run_gemm_fp8_fused_quant(fp, kn::GemmVersion::kWgmmaPipelined, env.stream, false);
+        V4_CUDA_CHECK(cudaStreamSynchronize(env.stream));
+        r.valid = to_host(out, out.size()) == unfused;
+        r.note = "x quantised inside the GEMM; bytes == act_quant + v3: " + std::string(r.valid ? "yes" : "NO");
+        time_row(r, env,
+                 [&](cudaStream_t s, int c, bool pdl) {
+                   kn::Fp8GemmParams q = fp;
+                   q.w = w_copy(c);
+                   q.w_scale = ws_copy(c);
+                   kn::run_gemm_fp8_fused_quant(q, kn::GemmVersion::kWgmmaPipelined, s, pdl);
+                 },
+                 false, copies, true, true);
+      } catch (const std::invalid_argument& e) {  // a forced plan (--splits / --stages) the fused form refuses
+        r.valid = false;
+        r.note = std::string("not run: ") + e.what();
+      }
       rows.push_back(r);
     }
     if (env.run_peer) {

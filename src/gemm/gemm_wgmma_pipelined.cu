@@ -71,6 +71,7 @@
 #include <cuda.h>
 
 #include <algorithm>
+#include <cstring>
 #include <string>
 
 #include "gemm/gemm_internal.h"
@@ -78,6 +79,7 @@
 #include "gemm/tensor_map.h"
 #include "gemm/wgmma_f16.cuh"
 #include "kernels/device_common.cuh"
+#include "kernels/prepare_common.cuh"
 #include "runtime/launch.h"
 
 namespace v4attn::kernels {
@@ -155,6 +157,10 @@ struct Wgmma3Params {
   int max_split_blocks = 0;  // ceil(k_blocks / splits): capacity of the scale arrays
   int int_mask = kDefaultIntMask;  // bit j: block j of every stage widened with integer ops
   int out_vec = 0;           // 2: 16-byte output stores allowed, 1: 8-byte, 0: scalar only
+  // Fused act quant (run_gemm_fp8_fused_quant): the bf16 activations [m, k] (row r at a_bf16 + r *
+  // a_bf16_stride); tmap_x and a_scale are then unused. Requires stages >= every CTA's n_iter.
+  const bf16_t* a_bf16 = nullptr;
+  int64_t a_bf16_stride = 0;
 };
 
 // Consumer state that does not change over the main loop (one warpgroup, one thread).
@@ -317,6 +323,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
   constexpr int RG = BN / 32;                        // 32-row scale groups per CTA
   constexpr int R = NP / 2;                          // accumulator registers per m64 tile per thread
   constexpr uint32_t kStageTx = static_cast<uint32_t>((BN + NP) * kStageK);
+  constexpr uint32_t kStageTxWeights = static_cast<uint32_t>(BN * kStageK);  // fused act quant: no x box
   static_assert(NP % 8 == 0 && NP >= 8 && NP <= 64, "NP is m rounded up to 8");
 
   extern __shared__ uint8_t smem_raw[];
@@ -340,6 +347,8 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
   const int nkb = kb_end - kb_begin;  // 1..msb
   const int n_iter = (nkb + kBlocksPerStage - 1) / kBlocksPerStage;
   const int prologue = min(ST, n_iter);
+  const bool fused = p.a_bf16 != nullptr;  // uniform: the CTA quantises x itself (no x TMA, no a_scale)
+  const uint32_t stage_tx = fused ? kStageTxWeights : kStageTx;
 
   // ---- setup: barriers, first ring fill of weights (constant data: before the PDL wait) --------
   if (tid == 0) {
@@ -353,12 +362,12 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
     }
     fence_mbarrier_init();
     prefetch_tensormap(&p.tmap_w);
-    prefetch_tensormap(&p.tmap_x);
+    if (!fused) prefetch_tensormap(&p.tmap_x);  // fused: tmap_x is not a valid map
   }
   __syncthreads();
   if (tid == 0) {
     for (int it = 0; it < prologue; ++it) {
-      mbar_arrive_expect_tx(bar_full + 8u * it, kStageTx);
+      mbar_arrive_expect_tx(bar_full + 8u * it, stage_tx);
       tma_load_3d(base + L.w + static_cast<uint32_t>(it * BN * kStageK), &p.tmap_w, bar_full + 8u * it,
                   (kb_begin + it * kBlocksPerStage) * kGemmBlock, row0, grp);
     }
@@ -383,14 +392,55 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
     }
   }
 
-  dev::pdl_wait();  // activation codes and scales are the predecessor's output
+  dev::pdl_wait();  // activation codes and scales (fused: the bf16 activations) are the predecessor's output
 
-  if (tid == 0) {
+  if (fused) {
+    // Fused act quant of the CTA's K range [kb_begin, kb_end) of the NP rows, exactly what
+    // run_act_quant_fp8 + the TMA / scale loads below would leave in shared memory: per 32-block the
+    // amax from 0 (block_amax_step, order-free max), act_quant_scale_exp, pow2_f32, act_quant_code
+    // (detail::act_quant_chunk<4>, the same functions in the same order as act_quant_fp8_kernel).
+    // One thread per 8-element chunk e = ((tok * nkb) + b) * 4 + c: the 4 chunks of a block are 4
+    // consecutive lanes (amax by xor shuffles among them), a warp reads 512 contiguous bytes of a
+    // row. Codes of block b go to ring slot b / 4 (every slot distinct: stages >= n_iter, so no slot
+    // is ever refilled), 16-byte chunk 2 (b % 4) + c / 2 of the row, 128B-swizzled like the TMA box
+    // (chunk q of row r at q ^ (r % 8)). Rows >= m: codes 0 and scale 0 (the TMA's zero fill and the
+    // scale load's 0). NP * nkb * 4 is a multiple of 32 and the stride 384 too, so every warp runs
+    // the shuffles with all its lanes. Loads are batched ahead of the math (one latency per batch).
+    constexpr int kBatch = 4;
+    const int total = NP * nkb * 4;
+    const bf16_t* xg = p.a_bf16 + static_cast<int64_t>(kb_begin) * kGemmBlock;
+    for (int e0 = tid; e0 < total; e0 += kBatch * kThreads) {
+      uint4 v[kBatch];
+#pragma unroll
+      for (int r = 0; r < kBatch; ++r) {
+        const int e = e0 + r * kThreads, blk = e >> 2, tok = blk / nkb, b = blk - tok * nkb, c = e & 3;
+        v[r] = make_uint4(0u, 0u, 0u, 0u);
+        if (e < total && tok < p.m)
+          v[r] = *reinterpret_cast<const uint4*>(xg + tok * p.a_bf16_stride + b * kGemmBlock + c * detail::kChunk);
+      }
+#pragma unroll
+      for (int r = 0; r < kBatch; ++r) {
+        const int e = e0 + r * kThreads, blk = e >> 2, tok = blk / nkb, b = blk - tok * nkb, c = e & 3;
+        if (e >= total) break;  // uniform per warp
+        float xv[detail::kChunk];
+        detail::unpack_bf16x8(v[r], xv);
+        int scale_exp = 0;
+        uint2 codes = detail::act_quant_chunk<4>(xv, scale_exp);
+        const bool row_real = tok < p.m;
+        if (!row_real) codes = make_uint2(0u, 0u);
+        const int it = b >> 2, q = 2 * (b & 3) + (c >> 1);
+        uint8_t* dst = smem + L.xc + it * NP * kStageK + tok * kStageK + ((q ^ (tok & 7)) << 4) + (c & 1) * 8;
+        *reinterpret_cast<uint2*>(dst) = codes;
+        if (c == 0) sa_s[b * NP + tok] = row_real ? num::f32_from_ue8m0(num::ue8m0_from_exp(scale_exp)) : 0.0f;
+      }
+    }
+  }
+  if (!fused && tid == 0) {
     for (int it = 0; it < prologue; ++it)
       tma_load_3d(base + L.xc + static_cast<uint32_t>(it * NP * kStageK), &p.tmap_x, bar_full + 8u * it,
                   (kb_begin + it * kBlocksPerStage) * kGemmBlock, 0, grp);
   }
-  {  // activation scales [block][token]; tokens >= m get 0 (so their scale products are 0)
+  if (!fused) {  // activation scales [block][token]; tokens >= m get 0 (so their scale products are 0)
     constexpr int kBatch = 8;
     const uint8_t* sa_g = p.a_scale + grp * p.a_scale_group_stride + kb_begin;
     const int total = NP * nkb;
@@ -408,7 +458,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
       }
     }
   }
-  __syncthreads();  // scale arrays visible to the converters
+  __syncthreads();  // scale arrays (fused: and the activation codes) visible to the converters
 
   if (warp < 4) {
     // ======== warpgroup 0: producer (warp 0, lane 0) and converters (warps 1..3) ==================
@@ -419,9 +469,11 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
           const int s = it % ST;
           mbar_wait(bar_empty + 8u * s, static_cast<uint32_t>((it / ST - 1) & 1));  // slot consumed (it - ST)
           const int kx = (kb_begin + it * kBlocksPerStage) * kGemmBlock;
-          mbar_arrive_expect_tx(bar_full + 8u * s, kStageTx);
+          mbar_arrive_expect_tx(bar_full + 8u * s, stage_tx);
           tma_load_3d(base + L.w + static_cast<uint32_t>(s * BN * kStageK), &p.tmap_w, bar_full + 8u * s, kx, row0, grp);
-          tma_load_3d(base + L.xc + static_cast<uint32_t>(s * NP * kStageK), &p.tmap_x, bar_full + 8u * s, kx, 0, grp);
+          // Never reached when fused (stages >= n_iter: no refill), kept exact anyway.
+          if (!fused)
+            tma_load_3d(base + L.xc + static_cast<uint32_t>(s * NP * kStageK), &p.tmap_x, bar_full + 8u * s, kx, 0, grp);
         }
       }
     } else {
@@ -700,6 +752,56 @@ GemmPlan plan_gemm_wgmma_pipelined(int m, int64_t n, int64_t k, int groups, int 
   return plan;
 }
 
+namespace {
+
+// Stages of 4 K blocks of the CTA with the most K blocks (ceil(k_blocks / S) blocks).
+int max_cta_stages(const GemmPlan& plan, int64_t k) {
+  const int64_t kb = k / kGemmBlock;
+  const int64_t msb = (kb + plan.splits - 1) / plan.splits;
+  return static_cast<int>((msb + kBlocksPerStage - 1) / kBlocksPerStage);
+}
+
+}  // namespace
+
+bool gemm_v3_fused_quant_supported(int m, int64_t n, int64_t k) {
+  if (m < 1 || m > kGemmMaxRows || n <= 0 || k <= 0 || n % kGemmBlock != 0 || k % kGemmBlock != 0) return false;
+  if (n > (int64_t{1} << 30) || k > (int64_t{1} << 30)) return false;
+  const GemmPlan plan = plan_gemm_wgmma_pipelined(m, n, k, 1);
+  return plan.stages >= 1 && plan.stages >= max_cta_stages(plan, k);
+}
+
+void run_gemm_fp8_fused_quant(const Fp8GemmParams& p, GemmVersion version, cudaStream_t stream, bool pdl) {
+  auto fail = [](const std::string& what) { throw std::invalid_argument("run_gemm_fp8_fused_quant: " + what); };
+  if (p.a_bf16 == nullptr) fail("a_bf16 is null (use run_gemm_fp8 for quantised activations)");
+  if (p.m < 0) fail("m < 0");
+  if (version == GemmVersion::kAuto || version == GemmVersion::kSkinny) version = best_fp8_gemm_version(p.m, p.n, p.k);
+  if (version != GemmVersion::kWgmmaPipelined) fail("a_bf16 needs GemmVersion::kWgmmaPipelined");
+  if (p.m == 0) return;
+  if (p.m > kGemmMaxRows) fail("v3 takes m <= 64 (got " + std::to_string(p.m) + ")");
+  if (p.n <= 0 || p.n % kGemmBlock != 0) fail("n " + std::to_string(p.n) + " is not a positive multiple of 32");
+  if (p.k <= 0 || p.k % kGemmBlock != 0) fail("k " + std::to_string(p.k) + " is not a positive multiple of 32");
+  if (p.n > (int64_t{1} << 30) || p.k > (int64_t{1} << 30)) fail("n or k too large");
+  if (p.groups != 1) fail("the fused act quant takes groups == 1");
+  if (p.a_q != nullptr || p.a_scale != nullptr) fail("a_q and a_scale must be null when a_bf16 is set");
+  if (!p.w || !p.w_scale || !p.out) fail("null pointer");
+  if (p.a_bf16_stride < p.k) fail("a_bf16_stride < k");
+  if (!aligned_to(p.a_bf16, 16) || p.a_bf16_stride % 8 != 0)
+    fail("a_bf16 must be 16-byte aligned with a_bf16_stride % 8 == 0");
+  if (p.out_stride < p.n) fail("out_stride < n");
+  if (!aligned_to(p.w, 16)) fail("w must be 16-byte aligned");
+  if (p.force_splits < 0 || p.force_mtiles < 0 || p.force_mtiles > 2 || p.force_stages < 0)
+    fail("force_splits >= 0, force_mtiles in 0..2, force_stages >= 0");
+  if (p.v3_int_mask < -1 || p.v3_int_mask > 15) fail("v3_int_mask must be -1 (default) or 0..15");
+  const GemmPlan plan =
+      plan_gemm_wgmma_pipelined(p.m, p.n, p.k, 1, p.force_splits, p.force_mtiles, p.force_stages);
+  const int need = max_cta_stages(plan, p.k);
+  if (plan.stages < 1 || plan.stages < need)
+    fail("the fused act quant needs the whole K range of a CTA in its ring: " + std::to_string(need) +
+         " stages of 128 K, but the plan has " + std::to_string(plan.stages) + " (m " + std::to_string(p.m) + ", n " +
+         std::to_string(p.n) + ", k " + std::to_string(p.k) + "; see gemm_v3_fused_quant_supported)");
+  detail::launch_gemm_fp8_wgmma_pipelined(p, plan, stream, pdl);
+}
+
 namespace detail {
 
 void launch_gemm_fp8_wgmma_pipelined(const Fp8GemmParams& p, const GemmPlan& plan, cudaStream_t stream, bool pdl) {
@@ -710,9 +812,18 @@ void launch_gemm_fp8_wgmma_pipelined(const Fp8GemmParams& p, const GemmPlan& pla
   const uint64_t w_group = p.groups > 1 ? static_cast<uint64_t>(p.w_group_stride) : static_cast<uint64_t>(p.n * p.k);
   t.tmap_w = make_tensor_map(p.w, static_cast<uint64_t>(p.k), static_cast<uint64_t>(p.n), static_cast<uint64_t>(p.groups),
                              static_cast<uint64_t>(p.k), w_group, static_cast<uint32_t>(plan.block_n));
-  const uint64_t a_group = p.groups > 1 ? static_cast<uint64_t>(p.a_group_stride) : static_cast<uint64_t>(p.m) * p.a_stride;
-  t.tmap_x = make_tensor_map(p.a_q, static_cast<uint64_t>(p.k), static_cast<uint64_t>(p.m), static_cast<uint64_t>(p.groups),
-                             static_cast<uint64_t>(p.a_stride), a_group, static_cast<uint32_t>(np));
+  if (p.a_bf16 != nullptr) {  // fused act quant: no x map
+    // The kernel writes stage it's codes into slot it: every CTA's stages must be distinct slots.
+    if (plan.stages < max_cta_stages(plan, p.k))
+      throw std::invalid_argument("gemm v3: a_bf16 (fused act quant) needs the whole K range of a CTA in its ring");
+    std::memset(&t.tmap_x, 0, sizeof(t.tmap_x));
+    t.a_bf16 = p.a_bf16;
+    t.a_bf16_stride = p.a_bf16_stride;
+  } else {
+    const uint64_t a_group = p.groups > 1 ? static_cast<uint64_t>(p.a_group_stride) : static_cast<uint64_t>(p.m) * p.a_stride;
+    t.tmap_x = make_tensor_map(p.a_q, static_cast<uint64_t>(p.k), static_cast<uint64_t>(p.m), static_cast<uint64_t>(p.groups),
+                               static_cast<uint64_t>(p.a_stride), a_group, static_cast<uint32_t>(np));
+  }
   t.w_scale = p.w_scale;
   t.a_scale = p.a_scale;
   t.out = p.out;

@@ -1326,3 +1326,267 @@ TEST(GpuGemm, AutoPicksTheMeasuredVersionPerShape) {
   EXPECT_EQ(a.splits, b.splits);
   EXPECT_EQ(a.tiles_n, b.tiles_n);
 }
+
+// ---- v3 with the act quant fused in (run_gemm_fp8_fused_quant) ------------------------------------
+// The fused GEMM must give exactly the bytes of run_act_quant_fp8 + run_gemm_fp8(kWgmmaPipelined) on
+// the same x (the whole output buffer, poison included), with and without PDL, and stay within the
+// realistic-data allowance of the CPU reference (ref::act_quant + ref::gemm_fp8).
+namespace {
+
+// x [rows_alloc, stride] bf16 with every kind of 32-block: all zeros (amax floor), tiny (below the
+// 1e-4 floor), large, mixed magnitudes (a few big values among tiny ones: most codes round to 0
+// or subnormals), negative zeros, ordinary. Columns >= k and rows >= m hold junk (1e30) that must never
+// reach the result.
+std::vector<bf16_t> make_fused_x(int m, int rows_alloc, int64_t k, int64_t stride, uint64_t seed) {
+  Rng rng(seed);
+  std::vector<bf16_t> x(static_cast<size_t>(rows_alloc * stride), num::bf16_from_f32(1.0e30f));
+  for (int r = 0; r < m; ++r)
+    for (int64_t b = 0; b < k / 32; ++b) {
+      const int kind = rng.range(0, 7);
+      const int e = rng.range(-6, 3);
+      for (int64_t c = b * 32; c < b * 32 + 32; ++c) {
+        float v;
+        switch (kind) {
+          case 0: v = 0.0f; break;
+          case 1: v = std::ldexp(rng.uniform(), rng.range(-40, -16)); break;  // tiny: amax < 1e-4
+          case 2: v = std::ldexp(rng.uniform(), rng.range(8, 40)); break;     // large
+          case 3: v = c == b * 32 + rng.range(0, 31) ? std::ldexp(1.0f, 12) : std::ldexp(rng.uniform(), -12); break;
+          case 4: v = rng.range(0, 1) ? -0.0f : std::ldexp(rng.uniform(), e); break;
+          default: v = std::ldexp(rng.uniform(), e); break;
+        }
+        x[static_cast<size_t>(r * stride + c)] = num::bf16_from_f32(v);
+      }
+    }
+  return x;
+}
+
+struct FusedCase {
+  int64_t n = 0, k = 0;
+  int force_splits = 0, force_mtiles = 0;
+};
+
+Fp8GemmParams fused_params(const Fp8Weights& w, const bf16_t* x, int64_t x_stride, int m, bf16_t* out,
+                           const OutLayout& l) {
+  Fp8GemmParams g;
+  g.a_bf16 = x;
+  g.a_bf16_stride = x_stride;
+  g.w = w.d_w.get();
+  g.w_scale = w.d_ws.get();
+  g.out = out;
+  g.out_stride = l.stride;
+  g.m = m;
+  g.n = w.cs.n;
+  g.k = w.cs.k;
+  g.force_splits = w.cs.force_splits;
+  g.force_mtiles = w.cs.force_mtiles;
+  return g;
+}
+
+// One shape at every supported m: fused vs unfused bytes (pdl off / on), fused vs the reference.
+void check_fused_case(const FusedCase& fc, uint64_t seed, bool whole_set_supported) {
+  Fp8Case cs;
+  cs.n = fc.n;
+  cs.k = fc.k;
+  cs.force_splits = fc.force_splits;
+  cs.force_mtiles = fc.force_mtiles;
+  const Fp8Weights w = make_fp8_weights(cs, Data::kRealistic, seed);
+  const int64_t k = fc.k, kb = k / 32;
+  const int64_t x_stride = k + 40;  // a multiple of 8, junk in the gap
+  int ran = 0;
+  for (int m : kAllM) {
+    const bool auto_plan = fc.force_splits == 0 && fc.force_mtiles == 0;
+    if (auto_plan && !gemm_v3_fused_quant_supported(m, fc.n, fc.k)) {
+      EXPECT_FALSE(whole_set_supported) << fc.n << "x" << fc.k << " m " << m << " must support the fused act quant";
+      continue;
+    }
+    const std::string name = "fused " + fp8_name(cs, m);
+    const std::vector<bf16_t> hx = make_fused_x(m, m + 8, k, x_stride, seed * 41 + static_cast<uint64_t>(m));
+    const DeviceBuffer<bf16_t> dx = to_device(hx);
+    const OutLayout l = make_layout(m, fc.n);
+    // Unfused: act quant into poisoned buffers, then v3 on its codes.
+    Fp8Acts a;
+    a.m = m;
+    a.a_stride = k + 48;
+    a.a_scale_stride = kb + 3;
+    a.d_aq.resize(static_cast<size_t>(m * a.a_stride));
+    a.d_as.resize(static_cast<size_t>(m * a.a_scale_stride));
+    a.d_aq.fill_bytes(kPoisonByte);
+    a.d_as.fill_bytes(kPoisonByte);
+    a.act.push_back(ref::act_quant(hx.data(), m, k, x_stride));
+    for (bool pdl : {false, true}) {
+      ActQuantParams aq;
+      aq.x = dx.get();
+      aq.x_stride = x_stride;
+      aq.q = a.d_aq.get();
+      aq.q_stride = a.a_stride;
+      aq.scale = a.d_as.get();
+      aq.scale_stride = a.a_scale_stride;
+      aq.m = m;
+      aq.k = k;
+      run_act_quant_fp8(aq, nullptr, pdl);
+      const std::vector<bf16_t> unfused = run_fp8(w, a, l, GemmVersion::kWgmmaPipelined, pdl);
+      DeviceBuffer<bf16_t> out(l.elems());
+      out.fill_bytes(kPoisonByte);
+      run_gemm_fp8_fused_quant(fused_params(w, dx.get(), x_stride, m, out.get(), l), GemmVersion::kWgmmaPipelined, nullptr,
+                               pdl);
+      V4_CUDA_CHECK(cudaDeviceSynchronize());
+      const std::vector<bf16_t> fused = to_host(out);
+      ASSERT_EQ(fused.size(), unfused.size());
+      int bad = 0;
+      for (size_t i = 0; i < fused.size(); ++i)
+        if (fused[i] != unfused[i] && bad++ < 8)
+          ADD_FAILURE() << name << (pdl ? " pdl" : "") << ": element " << i << " (row " << i / l.stride << ", col "
+                        << i % l.stride << "): fused 0x" << std::hex << fused[i] << " unfused 0x" << unfused[i] << std::dec;
+      EXPECT_EQ(bad, 0) << name << (pdl ? " pdl" : "") << ": fused output differs from act quant + v3";
+      if (!pdl) {  // against the CPU reference (the same bytes with pdl, checked above)
+        const auto want = ref_fp8(w, a);
+        expect_realistic_stats(check_bf16(fused, l, dense_want(want, fc.n), 1, name, true), name);
+      }
+    }
+    ++ran;
+  }
+  EXPECT_GT(ran, 0) << fc.n << "x" << fc.k << ": no m ran";
+}
+
+}  // namespace
+
+TEST(GpuGemmV3FusedQuant, WqaWkvMatchesUnfusedBytes) {
+  V4_REQUIRE_GPU();
+  use_all_cores();
+  check_fused_case({1792, 5120}, 501, true);
+}
+
+// Split-K clusters (automatic S = 8 at k 2048), forced S = 3 (partial last stages: 21 / 21 / 22 K
+// blocks), two m64 tiles per warpgroup (block_n 256), a partial n tile with an odd number of K
+// blocks.
+TEST(GpuGemmV3FusedQuant, SmallShapesMatchUnfusedBytes) {
+  V4_REQUIRE_GPU();
+  use_all_cores();
+  uint64_t seed = 510;
+  check_fused_case({256, 2048}, ++seed, true);
+  check_fused_case({256, 2048, 3, 0}, ++seed, false);
+  check_fused_case({512, 1024, 0, 2}, ++seed, false);
+  check_fused_case({160, 1056}, ++seed, false);
+  check_fused_case({64, 96, 1, 0}, ++seed, false);  // one CTA, one partial stage of 3 K blocks
+}
+
+// Host-only: which shapes the fused form supports (the stack relies on wq_a|wkv at every m <= 64).
+TEST(GpuGemmV3FusedQuant, SupportPredicate) {
+  for (int m = 1; m <= 64; ++m) EXPECT_TRUE(gemm_v3_fused_quant_supported(m, 1792, 5120)) << m;
+  EXPECT_TRUE(gemm_v3_fused_quant_supported(6, 256, 2048));
+  EXPECT_FALSE(gemm_v3_fused_quant_supported(0, 1792, 5120));
+  EXPECT_FALSE(gemm_v3_fused_quant_supported(65, 1792, 5120));
+  EXPECT_FALSE(gemm_v3_fused_quant_supported(8, 1800, 5120));
+  EXPECT_FALSE(gemm_v3_fused_quant_supported(8, 1792, 5100));
+  // 2048 K blocks over <= 8 splits: 64 stages of 4 blocks per CTA, more than the ring holds.
+  EXPECT_FALSE(gemm_v3_fused_quant_supported(8, 256, 65536));
+  // The predicate is exactly "the automatic plan's ring holds a CTA's whole K range".
+  for (int m : kAllM)
+    for (int64_t k : {1024, 5120, 8192, 16384, 32768}) {
+      const GemmPlan plan = plan_gemm_wgmma_pipelined(m, 1792, k, 1);
+      const int64_t msb = (k / 32 + plan.splits - 1) / plan.splits;
+      EXPECT_EQ(gemm_v3_fused_quant_supported(m, 1792, k), plan.stages >= (msb + 3) / 4) << m << " " << k;
+    }
+}
+
+// Host refusals (nothing is launched: every call throws before it; pointers are never dereferenced).
+TEST(GpuGemmV3FusedQuant, RefusesBadArguments) {
+  const bool gpu = gpu_available();
+  const size_t bytes = 1 << 20;
+  DeviceBuffer<uint8_t> dbuf;
+  std::vector<uint8_t> hbuf;
+  uint8_t* base = nullptr;
+  if (gpu) {
+    dbuf.resize(bytes);
+    dbuf.fill_bytes(0);
+    base = dbuf.get();
+  } else {
+    hbuf.resize(bytes + 256);
+    base = hbuf.data() + (256 - reinterpret_cast<uintptr_t>(hbuf.data()) % 256) % 256;
+  }
+  auto valid = [&] {
+    Fp8GemmParams p;
+    p.a_bf16 = reinterpret_cast<const bf16_t*>(base);
+    p.a_bf16_stride = 64;
+    p.w = base + 16384;
+    p.w_scale = base + 65536;
+    p.out = reinterpret_cast<bf16_t*>(base + 131072);
+    p.out_stride = 64;
+    p.m = 4;
+    p.n = 64;
+    p.k = 64;
+    return p;
+  };
+  auto refused = [&](const Fp8GemmParams& p, GemmVersion v, const char* what, const char* needle = nullptr) {
+    try {
+      run_gemm_fp8_fused_quant(p, v, nullptr, false);
+      ADD_FAILURE() << what << ": not refused";
+    } catch (const std::invalid_argument& e) {
+      if (needle) EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << what << ": " << e.what();
+    }
+  };
+  for (GemmVersion v : {GemmVersion::kSimple, GemmVersion::kTensorCore, GemmVersion::kWgmma})
+    refused(valid(), v, "not v3", "a_bf16 needs GemmVersion::kWgmmaPipelined");
+  Fp8GemmParams p = valid();
+  p.a_bf16 = nullptr;
+  refused(p, GemmVersion::kWgmmaPipelined, "a_bf16 null");
+  p = valid();
+  p.a_q = base + 4096;
+  refused(p, GemmVersion::kWgmmaPipelined, "a_q with a_bf16");
+  p = valid();
+  p.a_scale = base + 8192;
+  refused(p, GemmVersion::kWgmmaPipelined, "a_scale with a_bf16");
+  p = valid();
+  p.m = 65;
+  refused(p, GemmVersion::kWgmmaPipelined, "m > 64");
+  p = valid();
+  p.m = -1;
+  refused(p, GemmVersion::kWgmmaPipelined, "m < 0");
+  p = valid();
+  p.n = 48;
+  refused(p, GemmVersion::kWgmmaPipelined, "n % 32");
+  p = valid();
+  p.k = 40;
+  refused(p, GemmVersion::kWgmmaPipelined, "k % 32");
+  p = valid();
+  p.groups = 2;
+  refused(p, GemmVersion::kWgmmaPipelined, "groups");
+  p = valid();
+  p.a_bf16_stride = 32;
+  refused(p, GemmVersion::kWgmmaPipelined, "a_bf16_stride < k");
+  p = valid();
+  p.a_bf16_stride = 68;
+  refused(p, GemmVersion::kWgmmaPipelined, "a_bf16_stride % 8");
+  p = valid();
+  p.a_bf16 = reinterpret_cast<const bf16_t*>(base + 2);
+  refused(p, GemmVersion::kWgmmaPipelined, "a_bf16 misaligned");
+  p = valid();
+  p.w = base + 16384 + 8;
+  refused(p, GemmVersion::kWgmmaPipelined, "w misaligned");
+  p = valid();
+  p.w_scale = nullptr;
+  refused(p, GemmVersion::kWgmmaPipelined, "w_scale null");
+  p = valid();
+  p.out_stride = 32;
+  refused(p, GemmVersion::kWgmmaPipelined, "out_stride < n");
+  p = valid();
+  p.v3_int_mask = 16;
+  refused(p, GemmVersion::kWgmmaPipelined, "int mask");
+  // k 4096 in one split: 128 K blocks = 32 stages of 4, more than the ring can hold.
+  p = valid();
+  p.k = 4096;
+  p.a_bf16_stride = 4096;
+  p.force_splits = 1;
+  refused(p, GemmVersion::kWgmmaPipelined, "CTA K range larger than the ring", "whole K range");
+  // A forced shallow ring: 2 stages per CTA, 1 in the ring.
+  p = valid();
+  p.k = 256;
+  p.a_bf16_stride = 256;
+  p.force_splits = 1;
+  p.force_stages = 1;
+  refused(p, GemmVersion::kWgmmaPipelined, "force_stages below the CTA's stages", "whole K range");
+  if (gpu) {  // the control call runs (m 4, n 64, k 64 over zeros)
+    EXPECT_NO_THROW(run_gemm_fp8_fused_quant(valid(), GemmVersion::kWgmmaPipelined, nullptr, false));
+    V4_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+}

@@ -237,9 +237,28 @@ struct Fp8GemmParams {
   // (j = 0..3) set = K block j of every 128-byte stage widens its weight codes with integer ops
   // (ALU pipe) instead of cvt (conversion pipe). -1 = default (0b1010: half on each pipe).
   int v3_int_mask = -1;
+  // v3 only (run_gemm_fp8_fused_quant): the bf16 activations [m, k] (row r at a_bf16 + r *
+  // a_bf16_stride elements; 16-byte aligned, stride % 8 == 0). The GEMM then quantises them itself
+  // (byte-identical to run_act_quant_fp8 on the same rows), and a_q / a_scale must be null.
+  const bf16_t* a_bf16 = nullptr;
+  int64_t a_bf16_stride = 0;  // elements, >= k
 };
 void run_gemm_fp8(const Fp8GemmParams& p, const GemmWorkspace& ws, GemmVersion version, cudaStream_t stream,
                   bool pdl);
+
+// ---- v3 with the FP8 act quant fused in --------------------------------------------------------
+// run_gemm_fp8_fused_quant: out = run_gemm_fp8(act_quant(a_bf16), kWgmmaPipelined), byte for byte,
+// in one kernel: after its PDL wait every CTA quantises its own K range of the m rows (numerics.h
+// act quant, the same functions in the same order as run_act_quant_fp8) straight into its shared
+// memory, instead of TMA-loading codes and reading scales. Needs the whole K range of a CTA to fit
+// in its ring (plan.stages >= the CTA's stages of 4 K blocks), which
+// gemm_v3_fused_quant_supported(m, n, k) says for the automatic plan (the wq_a|wkv 1792 x 5120
+// GEMM at every m <= 64). Requirements beyond run_gemm_fp8's for v3: a_bf16 set (a_q, a_scale
+// null), groups == 1, a_bf16 16-byte aligned with a_bf16_stride % 8 == 0 and >= k. `version`:
+// kAuto / kSkinny resolve as in run_gemm_fp8 (best_fp8_gemm_version(m, n, k)); anything that is
+// not then kWgmmaPipelined is refused ("a_bf16 needs GemmVersion::kWgmmaPipelined").
+bool gemm_v3_fused_quant_supported(int m, int64_t n, int64_t k);
+void run_gemm_fp8_fused_quant(const Fp8GemmParams& p, GemmVersion version, cudaStream_t stream, bool pdl);
 
 // ---- bf16 GEMM --------------------------------------------------------------------------------
 // out[m, n] = bf16( sum_k x[m, k] * w[n, k] ), fp32 accumulation. Requirements as for fp8;
