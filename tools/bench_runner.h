@@ -28,7 +28,7 @@ struct BenchConfig {
   bool graph = true;                    // CUDA-graph replay (else eager launches)
   bool pdl = true;                      // q_rope_store with PDL
   bool pdl_everywhere = true;           // with pdl: every kernel of the cycle
-  bool fuse_x_quant = true;             // wq_a|wkv v3 GEMM quantises x itself (GpuStackOptions::fuse_x_quant)
+  bool fuse_x_quant = false;            // wq_a|wkv v3 GEMM quantises x itself (GpuStackOptions::fuse_x_quant)
   kernels::GemmVersion gemm = kernels::GemmVersion::kAuto;
   LayerIssue::SFork s_fork = LayerIssue::SFork::kAtLayerStart;
   bool lane_prologue = false;

@@ -118,7 +118,9 @@ struct GpuStackOptions {
   bool pdl_everywhere = true;
   // The wq_a|wkv GEMM quantises x itself (kernels::run_gemm_fp8_fused_quant, the same bytes) when
   // it runs v3 and gemm_v3_fused_quant_supported holds; false: act quant + GEMM as two kernels.
-  bool fuse_x_quant = true;
+  // Off by default: measured slower (docs/perf.md run 18: 2055.6 vs 1868.4 us per verify bs 1
+  // cycle; bench_gemm m=24: 18.4 vs 14.0 us).
+  bool fuse_x_quant = false;
   kernels::GemmVersion gemm = kernels::GemmVersion::kAuto;  // every GEMM of the cycle (kAuto: by shape, gemm.h)
   // The bf16 / fp32 GEMMs only (compressor, weights_proj, wk); kAuto: follow `gemm`.
   kernels::GemmVersion gemm_small = kernels::GemmVersion::kAuto;
