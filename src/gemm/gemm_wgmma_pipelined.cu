@@ -317,7 +317,10 @@ __device__ __forceinline__ void consume_unit(const ConsumerCtx& c, const StageRe
   if (U::mt == MT - 1 && U::j == r.nb - 1) mbar_arrive(r.xfree);
 }
 
-template <int MT, int NP>
+// kFused: the fused act quant (p.a_bf16) is its own instantiation, so the plain kernel compiles
+// exactly as it did before the fused path existed (with a run-time flag the plain kernel was
+// measured ~6 us per layer slower in the stack; docs/perf.md run 19).
+template <int MT, int NP, bool kFused>
 __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __grid_constant__ Wgmma3Params p) {
   constexpr int BN = kConsumerWarpgroups * 64 * MT;  // weight rows per CTA
   constexpr int RG = BN / 32;                        // 32-row scale groups per CTA
@@ -347,7 +350,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
   const int nkb = kb_end - kb_begin;  // 1..msb
   const int n_iter = (nkb + kBlocksPerStage - 1) / kBlocksPerStage;
   const int prologue = min(ST, n_iter);
-  const bool fused = p.a_bf16 != nullptr;  // uniform: the CTA quantises x itself (no x TMA, no a_scale)
+  constexpr bool fused = kFused;  // the CTA quantises x itself (no x TMA, no a_scale)
   const uint32_t stage_tx = fused ? kStageTxWeights : kStageTx;
 
   // ---- setup: barriers, first ring fill of weights (constant data: before the PDL wait) --------
@@ -394,7 +397,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
 
   dev::pdl_wait();  // activation codes and scales (fused: the bf16 activations) are the predecessor's output
 
-  if (fused) {
+  if constexpr (fused) {
     // Fused act quant of the CTA's K range [kb_begin, kb_end) of the NP rows, exactly what
     // run_act_quant_fp8 + the TMA / scale loads below would leave in shared memory: per 32-block the
     // amax from 0 (block_amax_step, order-free max), act_quant_scale_exp, pow2_f32, act_quant_code
@@ -435,7 +438,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
       }
     }
   }
-  if (!fused && tid == 0) {
+  if (!fused && tid == 0) {  // (constant-folded per instantiation)
     for (int it = 0; it < prologue; ++it)
       tma_load_3d(base + L.xc + static_cast<uint32_t>(it * NP * kStageK), &p.tmap_x, bar_full + 8u * it,
                   (kb_begin + it * kBlocksPerStage) * kGemmBlock, 0, grp);
@@ -685,17 +688,17 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
 
 using Wgmma3Kernel = void (*)(Wgmma3Params);
 
-template <int MT>
+template <int MT, bool F>
 Wgmma3Kernel pick_kernel(int np) {
   switch (np) {
-    case 8: return gemm_fp8_wgmma3_kernel<MT, 8>;
-    case 16: return gemm_fp8_wgmma3_kernel<MT, 16>;
-    case 24: return gemm_fp8_wgmma3_kernel<MT, 24>;
-    case 32: return gemm_fp8_wgmma3_kernel<MT, 32>;
-    case 40: return gemm_fp8_wgmma3_kernel<MT, 40>;
-    case 48: return gemm_fp8_wgmma3_kernel<MT, 48>;
-    case 56: return gemm_fp8_wgmma3_kernel<MT, 56>;
-    case 64: return gemm_fp8_wgmma3_kernel<MT, 64>;
+    case 8: return gemm_fp8_wgmma3_kernel<MT, 8, F>;
+    case 16: return gemm_fp8_wgmma3_kernel<MT, 16, F>;
+    case 24: return gemm_fp8_wgmma3_kernel<MT, 24, F>;
+    case 32: return gemm_fp8_wgmma3_kernel<MT, 32, F>;
+    case 40: return gemm_fp8_wgmma3_kernel<MT, 40, F>;
+    case 48: return gemm_fp8_wgmma3_kernel<MT, 48, F>;
+    case 56: return gemm_fp8_wgmma3_kernel<MT, 56, F>;
+    case 64: return gemm_fp8_wgmma3_kernel<MT, 64, F>;
     default: throw std::invalid_argument("gemm v3: m must be 1..64");
   }
 }
@@ -843,7 +846,9 @@ void launch_gemm_fp8_wgmma_pipelined(const Fp8GemmParams& p, const GemmPlan& pla
   if (aligned_to(p.out, 16) && p.out_stride % 8 == 0 && (one_group || p.out_group_stride % 8 == 0)) t.out_vec = 2;
   else if (aligned_to(p.out, 8) && p.out_stride % 4 == 0 && (one_group || p.out_group_stride % 4 == 0)) t.out_vec = 1;
   else t.out_vec = 0;
-  const Wgmma3Kernel kernel = plan.warp_mtiles == 2 ? pick_kernel<2>(np) : pick_kernel<1>(np);
+  const bool fused = p.a_bf16 != nullptr;
+  const Wgmma3Kernel kernel = plan.warp_mtiles == 2 ? (fused ? pick_kernel<2, true>(np) : pick_kernel<2, false>(np))
+                                                    : (fused ? pick_kernel<1, true>(np) : pick_kernel<1, false>(np));
   set_max_dynamic_smem(kernel, plan.smem_bytes);
   LaunchConfig cfg;
   cfg.grid = dim3(static_cast<unsigned>(plan.tiles_n), static_cast<unsigned>(plan.splits), static_cast<unsigned>(p.groups));
