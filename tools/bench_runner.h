@@ -36,7 +36,8 @@ struct BenchConfig {
   int scores_steps = 0;                 // indexer scores: steps per warp (0: automatic)
   int side_priority = 0;                // CUDA stream priority of the side lanes (0: default)
   kernels::GemmVersion gemm_small = kernels::GemmVersion::kAuto;  // bf16 / fp32 GEMMs (kAuto: follow gemm)
-  bool idx_gemm_on_main = false;        // indexer wq_b GEMM on main after q_norm
+  bool idx_gemm_on_main = true;         // indexer wq_b GEMM on main after q_norm
+  int select_cluster = 0;               // selection v3 cluster size (0: automatic)
   int select_version = 3;               // indexer top-k / candidate mask: v3 (cluster) or v2
   uint64_t seed = 1;
   std::string json_path;   // "" none, "-" stdout (then the table goes to `out`, which should be stderr)

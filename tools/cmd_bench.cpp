@@ -215,7 +215,8 @@ struct BenchCliOptions {
   int side_priority = 0;
   std::string select = "v3";
   std::string gemm_small = "auto";
-  bool idx_gemm_main = false;
+  bool no_idx_gemm_main = false;
+  int select_cluster = 0;
   uint64_t seed = 1;
   std::string json_path;
   std::string trace_path;
@@ -262,6 +263,7 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
   so.select_version = c.select_version;
   so.gemm_small = c.gemm_small;
   so.idx_gemm_on_main = c.idx_gemm_on_main;
+  so.select_cluster = c.select_cluster;
   so.pdl = c.pdl;
   so.pdl_everywhere = c.pdl_everywhere;
   so.gemm = c.gemm;
@@ -361,6 +363,7 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
     j["select_version"] = c.select_version;
     j["gemm_small"] = kernels::gemm_version_name(c.gemm_small);
     j["idx_gemm_on_main"] = c.idx_gemm_on_main;
+    j["select_cluster"] = c.select_cluster;
     j["seed"] = c.seed;
     j["device_bytes"] = stack.device_bytes();
     j["weight_bytes"] = stack.weight_bytes();
@@ -468,8 +471,12 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
                   "tc (v1) or skinny (v5)")
       ->check(CLI::IsMember({"auto", "tc", "skinny"}))
       ->capture_default_str();
-  sub->add_flag("--idx-gemm-main", o->idx_gemm_main,
-                "Index-source layers: the indexer's wq_b GEMM on the main lane after q_norm (experiment knob)");
+  sub->add_flag("--no-idx-gemm-main", o->no_idx_gemm_main,
+                "Index-source layers: run the indexer's wq_b GEMM first on lane S (default: on main after q_norm)");
+  sub->add_option("--select-cluster", o->select_cluster,
+                  "Selection v3: CTAs per row (thread-block cluster size) 1, 2, 4, 8 or 16; 0: automatic")
+      ->check(CLI::IsMember({0, 1, 2, 4, 8, 16}))
+      ->capture_default_str();
   sub->add_option("--select", o->select,
                   "Indexer top-k / candidate-mask kernels: v3 (one cluster per row) or v2 (chunk CTAs + merge)")
       ->check(CLI::IsMember({"v2", "v3"}))
@@ -511,7 +518,9 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       c.scores_steps = o->scores_steps;
       c.side_priority = o->side_priority;
       c.select_version = o->select == "v2" ? 2 : 3;
-      c.idx_gemm_on_main = o->idx_gemm_main;
+      // The lane-K placement of the indexer's GEMMs excludes the main-lane one.
+      c.idx_gemm_on_main = !o->no_idx_gemm_main && o->s_fork != "idx-gemms-on-k";
+      c.select_cluster = o->select_cluster;
       c.gemm_small = o->gemm_small == "tc"       ? kernels::GemmVersion::kTensorCore
                      : o->gemm_small == "skinny" ? kernels::GemmVersion::kSkinny
                                                  : kernels::GemmVersion::kAuto;

@@ -148,6 +148,9 @@ void validate_options(const ModelPlan& plan, const GpuStackOptions& o) {
     fail("scores_group_rows must be in [0, 8] (got " + std::to_string(o.scores_group_rows) + ")");
   if (o.idx_gemm_on_main && o.s_fork == LayerIssue::SFork::kIdxGemmsOnK)
     fail("idx_gemm_on_main and s_fork idx-gemms-on-k place the indexer's GEMM on two different lanes");
+  if (o.select_cluster != 0 && o.select_cluster != 1 && o.select_cluster != 2 && o.select_cluster != 4 &&
+      o.select_cluster != 8 && o.select_cluster != 16)
+    fail("select_cluster must be 0 (automatic), 1, 2, 4, 8 or 16 (got " + std::to_string(o.select_cluster) + ")");
   if (o.select_version != 2 && o.select_version != 3)
     fail("select_version must be 2 or 3 (got " + std::to_string(o.select_version) + ")");
   if (o.scores_steps < 0 || o.scores_steps > 4)
@@ -951,6 +954,7 @@ void GpuPrepareStack::Impl::issue_idx_rest(int L, int T, cudaStream_t s) {
     p.workspace = select_ws;
     p.workspace_bytes = select_ws_bytes;
     p.version = o.select_version == 3 ? 3 : 0;  // 0: v2 with the workspace
+    p.v3_cluster = o.select_cluster;
     kn::run_candidate_mask(p, s, pdl_rest());
   }
   kn::IndexerTopkParams p;
@@ -974,6 +978,7 @@ void GpuPrepareStack::Impl::issue_idx_rest(int L, int T, cudaStream_t s) {
   p.workspace = select_ws;
   p.workspace_bytes = select_ws_bytes;
   p.version = o.select_version == 3 ? 3 : 0;  // 0: v2 with the workspace
+  p.v3_cluster = o.select_cluster;
   kn::run_indexer_topk(p, s, pdl_rest());
 }
 
