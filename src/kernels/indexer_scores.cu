@@ -191,11 +191,12 @@ struct RowMeta {
 struct SmemLayout {
   size_t kscale = 0, terms = 0, qfrag = 0, rc = 0, meta = 0, total = 0;
 };
-__host__ __device__ __forceinline__ SmemLayout smem_layout(int S, int G) {
+__host__ __device__ __forceinline__ SmemLayout smem_layout(int S, int G, int RS = 1) {
   SmemLayout L;
-  L.kscale = static_cast<size_t>(kWarps) * S * kStepPositions * 16 * 4;  // K codes: [warp][step][pos][16 words]
-  L.terms = L.kscale + static_cast<size_t>(kWarps) * S * kStepPositions * 4;  // K scales: [warp][step][pos]
-  L.qfrag = L.terms + static_cast<size_t>(kWarps) * kStepPositions * kTransStride * 4;  // [warp][pos][36]
+  const size_t warps = static_cast<size_t>(kWarps) * RS;
+  L.kscale = warps * S * kStepPositions * 16 * 4;  // K codes: [warp][step][pos][16 words]
+  L.terms = L.kscale + warps * S * kStepPositions * 4;  // K scales: [warp][step][pos]
+  L.qfrag = L.terms + warps * kStepPositions * kTransStride * 4;  // [warp][pos][36]
   L.rc = L.qfrag + static_cast<size_t>(G) * 4 * 32 * 32;  // B fragments: [row][n-tile][lane] 32 B
   L.meta = L.rc + static_cast<size_t>(G) * sizeof(RowConst);
   L.total = L.meta + static_cast<size_t>(kMaxGroupRows) * sizeof(RowMeta);
@@ -210,7 +211,8 @@ struct RunCtx {
 };
 
 __device__ __forceinline__ int64_t run_step_base(int64_t tile_base, int i) {
-  return tile_base + (static_cast<int64_t>(i) * kWarps + static_cast<int>(threadIdx.x) / 32) * kStepPositions;
+  // Position warp = warp % kWarps (with a row split, warps w and w + kWarps share positions).
+  return tile_base + (static_cast<int64_t>(i) * kWarps + (static_cast<int>(threadIdx.x) / 32) % kWarps) * kStepPositions;
 }
 
 // Issue of one run, by this warp: the slot-table entries of all its steps (issued together), then
@@ -239,7 +241,9 @@ __device__ RunCtx issue_run(const IndexerScoresParams& p, int page_shift, int r0
     if (p0 < run.cmax) {  // warp-uniform
       const bool in_c = p0 + lane < run.cmax;
       const bool ok = in_c && slot[i] >= 0 && slot[i] < p.n_slots;
-      if (in_c && !ok) dev::count_error(p.err_count);  // reference refuses it; here: score -inf
+      // reference refuses it; here: score -inf. Counted by row set 0 only (row split: the other
+      // set's warp reads the same positions).
+      if (in_c && !ok && static_cast<int>(threadIdx.x) < kThreads) dev::count_error(p.err_count);
       run.valid_bits |= static_cast<uint32_t>(ok) << i;
       const int32_t use = ok ? slot[i] : -1;
       uint32_t* kd = kd_warp + i * (kStepPositions * 16);
@@ -263,13 +267,14 @@ __device__ RunCtx issue_run(const IndexerScoresParams& p, int page_shift, int r0
 
 // Compute of one issued run, by this warp: per step, the A fragments once, then per row the MMAs
 // and the epilogue. Leaves the warp's K buffers free (all its copies waited for).
-template <int S>
+template <int S, int RS>
 __device__ void compute_run(const IndexerScoresParams& p, const RunCtx& run, int64_t row0, int64_t tile_base,
                             const RowMeta* meta, const uint4* qfrag, const RowConst* rc, const uint32_t* kd_warp,
                             const uint32_t* ks_warp, float* terms) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int g = lane >> 2, tq = lane & 3;
   const int r0 = run.r0, r1 = run.r1;
+  const int row_set = static_cast<int>(threadIdx.x) / kThreads;  // 0..RS-1
   const int64_t cmax = run.cmax;
   const uint32_t valid_bits = run.valid_bits;
   auto step_base = [&](int i) { return run_step_base(tile_base, i); };
@@ -281,7 +286,7 @@ __device__ void compute_run(const IndexerScoresParams& p, const RunCtx& run, int
     cp_async_wait_pending(S - 1 - i);  // this lane's copies of step i have landed
     __syncwarp();                      // ... and every other lane's
     if (p0 >= cmax) {  // warp-uniform: no row of the run sees this step
-      for (int r = r0; r < r1; ++r) p.scores[(row0 + r) * p.score_stride + p0 + lane] = -__int_as_float(0x7f800000);
+      for (int r = r0 + row_set; r < r1; r += RS) p.scores[(row0 + r) * p.score_stride + p0 + lane] = -__int_as_float(0x7f800000);
       continue;
     }
     const uint32_t* kd = kd_warp + i * (kStepPositions * 16);
@@ -327,7 +332,7 @@ __device__ void compute_run(const IndexerScoresParams& p, const RunCtx& run, int
       }
     }
 
-    for (int r = r0; r < r1; ++r) {
+    for (int r = r0 + row_set; r < r1; r += RS) {  // row split: row set k takes rows r0 + k, r0 + k + RS, ...
       float* out_row = p.scores + (row0 + r) * p.score_stride;
       const int64_t c_r = meta[r].c;
       if (p0 >= c_r) {  // warp-uniform
@@ -424,12 +429,16 @@ __device__ void compute_run(const IndexerScoresParams& p, const RunCtx& run, int
   __syncwarp();  // this warp's K buffers are free for the next run
 }
 
-// Grid (groups, tiles), 128 threads, dynamic shared memory smem_layout(S, group_rows).
-template <int S>
-__global__ void __launch_bounds__(kThreads, 3)
+// Grid (groups, tiles), 128 * RS threads, dynamic shared memory smem_layout(S, group_rows, RS).
+// Row split RS: warps w and w + 4k take the same positions (each loads its own copy of their K:
+// the second read hits L2) and the rows r0 + k, r0 + k + RS, ... of each run, so a warp walks
+// 1/RS of the rows serially (the per-row MMAs + epilogue + ordered head sum are the kernel's
+// critical path at small T: ~25 us for 6 rows at 64K in the stack, run 21).
+template <int S, int RS>
+__global__ void __launch_bounds__(kThreads * RS, RS == 1 ? 3 : 1)
     indexer_scores_kernel(const __grid_constant__ IndexerScoresParams p, int group_rows, int page_shift) {
   extern __shared__ __align__(16) uint8_t smem[];
-  const SmemLayout L = smem_layout(S, group_rows);
+  const SmemLayout L = smem_layout(S, group_rows, RS);
   const int warp = static_cast<int>(threadIdx.x) / 32;
   uint32_t* kd_warp = reinterpret_cast<uint32_t*>(smem) + warp * S * (kStepPositions * 16);
   uint32_t* ks_warp = reinterpret_cast<uint32_t*>(smem + L.kscale) + warp * S * kStepPositions;
@@ -477,7 +486,8 @@ __global__ void __launch_bounds__(kThreads, 3)
   // Thread i owns item (row r, n-tile i / 32, lane i % 32) of every row r, and the head constants
   // of items i and i + 128 of (row, head). The loads are issued first, then the first run's
   // slot-table loads and K copies, and only then are the q words decoded: one latency for all.
-  const bool has_work = tile_base < c_any;
+  // The q setup below maps 128 threads (row split: the first 128 do it for the whole CTA).
+  const bool has_work = tile_base < c_any && static_cast<int>(threadIdx.x) < kThreads;
   const int n_item = static_cast<int>(threadIdx.x) >> 5, l_item = static_cast<int>(threadIdx.x) & 31;
   const int head_item = 8 * ((l_item >> 2) >> 1) + 2 * n_item + ((l_item >> 2) & 1);  // MMA column g of n-tile n
   const int tq_item = l_item & 3;
@@ -551,7 +561,7 @@ __global__ void __launch_bounds__(kThreads, 3)
 
   // ---- runs (one per group for verify rows; the next one is issued when this one is done) ----
   for (;;) {
-    compute_run<S>(p, run, row0, tile_base, meta, qfrag, rc, kd_warp, ks_warp, terms);
+    compute_run<S, RS>(p, run, row0, tile_base, meta, qfrag, rc, kd_warp, ks_warp, terms);
     if (run.r1 >= n_rows) break;
     int e = run.r1 + 1;
     while (e < n_rows && meta[e].req == meta[run.r1].req) ++e;
@@ -583,6 +593,7 @@ void run_indexer_scores(const IndexerScoresParams& p, cudaStream_t stream, bool 
   require(p.n_slots >= 0, who, "negative n_slots");
   require(p.comp_table_stride >= 0 && p.comp_table_rows >= 0, who, "negative slot table shape");
   require(p.steps_per_warp >= 0 && p.steps_per_warp <= kMaxSteps, who, "steps_per_warp must be in [0, 4]");
+  require(p.row_split >= 0 && p.row_split <= 2, who, "row_split must be 0 (automatic), 1 or 2");
   require(p.group_rows >= 1 && p.group_rows <= kMaxGroupRows, who,
           "group_rows " + std::to_string(p.group_rows) + " must be in [1, " + std::to_string(kMaxGroupRows) + "]");
   if (p.T == 0) return;
@@ -614,17 +625,29 @@ void run_indexer_scores(const IndexerScoresParams& p, cudaStream_t stream, bool 
   const int64_t tiles = (p.score_stride + tile - 1) / tile;
   require(tiles <= 65535, who, "score_stride too large for the tile grid");
 
+  // Row split: 2 warp sets per CTA when a CTA holds several rows (automatic), else 1.
+  const int RS = p.row_split != 0 ? p.row_split : (G >= 2 ? 2 : 1);
   LaunchConfig cfg;
   cfg.grid = dim3(static_cast<unsigned>(groups), static_cast<unsigned>(tiles), 1);
-  cfg.block = dim3(kThreads, 1, 1);
-  cfg.smem_bytes = smem_layout(steps, G).total;
+  cfg.block = dim3(static_cast<unsigned>(kThreads * RS), 1, 1);
+  cfg.smem_bytes = smem_layout(steps, G, RS).total;
   cfg.stream = stream;
   cfg.pdl = pdl;
-  switch (steps) {
-    case 1: launch_kernel("indexer_scores", indexer_scores_kernel<1>, cfg, p, G, page_shift); break;
-    case 2: launch_kernel("indexer_scores", indexer_scores_kernel<2>, cfg, p, G, page_shift); break;
-    case 3: launch_kernel("indexer_scores", indexer_scores_kernel<3>, cfg, p, G, page_shift); break;
-    default: launch_kernel("indexer_scores", indexer_scores_kernel<4>, cfg, p, G, page_shift); break;
+  const auto go = [&](auto kernel) { launch_kernel("indexer_scores", kernel, cfg, p, G, page_shift); };
+  if (RS == 2) {
+    switch (steps) {
+      case 1: go(indexer_scores_kernel<1, 2>); break;
+      case 2: go(indexer_scores_kernel<2, 2>); break;
+      case 3: go(indexer_scores_kernel<3, 2>); break;
+      default: go(indexer_scores_kernel<4, 2>); break;
+    }
+  } else {
+    switch (steps) {
+      case 1: go(indexer_scores_kernel<1, 1>); break;
+      case 2: go(indexer_scores_kernel<2, 1>); break;
+      case 3: go(indexer_scores_kernel<3, 1>); break;
+      default: go(indexer_scores_kernel<4, 1>); break;
+    }
   }
 }
 

@@ -153,6 +153,8 @@ void validate_options(const ModelPlan& plan, const GpuStackOptions& o) {
     fail("select_cluster must be 0 (automatic), 1, 2, 4, 8 or 16 (got " + std::to_string(o.select_cluster) + ")");
   if (o.select_version != 2 && o.select_version != 3)
     fail("select_version must be 2 or 3 (got " + std::to_string(o.select_version) + ")");
+  if (o.scores_row_split < 0 || o.scores_row_split > 2)
+    fail("scores_row_split must be 0 (automatic), 1 or 2 (got " + std::to_string(o.scores_row_split) + ")");
   if (o.scores_steps < 0 || o.scores_steps > 4)
     fail("scores_steps must be in [0, 4] (got " + std::to_string(o.scores_steps) + ")");
 }
@@ -938,6 +940,7 @@ void GpuPrepareStack::Impl::issue_idx_rest(int L, int T, cudaStream_t s) {
     p.group_rows = info.kind == StepKind::kVerify ? std::clamp(rows_per_request, 1, 8) : 1;
     if (o.scores_group_rows > 0) p.group_rows = o.scores_group_rows;
     p.steps_per_warp = o.scores_steps;
+    p.row_split = o.scores_row_split;
     kn::run_indexer_scores(p, s, pdl_rest());
   }
   if (l.is_candidate_source) {

@@ -283,7 +283,7 @@ enum class LateScoresInput { kQCodes, kCache };
 
 GpuScores gpu_scores(const ScoresProblem& pb, const std::vector<int32_t>& table_override = {}, int steps = 0,
                      Launch mode = Launch::kPlain, LateScoresInput late = LateScoresInput::kQCodes,
-                     int group_rows = 1) {
+                     int group_rows = 1, int row_split = 0) {
   const int64_t T = pb.T();
   auto d_codes = to_device(pb.q.codes);
   auto d_scales = to_device(pb.q.scales);
@@ -312,6 +312,7 @@ GpuScores gpu_scores(const ScoresProblem& pb, const std::vector<int32_t>& table_
   p.err_count = err.get();
   p.steps_per_warp = steps;
   p.group_rows = group_rows;
+  p.row_split = row_split;
   {
     TestStream stream;
     DeviceBuffer<uint8_t> staging;
@@ -324,9 +325,9 @@ GpuScores gpu_scores(const ScoresProblem& pb, const std::vector<int32_t>& table_
 }
 
 void check_scores(const ScoresProblem& pb, const std::string& what, int steps = 0, Launch mode = Launch::kPlain,
-                  int group_rows = 1) {
+                  int group_rows = 1, int row_split = 0) {
   const auto want = reference_scores(pb);
-  const auto got = gpu_scores(pb, {}, steps, mode, LateScoresInput::kQCodes, group_rows);
+  const auto got = gpu_scores(pb, {}, steps, mode, LateScoresInput::kQCodes, group_rows, row_split);
   EXPECT_EQ(got.errors, 0u) << what;
   expect_same_bytes(got.scores, want, what, pb.score_stride);
 }
@@ -833,10 +834,14 @@ TEST(GpuIndexerScores, GroupedVerifyRowsMatchReferenceAndSharedReadsCountOnce) {
   req.push_back(-1);
   clen.push_back(17);  // stale clen of a padded row: sees nothing, not an error
   const auto pb = make_scores_problem(req, clen, 2, 6016, rng, ScaleMix::kHeadMixed);
+  // row_split 1 and 2 (two warp sets splitting the rows of a run; 0 = automatic) give the same bits.
   for (int group_rows : {6, 1, 7})
     for (int steps : {0, 1, 3})
-      check_scores(pb, "grouped verify, group_rows " + std::to_string(group_rows) + " steps " + std::to_string(steps),
-                   steps, Launch::kPlain, group_rows);
+      for (int row_split : {0, 1, 2})
+        check_scores(pb,
+                     "grouped verify, group_rows " + std::to_string(group_rows) + " steps " + std::to_string(steps) +
+                         " row_split " + std::to_string(row_split),
+                     steps, Launch::kPlain, group_rows, row_split);
 
   // Bad slots: position 17 is seen by all 6 rows of request 0, position 5998 only by its rows 4
   // and 5 (clen 5999, 6000). Each row's score there is -inf; the error is counted once per read:
@@ -847,11 +852,14 @@ TEST(GpuIndexerScores, GroupedVerifyRowsMatchReferenceAndSharedReadsCountOnce) {
   auto want = reference_scores(pb);
   for (int t = 0; t < 6; ++t) want[t * pb.score_stride + 17] = -kInf;
   for (int t = 4; t < 6; ++t) want[t * pb.score_stride + 5998] = -kInf;
-  for (int group_rows : {1, 6}) {
-    const auto got = gpu_scores(pb, bad, 0, Launch::kPlain, LateScoresInput::kQCodes, group_rows);
-    EXPECT_EQ(got.errors, group_rows == 1 ? 8u : 2u) << "group_rows " << group_rows;
-    expect_same_bytes(got.scores, want, "bad slots, group_rows " + std::to_string(group_rows), pb.score_stride);
-  }
+  for (int group_rows : {1, 6})
+    for (int row_split : {1, 2}) {  // the second warp set reads the same positions: counted once still
+      const auto got = gpu_scores(pb, bad, 0, Launch::kPlain, LateScoresInput::kQCodes, group_rows, row_split);
+      EXPECT_EQ(got.errors, group_rows == 1 ? 8u : 2u) << "group_rows " << group_rows << " row_split " << row_split;
+      expect_same_bytes(got.scores, want,
+                        "bad slots, group_rows " + std::to_string(group_rows) + " row_split " + std::to_string(row_split),
+                        pb.score_stride);
+    }
 }
 
 TEST(GpuIndexerScores, ExtremeWeightsKeepBothPathsExact) {

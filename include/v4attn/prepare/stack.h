@@ -128,6 +128,7 @@ struct GpuStackOptions {
   // request in verify, 1 in decode) and 32-position steps per warp (0: the launcher's choice).
   int scores_group_rows = 0;  // 0..8
   int scores_steps = 0;       // 0..4
+  int scores_row_split = 0;   // warp sets splitting a CTA's rows, 1..2 (0: automatic)
   // CUDA stream priority of the side lanes S and K (lower = higher; 0 = default; clamped into
   // the device's range). Experiment knob: side-lane CTAs are scheduled before main-lane CTAs that
   // wait for the same SMs (e.g. GEMM CTAs launched early under PDL).
