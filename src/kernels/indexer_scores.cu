@@ -433,7 +433,8 @@ __device__ void compute_run(const IndexerScoresParams& p, const RunCtx& run, int
 // Row split RS: warps w and w + 4k take the same positions (each loads its own copy of their K:
 // the second read hits L2) and the rows r0 + k, r0 + k + RS, ... of each run, so a warp walks
 // 1/RS of the rows serially (the per-row MMAs + epilogue + ordered head sum are the kernel's
-// critical path at small T: ~25 us for 6 rows at 64K in the stack, run 21).
+// critical path at small T: ~25 us for 6 rows at 64K in the stack, run 21). Measured slower than
+// RS = 1 (run 22), so it is a tuning knob only.
 template <int S, int RS>
 __global__ void __launch_bounds__(kThreads * RS, RS == 1 ? 3 : 1)
     indexer_scores_kernel(const __grid_constant__ IndexerScoresParams p, int group_rows, int page_shift) {
@@ -625,8 +626,10 @@ void run_indexer_scores(const IndexerScoresParams& p, cudaStream_t stream, bool 
   const int64_t tiles = (p.score_stride + tile - 1) / tile;
   require(tiles <= 65535, who, "score_stride too large for the tile grid");
 
-  // Row split: 2 warp sets per CTA when a CTA holds several rows (automatic), else 1.
-  const int RS = p.row_split != 0 ? p.row_split : (G >= 2 ? 2 : 1);
+  // Row split: 1 unless asked. Two warp sets were measured slower in the stack (verify bs 1:
+  // 1752.8 / 1755.7 vs 1689.9 / 1680.5 us per cycle; bs 4: 2887.0 vs 2708.4; docs/perf.md run 22):
+  // twice the threads per CTA and a second read of the tile's K cost more than the halved row walk.
+  const int RS = p.row_split != 0 ? p.row_split : 1;
   LaunchConfig cfg;
   cfg.grid = dim3(static_cast<unsigned>(groups), static_cast<unsigned>(tiles), 1);
   cfg.block = dim3(static_cast<unsigned>(kThreads * RS), 1, 1);

@@ -117,7 +117,7 @@ struct IndexerScoresParams {
                                           // share the K reads (verify: the rows per request;
                                           // decode: 1). Any value is correct for any batch.
   int row_split = 0;                      // tuning: warp sets per CTA that split a run's rows (1 or 2;
-                                          // 0 = automatic: 2 when group_rows >= 2). Same bytes.
+                                          // 0 = automatic: 1, measured faster). Same bytes.
 };
 void run_indexer_scores(const IndexerScoresParams& p, cudaStream_t stream, bool pdl);
 
