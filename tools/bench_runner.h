@@ -39,6 +39,7 @@ struct BenchConfig {
   kernels::GemmVersion gemm_small = kernels::GemmVersion::kAuto;  // bf16 / fp32 GEMMs (kAuto: follow gemm)
   bool idx_gemm_on_main = true;         // indexer wq_b GEMM on main after q_norm
   int select_cluster = 0;               // selection v3 cluster size (0: automatic)
+  bool qnorm_trigger_late = false;      // q_norm triggers its successor after its last store
   int select_version = 3;               // indexer top-k / candidate mask: v3 (cluster) or v2
   uint64_t seed = 1;
   std::string json_path;   // "" none, "-" stdout (then the table goes to `out`, which should be stderr)

@@ -218,6 +218,7 @@ struct BenchCliOptions {
   std::string gemm_small = "auto";
   bool no_idx_gemm_main = false;
   int select_cluster = 0;
+  bool qnorm_trigger_late = false;
   uint64_t seed = 1;
   std::string json_path;
   std::string trace_path;
@@ -266,6 +267,7 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
   so.gemm_small = c.gemm_small;
   so.idx_gemm_on_main = c.idx_gemm_on_main;
   so.select_cluster = c.select_cluster;
+  so.qnorm_trigger_late = c.qnorm_trigger_late;
   so.pdl = c.pdl;
   so.pdl_everywhere = c.pdl_everywhere;
   so.gemm = c.gemm;
@@ -367,6 +369,7 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
     j["gemm_small"] = kernels::gemm_version_name(c.gemm_small);
     j["idx_gemm_on_main"] = c.idx_gemm_on_main;
     j["select_cluster"] = c.select_cluster;
+    j["qnorm_trigger_late"] = c.qnorm_trigger_late;
     j["seed"] = c.seed;
     j["device_bytes"] = stack.device_bytes();
     j["weight_bytes"] = stack.weight_bytes();
@@ -480,6 +483,8 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       ->capture_default_str();
   sub->add_flag("--no-idx-gemm-main", o->no_idx_gemm_main,
                 "Index-source layers: run the indexer's wq_b GEMM first on lane S (default: on main after q_norm)");
+  sub->add_flag("--qnorm-trigger-late", o->qnorm_trigger_late,
+                "q_norm lets the wq_b GEMM launch only after its last store (experiment knob)");
   sub->add_option("--select-cluster", o->select_cluster,
                   "Selection v3: CTAs per row (thread-block cluster size) 1, 2, 4, 8 or 16; 0: automatic")
       ->check(CLI::IsMember({0, 1, 2, 4, 8, 16}))
@@ -529,6 +534,7 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       // The lane-K placement of the indexer's GEMMs excludes the main-lane one.
       c.idx_gemm_on_main = !o->no_idx_gemm_main && o->s_fork != "idx-gemms-on-k";
       c.select_cluster = o->select_cluster;
+      c.qnorm_trigger_late = o->qnorm_trigger_late;
       c.gemm_small = o->gemm_small == "tc"       ? kernels::GemmVersion::kTensorCore
                      : o->gemm_small == "skinny" ? kernels::GemmVersion::kSkinny
                                                  : kernels::GemmVersion::kAuto;

@@ -28,7 +28,8 @@ __global__ void __launch_bounds__(kMaxThreads) rmsnorm_kernel(const RmsNormParam
   const bool active = c < n_chunks;
   float wv[kChunk];
   if (active) ldg_f32x8(p.w + c * kChunk, wv);
-  dev::pdl_wait();
+  if (p.trigger_at_wait) dev::pdl_wait();
+  else dev::pdl_wait_no_trigger();  // successor (the wq_b GEMM) launches after the last store
   __shared__ float s_rstd;
   const bf16_t* x = p.x + static_cast<int64_t>(row) * p.x_stride;
   float v[kChunk];

@@ -703,6 +703,7 @@ void GpuPrepareStack::Impl::issue_q_norm(int L, int T, cudaStream_t s) {
   p.s_stride = q_rank / 32;
   p.rows = T;
   p.n = q_rank;
+  p.trigger_at_wait = !o.qnorm_trigger_late;
   kn::run_rmsnorm(p, s, pdl_rest());
 }
 

@@ -18,7 +18,7 @@ struct Case {
   bool quant;
 };
 
-void run_case(const Case& c, bool pdl, uint64_t seed) {
+void run_case(const Case& c, bool pdl, uint64_t seed, bool trigger_at_wait = true) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> nd(0.0f, 1.5f);
   const int64_t y_stride = c.n + 8;
@@ -43,6 +43,7 @@ void run_case(const Case& c, bool pdl, uint64_t seed) {
   p.x = dx.get(); p.x_stride = c.x_stride; p.w = dw.get(); p.eps = eps;
   p.y = dy.get(); p.y_stride = y_stride; p.rows = c.rows; p.n = c.n;
   if (c.quant) { p.q_codes = dq.get(); p.q_stride = c.n; p.q_scales = ds.get(); p.s_stride = c.n / 32 + 1; }
+  p.trigger_at_wait = trigger_at_wait;
   kernels::run_rmsnorm(p, nullptr, pdl);
   V4_CUDA_CHECK(cudaDeviceSynchronize());
   std::vector<bf16_t> y(y_ref.size());
@@ -69,6 +70,7 @@ TEST(GpuRmsNorm, MatchesReferenceBytes) {
       run_case({rows, 1280, 1792, true}, pdl, ++seed);  // q_norm on the fused QA output, + act quant
       run_case({rows, 512, 512, false}, pdl, ++seed);
       run_case({rows, 136, 144, false}, pdl, ++seed);   // n not a multiple of 32, last lanes idle
+      run_case({rows, 1280, 1792, true}, pdl, ++seed, /*trigger_at_wait=*/false);  // the late-trigger form
     }
 }
 

@@ -428,6 +428,7 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
     int scores_steps = 0;
     int side_priority = 0;
     int scores_row_split = 0;
+    bool qnorm_trigger_late = false;
   };
   std::vector<Config> configs;
   for (Schedule sched : kAllSchedules)
@@ -455,6 +456,7 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
   configs.push_back({Schedule::kThreeLane, true, true, LayerIssue::SFork::kAtLayerStart, false, true, false, 3, 2, 1});
   configs.push_back({Schedule::kThreeLane, true, true, LayerIssue::SFork::kAtLayerStart, false, true, false, 3, 1, 4, -5});
   configs.push_back({Schedule::kThreeLane, true, true, LayerIssue::SFork::kAtLayerStart, false, true, false, 3, 0, 0, 0, 1});
+  configs.push_back({Schedule::kThreeLane, true, true, LayerIssue::SFork::kAtLayerStart, false, true, true, 3, 0, 0, 0, 0, true});
 
   std::vector<Snapshot> first;  // per step, of the first configuration
   std::string first_name;
@@ -466,7 +468,7 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
                              (c.idx_gemm_on_main ? " idx-gemm-main" : "") + " select v" + std::to_string(c.select_version) +
                              " scores g" + std::to_string(c.scores_group_rows) + " s" + std::to_string(c.scores_steps) +
                              " side-priority " + std::to_string(c.side_priority) + " row-split " +
-                             std::to_string(c.scores_row_split);
+                             std::to_string(c.scores_row_split) + (c.qnorm_trigger_late ? " qnorm-late" : "");
     SCOPED_TRACE(name);
     // A fresh stack per configuration: the device inputs of padded rows depend on the step count.
     go.schedule = c.schedule;
@@ -480,6 +482,7 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
     go.scores_steps = c.scores_steps;
     go.side_priority = c.side_priority;
     go.scores_row_split = c.scores_row_split;
+    go.qnorm_trigger_late = c.qnorm_trigger_late;
     GpuPrepareStack gpu(plan, go);
     gpu.prefill_device_random(ctx);
     for (int step = 0; step < 2; ++step) {

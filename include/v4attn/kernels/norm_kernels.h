@@ -28,6 +28,9 @@ struct RmsNormParams {
   int64_t s_stride = 0;
   int rows = 0;
   int n = 0;                       // multiple of 32 when quantising, of 8 otherwise; <= 2048
+  // PDL trigger: at the wait (the build's policy, device_common.cuh) or only after the last store
+  // (then the successor, e.g. the wq_b GEMM, does not prefetch weights while this kernel runs).
+  bool trigger_at_wait = true;
 };
 void run_rmsnorm(const RmsNormParams& p, cudaStream_t stream, bool pdl);
 

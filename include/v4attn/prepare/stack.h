@@ -137,6 +137,9 @@ struct GpuStackOptions {
   // workspace), 2 = chunk CTAs + merge through the workspace (v2).
   int select_version = 3;
   int select_cluster = 0;  // v3: CTAs per row (cluster size) 1, 2, 4, 8, 16; 0: automatic
+  // q_norm lets the wq_b GEMM launch only after its last store (no early weight prefetch by the
+  // GEMM competing with q_norm's loads); experiment knob.
+  bool qnorm_trigger_late = false;
   // Index-source layers: run the indexer's wq_b GEMM (qr -> qi) on the main lane right after
   // q_norm instead of first on lane S (experiment knob; docs/perf.md).
   // Default since run 20: verify bs 1 1688.7 vs 1703.8 us, decode bs 32 4615.6 vs 4668.1 us.
