@@ -40,6 +40,7 @@ struct BenchConfig {
   bool idx_gemm_on_main = true;         // indexer wq_b GEMM on main after q_norm
   int select_cluster = 0;               // selection v3 cluster size (0: automatic)
   bool qnorm_trigger_late = false;      // q_norm triggers its successor after its last store
+  bool idx_scores_on_main = false;      // reindex layers: q pack + scores on main before wq_b
   int select_version = 3;               // indexer top-k / candidate mask: v3 (cluster) or v2
   uint64_t seed = 1;
   std::string json_path;   // "" none, "-" stdout (then the table goes to `out`, which should be stderr)

@@ -219,6 +219,7 @@ struct BenchCliOptions {
   bool no_idx_gemm_main = false;
   int select_cluster = 0;
   bool qnorm_trigger_late = false;
+  bool idx_scores_main = false;
   uint64_t seed = 1;
   std::string json_path;
   std::string trace_path;
@@ -268,6 +269,7 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
   so.idx_gemm_on_main = c.idx_gemm_on_main;
   so.select_cluster = c.select_cluster;
   so.qnorm_trigger_late = c.qnorm_trigger_late;
+  so.idx_scores_on_main = c.idx_scores_on_main;
   so.pdl = c.pdl;
   so.pdl_everywhere = c.pdl_everywhere;
   so.gemm = c.gemm;
@@ -370,6 +372,7 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
     j["idx_gemm_on_main"] = c.idx_gemm_on_main;
     j["select_cluster"] = c.select_cluster;
     j["qnorm_trigger_late"] = c.qnorm_trigger_late;
+    j["idx_scores_on_main"] = c.idx_scores_on_main;
     j["seed"] = c.seed;
     j["device_bytes"] = stack.device_bytes();
     j["weight_bytes"] = stack.weight_bytes();
@@ -483,6 +486,8 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       ->capture_default_str();
   sub->add_flag("--no-idx-gemm-main", o->no_idx_gemm_main,
                 "Index-source layers: run the indexer's wq_b GEMM first on lane S (default: on main after q_norm)");
+  sub->add_flag("--idx-scores-main", o->idx_scores_main,
+                "Reindex layers: weights_proj, q pack and the indexer scores on main before the wq_b GEMM (experiment knob)");
   sub->add_flag("--qnorm-trigger-late", o->qnorm_trigger_late,
                 "q_norm lets the wq_b GEMM launch only after its last store (experiment knob)");
   sub->add_option("--select-cluster", o->select_cluster,
@@ -535,6 +540,7 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       c.idx_gemm_on_main = !o->no_idx_gemm_main && o->s_fork != "idx-gemms-on-k";
       c.select_cluster = o->select_cluster;
       c.qnorm_trigger_late = o->qnorm_trigger_late;
+      c.idx_scores_on_main = o->idx_scores_main && c.idx_gemm_on_main;
       c.gemm_small = o->gemm_small == "tc"       ? kernels::GemmVersion::kTensorCore
                      : o->gemm_small == "skinny" ? kernels::GemmVersion::kSkinny
                                                  : kernels::GemmVersion::kAuto;

@@ -476,7 +476,9 @@ __global__ void __launch_bounds__(kThreads * RS, RS == 1 ? 3 : 1)
   int64_t c_any = 0;
   for (int r = 0; r < n_rows; ++r) c_any = max(c_any, static_cast<int64_t>(meta[r].c));
 
-  dev::pdl_wait();  // q, weights, slot table and index K are written by predecessors
+  // q, weights, slot table and index K are written by predecessors
+  if (p.trigger_at_wait) dev::pdl_wait();
+  else dev::pdl_wait_no_trigger();
 
   // ---- q of the group's rows, when some row sees a position of this tile (CTA-uniform) ----
   // B fragments (n = head, 4 n-tiles of 8 heads, k = a block's 32 elements), head and k permuted

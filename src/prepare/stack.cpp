@@ -146,6 +146,8 @@ void validate_options(const ModelPlan& plan, const GpuStackOptions& o) {
   check_buckets(o.verify_buckets, "verify");
   if (o.scores_group_rows < 0 || o.scores_group_rows > 8)
     fail("scores_group_rows must be in [0, 8] (got " + std::to_string(o.scores_group_rows) + ")");
+  if (o.idx_scores_on_main && !o.idx_gemm_on_main)
+    fail("idx_scores_on_main needs idx_gemm_on_main (the scores read the indexer GEMM's output on main)");
   if (o.idx_gemm_on_main && o.s_fork == LayerIssue::SFork::kIdxGemmsOnK)
     fail("idx_gemm_on_main and s_fork idx-gemms-on-k place the indexer's GEMM on two different lanes");
   if (o.select_cluster != 0 && o.select_cluster != 1 && o.select_cluster != 2 && o.select_cluster != 4 &&
@@ -304,7 +306,10 @@ struct GpuPrepareStack::Impl {
   void issue_idx(int L, int T, cudaStream_t s);         // indexer GEMMs + the rest
   void issue_idx_gemms(int L, int T, cudaStream_t s);   // qi = wq_b_idx(qr)
   void issue_idx_x(int L, int T, cudaStream_t s);       // weights_proj(x): reads only x
-  void issue_idx_rest(int L, int T, cudaStream_t s);    // q pack, scores, candidates, top-k
+  void issue_idx_rest(int L, int T, cudaStream_t s);    // issue_idx_score then issue_idx_select
+  // q pack, scores; before_qb: the wq_b GEMM follows on this stream (idx_scores_on_main)
+  void issue_idx_score(int L, int T, cudaStream_t s, bool before_qb = false);
+  void issue_idx_select(int L, int T, cudaStream_t s);  // candidate mask, top-k
   // PDL for the kernels other than q_rope_store (GpuStackOptions::pdl_everywhere).
   bool pdl_rest() const { return o.pdl && o.pdl_everywhere; }
 
@@ -611,7 +616,18 @@ void GpuPrepareStack::Impl::issue_cycle(int T) {
     // idx_gemm_on_main: the indexer's wq_b GEMM runs on main right after q_norm (with the whole
     // machine, before the wq_b GEMM takes every SM), and lane S forks after it with qi ready.
     const bool idx_gemm_main = o.idx_gemm_on_main && (li.work & kWorkIDX);
-    if (idx_gemm_main)
+    // idx_scores_on_main, index sources without CMP (their index-K cache was written by an
+    // earlier layer, already joined): weights_proj, q pack and the scores run on main too, before
+    // the wq_b GEMM, and lane S keeps only the selection.
+    const bool idx_scores_main = idx_gemm_main && o.idx_scores_on_main && !(li.work & kWorkCMP);
+    if (idx_scores_main)
+      li.q_norm = [this, L, T](cudaStream_t s) {
+        issue_idx_x(L, T, s);
+        issue_q_norm(L, T, s);
+        issue_idx_gemms(L, T, s);
+        issue_idx_score(L, T, s, /*before_qb=*/true);
+      };
+    else if (idx_gemm_main)
       li.q_norm = [this, L, T](cudaStream_t s) {
         issue_q_norm(L, T, s);
         issue_idx_gemms(L, T, s);
@@ -629,6 +645,8 @@ void GpuPrepareStack::Impl::issue_cycle(int T) {
         V4_CUDA_CHECK(cudaStreamWaitEvent(s, ev, 0));
         issue_idx_rest(L, T, s);
       };
+    } else if (idx_scores_main) {
+      li.idx = [this, L, T](cudaStream_t s) { issue_idx_select(L, T, s); };
     } else if (idx_gemm_main) {
       li.idx = [this, L, T](cudaStream_t s) { issue_idx_rest(L, T, s); };
     } else if (li.work & kWorkIDX) {
@@ -636,7 +654,7 @@ void GpuPrepareStack::Impl::issue_cycle(int T) {
     }
     // weights_proj reads only x: on a side lane it runs at the layer's start (behind CMP), not
     // after qr, which takes one GEMM off the S lane's qr -> top-k critical path.
-    if (li.work & kWorkIDX) li.idx_x = [this, L, T](cudaStream_t s) { issue_idx_x(L, T, s); };
+    if ((li.work & kWorkIDX) && !idx_scores_main) li.idx_x = [this, L, T](cudaStream_t s) { issue_idx_x(L, T, s); };
     issue_layer(lanes, o.schedule, li);
   }
   lanes.require_all_joined();
@@ -895,6 +913,11 @@ void GpuPrepareStack::Impl::issue_idx_x(int L, int T, cudaStream_t s) {
 }
 
 void GpuPrepareStack::Impl::issue_idx_rest(int L, int T, cudaStream_t s) {
+  issue_idx_score(L, T, s);
+  issue_idx_select(L, T, s);
+}
+
+void GpuPrepareStack::Impl::issue_idx_score(int L, int T, cudaStream_t s, bool before_qb) {
   const ModelConfig& c = plan.config;
   const LayerPlan& l = lp(L);
   const int r = l.ratio;
@@ -942,8 +965,18 @@ void GpuPrepareStack::Impl::issue_idx_rest(int L, int T, cudaStream_t s) {
     if (o.scores_group_rows > 0) p.group_rows = o.scores_group_rows;
     p.steps_per_warp = o.scores_steps;
     p.row_split = o.scores_row_split;
+    // Before the wq_b GEMM (idx_scores_on_main): let it launch only after the last store, so that
+    // its CTAs do not take the SMs while the scores run.
+    p.trigger_at_wait = !before_qb;
     kn::run_indexer_scores(p, s, pdl_rest());
   }
+}
+
+void GpuPrepareStack::Impl::issue_idx_select(int L, int T, cudaStream_t s) {
+  const ModelConfig& c = plan.config;
+  const LayerPlan& l = lp(L);
+  const int r = l.ratio;
+  const MetaField clen = r == 1 ? kMClen1 : kMClen2;
   if (l.is_candidate_source) {
     kn::CandidateMaskParams p;  // published for the index sources after it; its own top-k is unmasked
     p.scores = scores;

@@ -148,6 +148,12 @@ TEST(GpuStackHost, ValidateOptionsRefusesWhatTheStackCannotRun) {
   refused([](GpuStackOptions& o) { o.select_version = 1; }, "select_version");
   refused(
       [](GpuStackOptions& o) {
+        o.idx_scores_on_main = true;
+        o.idx_gemm_on_main = false;
+      },
+      "idx_scores_on_main");
+  refused(
+      [](GpuStackOptions& o) {
         o.idx_gemm_on_main = true;
         o.s_fork = LayerIssue::SFork::kIdxGemmsOnK;
       },
@@ -429,6 +435,7 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
     int side_priority = 0;
     int scores_row_split = 0;
     bool qnorm_trigger_late = false;
+    bool idx_scores_on_main = false;
   };
   std::vector<Config> configs;
   for (Schedule sched : kAllSchedules)
@@ -457,6 +464,9 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
   configs.push_back({Schedule::kThreeLane, true, true, LayerIssue::SFork::kAtLayerStart, false, true, false, 3, 1, 4, -5});
   configs.push_back({Schedule::kThreeLane, true, true, LayerIssue::SFork::kAtLayerStart, false, true, false, 3, 0, 0, 0, 1});
   configs.push_back({Schedule::kThreeLane, true, true, LayerIssue::SFork::kAtLayerStart, false, true, true, 3, 0, 0, 0, 0, true});
+  for (Schedule sched : kAllSchedules)  // q pack + scores on main in the reindex layers, eager and graph
+    for (bool graph : {false, true})
+      configs.push_back({sched, graph, true, LayerIssue::SFork::kAtLayerStart, false, true, true, 3, 0, 0, 0, 0, false, true});
 
   std::vector<Snapshot> first;  // per step, of the first configuration
   std::string first_name;
@@ -468,7 +478,8 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
                              (c.idx_gemm_on_main ? " idx-gemm-main" : "") + " select v" + std::to_string(c.select_version) +
                              " scores g" + std::to_string(c.scores_group_rows) + " s" + std::to_string(c.scores_steps) +
                              " side-priority " + std::to_string(c.side_priority) + " row-split " +
-                             std::to_string(c.scores_row_split) + (c.qnorm_trigger_late ? " qnorm-late" : "");
+                             std::to_string(c.scores_row_split) + (c.qnorm_trigger_late ? " qnorm-late" : "") +
+                             (c.idx_scores_on_main ? " idx-scores-main" : "");
     SCOPED_TRACE(name);
     // A fresh stack per configuration: the device inputs of padded rows depend on the step count.
     go.schedule = c.schedule;
@@ -483,6 +494,7 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
     go.side_priority = c.side_priority;
     go.scores_row_split = c.scores_row_split;
     go.qnorm_trigger_late = c.qnorm_trigger_late;
+    go.idx_scores_on_main = c.idx_scores_on_main;
     GpuPrepareStack gpu(plan, go);
     gpu.prefill_device_random(ctx);
     for (int step = 0; step < 2; ++step) {

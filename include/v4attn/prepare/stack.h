@@ -140,6 +140,10 @@ struct GpuStackOptions {
   // q_norm lets the wq_b GEMM launch only after its last store (no early weight prefetch by the
   // GEMM competing with q_norm's loads); experiment knob.
   bool qnorm_trigger_late = false;
+  // Index sources without a compressor (reindex layers): weights_proj, q pack and the scores on
+  // main before the wq_b GEMM (which then launches after the scores' last store); lane S keeps
+  // the selection. Needs idx_gemm_on_main. Experiment knob.
+  bool idx_scores_on_main = false;
   // Index-source layers: run the indexer's wq_b GEMM (qr -> qi) on the main lane right after
   // q_norm instead of first on lane S (experiment knob; docs/perf.md).
   // Default since run 20: verify bs 1 1688.7 vs 1703.8 us, decode bs 32 4615.6 vs 4668.1 us.
