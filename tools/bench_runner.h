@@ -35,6 +35,7 @@ struct BenchConfig {
   int scores_group_rows = 0;            // indexer scores: rows per CTA (0: the stack's default)
   int scores_steps = 0;                 // indexer scores: steps per warp (0: automatic)
   int scores_row_split = 0;             // indexer scores: warp sets per CTA splitting its rows (0: automatic)
+  int scores_min_blocks = 0;            // indexer scores: register cap, CTAs per SM (0: 3)
   int side_priority = 0;                // CUDA stream priority of the side lanes (0: default)
   kernels::GemmVersion gemm_small = kernels::GemmVersion::kAuto;  // bf16 / fp32 GEMMs (kAuto: follow gemm)
   bool idx_gemm_on_main = true;         // indexer wq_b GEMM on main after q_norm

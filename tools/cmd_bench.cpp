@@ -213,6 +213,7 @@ struct BenchCliOptions {
   int scores_group_rows = 0;
   int scores_steps = 0;
   int scores_row_split = 0;
+  int scores_min_blocks = 0;
   int side_priority = 0;
   std::string select = "v3";
   std::string gemm_small = "auto";
@@ -263,6 +264,7 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
   so.scores_group_rows = c.scores_group_rows;
   so.scores_steps = c.scores_steps;
   so.scores_row_split = c.scores_row_split;
+  so.scores_min_blocks = c.scores_min_blocks;
   so.side_priority = c.side_priority;
   so.select_version = c.select_version;
   so.gemm_small = c.gemm_small;
@@ -366,6 +368,7 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
     j["scores_group_rows"] = c.scores_group_rows;
     j["scores_steps"] = c.scores_steps;
     j["scores_row_split"] = c.scores_row_split;
+    j["scores_min_blocks"] = c.scores_min_blocks;
     j["side_priority"] = c.side_priority;
     j["select_version"] = c.select_version;
     j["gemm_small"] = kernels::gemm_version_name(c.gemm_small);
@@ -475,6 +478,10 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
                   "Indexer scores: warp sets per CTA that split its rows, 1..2 (0: automatic; tuning knob)")
       ->check(CLI::Range(0, 2))
       ->capture_default_str();
+  sub->add_option("--scores-min-blocks", o->scores_min_blocks,
+                  "Indexer scores: CTAs per SM its registers are capped for, 3 or 4 (0: 3; tuning knob)")
+      ->check(CLI::IsMember({0, 3, 4}))
+      ->capture_default_str();
   sub->add_option("--side-priority", o->side_priority,
                   "CUDA stream priority of the side lanes S and K (negative = higher than main; 0: default)")
       ->check(CLI::Range(-16, 0))
@@ -534,6 +541,7 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       c.scores_group_rows = o->scores_group_rows;
       c.scores_steps = o->scores_steps;
       c.scores_row_split = o->scores_row_split;
+      c.scores_min_blocks = o->scores_min_blocks;
       c.side_priority = o->side_priority;
       c.select_version = o->select == "v2" ? 2 : 3;
       // The lane-K placement of the indexer's GEMMs excludes the main-lane one.

@@ -435,8 +435,8 @@ __device__ void compute_run(const IndexerScoresParams& p, const RunCtx& run, int
 // 1/RS of the rows serially (the per-row MMAs + epilogue + ordered head sum are the kernel's
 // critical path at small T: ~25 us for 6 rows at 64K in the stack, run 21). Measured slower than
 // RS = 1 (run 22), so it is a tuning knob only.
-template <int S, int RS>
-__global__ void __launch_bounds__(kThreads * RS, RS == 1 ? 3 : 1)
+template <int S, int RS, int MB = 3>
+__global__ void __launch_bounds__(kThreads * RS, RS == 1 ? MB : 1)
     indexer_scores_kernel(const __grid_constant__ IndexerScoresParams p, int group_rows, int page_shift) {
   extern __shared__ __align__(16) uint8_t smem[];
   const SmemLayout L = smem_layout(S, group_rows, RS);
@@ -597,6 +597,8 @@ void run_indexer_scores(const IndexerScoresParams& p, cudaStream_t stream, bool 
   require(p.comp_table_stride >= 0 && p.comp_table_rows >= 0, who, "negative slot table shape");
   require(p.steps_per_warp >= 0 && p.steps_per_warp <= kMaxSteps, who, "steps_per_warp must be in [0, 4]");
   require(p.row_split >= 0 && p.row_split <= 2, who, "row_split must be 0 (automatic), 1 or 2");
+  require(p.min_blocks == 0 || p.min_blocks == 3 || p.min_blocks == 4, who,
+          "min_blocks must be 0 (automatic), 3 or 4");
   require(p.group_rows >= 1 && p.group_rows <= kMaxGroupRows, who,
           "group_rows " + std::to_string(p.group_rows) + " must be in [1, " + std::to_string(kMaxGroupRows) + "]");
   if (p.T == 0) return;
@@ -645,6 +647,13 @@ void run_indexer_scores(const IndexerScoresParams& p, cudaStream_t stream, bool 
       case 2: go(indexer_scores_kernel<2, 2>); break;
       case 3: go(indexer_scores_kernel<3, 2>); break;
       default: go(indexer_scores_kernel<4, 2>); break;
+    }
+  } else if (p.min_blocks == 4) {  // registers capped at 128 (a few spills) for 4 CTAs per SM
+    switch (steps) {
+      case 1: go(indexer_scores_kernel<1, 1, 4>); break;
+      case 2: go(indexer_scores_kernel<2, 1, 4>); break;
+      case 3: go(indexer_scores_kernel<3, 1, 4>); break;
+      default: go(indexer_scores_kernel<4, 1, 4>); break;
     }
   } else {
     switch (steps) {

@@ -155,6 +155,8 @@ void validate_options(const ModelPlan& plan, const GpuStackOptions& o) {
     fail("select_cluster must be 0 (automatic), 1, 2, 4, 8 or 16 (got " + std::to_string(o.select_cluster) + ")");
   if (o.select_version != 2 && o.select_version != 3)
     fail("select_version must be 2 or 3 (got " + std::to_string(o.select_version) + ")");
+  if (o.scores_min_blocks != 0 && o.scores_min_blocks != 3 && o.scores_min_blocks != 4)
+    fail("scores_min_blocks must be 0, 3 or 4 (got " + std::to_string(o.scores_min_blocks) + ")");
   if (o.scores_row_split < 0 || o.scores_row_split > 2)
     fail("scores_row_split must be 0 (automatic), 1 or 2 (got " + std::to_string(o.scores_row_split) + ")");
   if (o.scores_steps < 0 || o.scores_steps > 4)
@@ -965,6 +967,7 @@ void GpuPrepareStack::Impl::issue_idx_score(int L, int T, cudaStream_t s, bool b
     if (o.scores_group_rows > 0) p.group_rows = o.scores_group_rows;
     p.steps_per_warp = o.scores_steps;
     p.row_split = o.scores_row_split;
+    p.min_blocks = o.scores_min_blocks;
     // Before the wq_b GEMM (idx_scores_on_main): let it launch only after the last store, so that
     // its CTAs do not take the SMs while the scores run.
     p.trigger_at_wait = !before_qb;

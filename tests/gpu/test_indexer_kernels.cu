@@ -283,7 +283,7 @@ enum class LateScoresInput { kQCodes, kCache };
 
 GpuScores gpu_scores(const ScoresProblem& pb, const std::vector<int32_t>& table_override = {}, int steps = 0,
                      Launch mode = Launch::kPlain, LateScoresInput late = LateScoresInput::kQCodes,
-                     int group_rows = 1, int row_split = 0) {
+                     int group_rows = 1, int row_split = 0, int min_blocks = 0) {
   const int64_t T = pb.T();
   auto d_codes = to_device(pb.q.codes);
   auto d_scales = to_device(pb.q.scales);
@@ -313,6 +313,7 @@ GpuScores gpu_scores(const ScoresProblem& pb, const std::vector<int32_t>& table_
   p.steps_per_warp = steps;
   p.group_rows = group_rows;
   p.row_split = row_split;
+  p.min_blocks = min_blocks;
   {
     TestStream stream;
     DeviceBuffer<uint8_t> staging;
@@ -325,9 +326,9 @@ GpuScores gpu_scores(const ScoresProblem& pb, const std::vector<int32_t>& table_
 }
 
 void check_scores(const ScoresProblem& pb, const std::string& what, int steps = 0, Launch mode = Launch::kPlain,
-                  int group_rows = 1, int row_split = 0) {
+                  int group_rows = 1, int row_split = 0, int min_blocks = 0) {
   const auto want = reference_scores(pb);
-  const auto got = gpu_scores(pb, {}, steps, mode, LateScoresInput::kQCodes, group_rows, row_split);
+  const auto got = gpu_scores(pb, {}, steps, mode, LateScoresInput::kQCodes, group_rows, row_split, min_blocks);
   EXPECT_EQ(got.errors, 0u) << what;
   expect_same_bytes(got.scores, want, what, pb.score_stride);
 }
@@ -842,6 +843,11 @@ TEST(GpuIndexerScores, GroupedVerifyRowsMatchReferenceAndSharedReadsCountOnce) {
                      "grouped verify, group_rows " + std::to_string(group_rows) + " steps " + std::to_string(steps) +
                          " row_split " + std::to_string(row_split),
                      steps, Launch::kPlain, group_rows, row_split);
+  // The 4-CTAs-per-SM register cap (spills) gives the same bits, on every tile size.
+  for (int group_rows : {6, 1})
+    for (int steps : {1, 2, 3, 4})
+      check_scores(pb, "min_blocks 4, group_rows " + std::to_string(group_rows) + " steps " + std::to_string(steps), steps,
+                   Launch::kPlain, group_rows, 1, 4);
 
   // Bad slots: position 17 is seen by all 6 rows of request 0, position 5998 only by its rows 4
   // and 5 (clen 5999, 6000). Each row's score there is -inf; the error is counted once per read:

@@ -436,6 +436,7 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
     int scores_row_split = 0;
     bool qnorm_trigger_late = false;
     bool idx_scores_on_main = false;
+    int scores_min_blocks = 0;
   };
   std::vector<Config> configs;
   for (Schedule sched : kAllSchedules)
@@ -467,6 +468,7 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
   for (Schedule sched : kAllSchedules)  // q pack + scores on main in the reindex layers, eager and graph
     for (bool graph : {false, true})
       configs.push_back({sched, graph, true, LayerIssue::SFork::kAtLayerStart, false, true, true, 3, 0, 0, 0, 0, false, true});
+  configs.push_back({Schedule::kThreeLane, true, true, LayerIssue::SFork::kAtLayerStart, false, true, true, 3, 0, 0, 0, 0, false, false, 4});
 
   std::vector<Snapshot> first;  // per step, of the first configuration
   std::string first_name;
@@ -479,7 +481,8 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
                              " scores g" + std::to_string(c.scores_group_rows) + " s" + std::to_string(c.scores_steps) +
                              " side-priority " + std::to_string(c.side_priority) + " row-split " +
                              std::to_string(c.scores_row_split) + (c.qnorm_trigger_late ? " qnorm-late" : "") +
-                             (c.idx_scores_on_main ? " idx-scores-main" : "");
+                             (c.idx_scores_on_main ? " idx-scores-main" : "") + " scores-mb " +
+                             std::to_string(c.scores_min_blocks);
     SCOPED_TRACE(name);
     // A fresh stack per configuration: the device inputs of padded rows depend on the step count.
     go.schedule = c.schedule;
@@ -495,6 +498,7 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
     go.scores_row_split = c.scores_row_split;
     go.qnorm_trigger_late = c.qnorm_trigger_late;
     go.idx_scores_on_main = c.idx_scores_on_main;
+    go.scores_min_blocks = c.scores_min_blocks;
     GpuPrepareStack gpu(plan, go);
     gpu.prefill_device_random(ctx);
     for (int step = 0; step < 2; ++step) {
