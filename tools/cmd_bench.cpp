@@ -479,7 +479,7 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       ->check(CLI::Range(0, 2))
       ->capture_default_str();
   sub->add_option("--scores-min-blocks", o->scores_min_blocks,
-                  "Indexer scores: CTAs per SM its registers are capped for, 3 or 4 (0: 3; tuning knob)")
+                  "Indexer scores: CTAs per SM its registers are capped for, 3 or 4 (0: automatic; tuning knob)")
       ->check(CLI::IsMember({0, 3, 4}))
       ->capture_default_str();
   sub->add_option("--side-priority", o->side_priority,

@@ -634,6 +634,10 @@ void run_indexer_scores(const IndexerScoresParams& p, cudaStream_t stream, bool 
   // 1752.8 / 1755.7 vs 1689.9 / 1680.5 us per cycle; bs 4: 2887.0 vs 2708.4; docs/perf.md run 22):
   // twice the threads per CTA and a second read of the tile's K cost more than the halved row walk.
   const int RS = p.row_split != 0 ? p.row_split : 1;
+  // Register cap: 4 CTAs per SM (128 registers, 88 B of spills) pays with 1-step tiles, 3 (168, no
+  // spill) with longer ones (more spills): measured in the stack, docs/perf.md run 26 (verify bs 1
+  // and decode bs 1: -1.6 / -0.6 %; verify bs 4 and decode bs 32, 4-step tiles: +1.4 / +4 %).
+  const int min_blocks = p.min_blocks != 0 ? p.min_blocks : (steps == 1 ? 4 : 3);
   LaunchConfig cfg;
   cfg.grid = dim3(static_cast<unsigned>(groups), static_cast<unsigned>(tiles), 1);
   cfg.block = dim3(static_cast<unsigned>(kThreads * RS), 1, 1);
@@ -648,7 +652,7 @@ void run_indexer_scores(const IndexerScoresParams& p, cudaStream_t stream, bool 
       case 3: go(indexer_scores_kernel<3, 2>); break;
       default: go(indexer_scores_kernel<4, 2>); break;
     }
-  } else if (p.min_blocks == 4) {  // registers capped at 128 (a few spills) for 4 CTAs per SM
+  } else if (min_blocks == 4) {  // registers capped at 128 (a few spills) for 4 CTAs per SM
     switch (steps) {
       case 1: go(indexer_scores_kernel<1, 1, 4>); break;
       case 2: go(indexer_scores_kernel<2, 1, 4>); break;

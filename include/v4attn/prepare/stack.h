@@ -129,7 +129,7 @@ struct GpuStackOptions {
   int scores_group_rows = 0;  // 0..8
   int scores_steps = 0;       // 0..4
   int scores_row_split = 0;   // warp sets splitting a CTA's rows, 1..2 (0: automatic)
-  int scores_min_blocks = 0;  // register cap of the scores kernel: CTAs per SM, 3 or 4 (0: 3)
+  int scores_min_blocks = 0;  // register cap of the scores kernel: CTAs per SM, 3 or 4 (0: automatic)
   // CUDA stream priority of the side lanes S and K (lower = higher; 0 = default; clamped into
   // the device's range). Experiment knob: side-lane CTAs are scheduled before main-lane CTAs that
   // wait for the same SMs (e.g. GEMM CTAs launched early under PDL).
