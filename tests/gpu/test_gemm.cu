@@ -135,18 +135,8 @@ ref::F32Matrix make_f32_weight(int64_t n, int64_t k, Data d, uint64_t seed) {
   return w;
 }
 
-template <class T>
-DeviceBuffer<T> to_device(const std::vector<T>& h) {
-  DeviceBuffer<T> d(std::max<size_t>(h.size(), 1));
-  if (!h.empty()) d.upload(h.data(), h.size());
-  return d;
-}
-template <class T>
-std::vector<T> to_host(const DeviceBuffer<T>& d) {
-  std::vector<T> h(d.size());
-  d.download(h.data(), h.size());
-  return h;
-}
+using test_util::to_device;
+using test_util::to_host;
 
 int32_t bf16_ordinal(bf16_t b) {
   const int32_t mag = b & 0x7fff;

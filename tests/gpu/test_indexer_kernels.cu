@@ -29,52 +29,13 @@ namespace {
 using namespace v4attn;
 using num::bf16_t;
 
-constexpr uint8_t kPoison = 0xAB;
-constexpr size_t kGuardBytes = 256;  // poisoned tail after every output, must stay poison
+constexpr uint8_t kPoison = test_util::kOutputPoison;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 // ---- buffers ------------------------------------------------------------------------------------
-template <class T>
-DeviceBuffer<T> to_device(const std::vector<T>& h) {
-  DeviceBuffer<T> d(std::max<size_t>(h.size(), 1));
-  if (!h.empty()) d.upload(h.data(), h.size());
-  return d;
-}
-
-// An output buffer of n elements plus a guard tail, all poisoned.
-template <class T>
-struct PoisonedOutput {
-  size_t n;
-  DeviceBuffer<uint8_t> buf;
-  explicit PoisonedOutput(size_t n_elems) : n(n_elems), buf(n_elems * sizeof(T) + kGuardBytes) {
-    buf.fill_bytes(kPoison);
-  }
-  T* get() const { return reinterpret_cast<T*>(buf.get()); }
-  // Downloads the n elements and checks that the guard tail is untouched.
-  std::vector<T> download_checked() const {
-    std::vector<uint8_t> raw(buf.size());
-    buf.download(raw.data(), raw.size());
-    for (size_t i = n * sizeof(T); i < raw.size(); ++i)
-      if (raw[i] != kPoison) {
-        ADD_FAILURE() << "write past the end of the output, byte " << i - n * sizeof(T) << " of the guard";
-        break;
-      }
-    std::vector<T> out(n);
-    std::memcpy(out.data(), raw.data(), n * sizeof(T));
-    return out;
-  }
-};
-
-struct ErrorCount {
-  DeviceBuffer<unsigned long long> buf{1};
-  ErrorCount() { buf.fill_bytes(0); }
-  unsigned long long* get() const { return buf.get(); }
-  unsigned long long read() const {
-    unsigned long long v = 0;
-    buf.download(&v, 1);
-    return v;
-  }
-};
+using test_util::ErrorCount;
+using test_util::PoisonedOutput;
+using test_util::to_device;
 
 // ---- launch modes -------------------------------------------------------------------------------
 // kPlain: no PDL. kPdl: launched with PDL after a finished predecessor. kPdlLate: the kernel's

@@ -29,53 +29,16 @@ namespace {
 
 using namespace v4attn;
 
-constexpr uint8_t kPoison = 0xAB;
-constexpr size_t kGuardBytes = 256;
+constexpr uint8_t kPoison = test_util::kOutputPoison;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr int kClusters[] = {0, 1, 2, 8, 16};  // 0 = automatic
 
 std::string cl_name(int cluster) { return cluster == 0 ? "cluster auto" : "cluster " + std::to_string(cluster); }
 
 // ---- buffers ------------------------------------------------------------------------------------
-template <class T>
-DeviceBuffer<T> to_device(const std::vector<T>& h) {
-  DeviceBuffer<T> d(std::max<size_t>(h.size(), 4));
-  if (!h.empty()) d.upload(h.data(), h.size());
-  return d;
-}
-
-template <class T>
-struct PoisonedOutput {
-  size_t n;
-  DeviceBuffer<uint8_t> buf;
-  explicit PoisonedOutput(size_t n_elems) : n(n_elems), buf(n_elems * sizeof(T) + kGuardBytes) {
-    buf.fill_bytes(kPoison);
-  }
-  T* get() const { return reinterpret_cast<T*>(buf.get()); }
-  std::vector<T> download_checked() const {
-    std::vector<uint8_t> raw(buf.size());
-    buf.download(raw.data(), raw.size());
-    for (size_t i = n * sizeof(T); i < raw.size(); ++i)
-      if (raw[i] != kPoison) {
-        ADD_FAILURE() << "write past the end of the output, byte " << i - n * sizeof(T) << " of the guard";
-        break;
-      }
-    std::vector<T> out(n);
-    std::memcpy(out.data(), raw.data(), n * sizeof(T));
-    return out;
-  }
-};
-
-struct ErrorCount {
-  DeviceBuffer<unsigned long long> buf{1};
-  ErrorCount() { buf.fill_bytes(0); }
-  unsigned long long* get() const { return buf.get(); }
-  unsigned long long read() const {
-    unsigned long long v = 0;
-    buf.download(&v, 1);
-    return v;
-  }
-};
+using test_util::ErrorCount;
+using test_util::PoisonedOutput;
+using test_util::to_device;
 
 template <class T>
 void expect_same_bytes(const std::vector<T>& got, const std::vector<T>& want, const std::string& what,
