@@ -42,6 +42,7 @@ struct BenchConfig {
   int select_cluster = 0;               // selection v3 cluster size (0: automatic)
   bool qnorm_trigger_late = false;      // q_norm triggers its successor after its last store
   bool idx_scores_on_main = false;      // reindex layers: q pack + scores on main before wq_b
+  bool fuse_rope_store = false;         // q_rope_store fused into the wq_b GEMM's epilogue
   int select_version = 3;               // indexer top-k / candidate mask: v3 (cluster) or v2
   uint64_t seed = 1;
   std::string json_path;   // "" none, "-" stdout (then the table goes to `out`, which should be stderr)

@@ -221,6 +221,7 @@ struct BenchCliOptions {
   int select_cluster = 0;
   bool qnorm_trigger_late = false;
   bool idx_scores_main = false;
+  bool fuse_rope_store = false;
   uint64_t seed = 1;
   std::string json_path;
   std::string trace_path;
@@ -272,6 +273,7 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
   so.select_cluster = c.select_cluster;
   so.qnorm_trigger_late = c.qnorm_trigger_late;
   so.idx_scores_on_main = c.idx_scores_on_main;
+  so.fuse_rope_store = c.fuse_rope_store;
   so.pdl = c.pdl;
   so.pdl_everywhere = c.pdl_everywhere;
   so.gemm = c.gemm;
@@ -376,6 +378,7 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
     j["select_cluster"] = c.select_cluster;
     j["qnorm_trigger_late"] = c.qnorm_trigger_late;
     j["idx_scores_on_main"] = c.idx_scores_on_main;
+    j["fuse_rope_store"] = c.fuse_rope_store;
     j["seed"] = c.seed;
     j["device_bytes"] = stack.device_bytes();
     j["weight_bytes"] = stack.weight_bytes();
@@ -493,6 +496,9 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       ->capture_default_str();
   sub->add_flag("--no-idx-gemm-main", o->no_idx_gemm_main,
                 "Index-source layers: run the indexer's wq_b GEMM first on lane S (default: on main after q_norm)");
+  sub->add_flag("--fuse-rope-store", o->fuse_rope_store,
+                "q_rope_store fused into the wq_b GEMM's epilogue (v2; experiment knob: the per-layer trace figures "
+                "key on the q_rope_store kernel)");
   sub->add_flag("--idx-scores-main", o->idx_scores_main,
                 "Reindex layers: weights_proj, q pack and the indexer scores on main before the wq_b GEMM (experiment knob)");
   sub->add_flag("--qnorm-trigger-late", o->qnorm_trigger_late,
@@ -549,6 +555,7 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       c.select_cluster = o->select_cluster;
       c.qnorm_trigger_late = o->qnorm_trigger_late;
       c.idx_scores_on_main = o->idx_scores_main && c.idx_gemm_on_main;
+      c.fuse_rope_store = o->fuse_rope_store;
       c.gemm_small = o->gemm_small == "tc"       ? kernels::GemmVersion::kTensorCore
                      : o->gemm_small == "skinny" ? kernels::GemmVersion::kSkinny
                                                  : kernels::GemmVersion::kAuto;

@@ -86,6 +86,7 @@ constexpr int kConsumerWarpgroups = 2;
 constexpr int kThreads = kWarpgroupThreads * (1 + kConsumerWarpgroups);  // 384
 constexpr int kConsumerThreads = kWarpgroupThreads * kConsumerWarpgroups;  // 256
 constexpr int kConverterThreads = 96;                                       // warps 1..3
+constexpr int kRopeHeadDim = 512;  // kRope: columns are heads of 512 dims, RoPE on the last 64
 constexpr int kStageK = 128;                                // K bytes per stage (one 128B-swizzle row)
 constexpr int kBlocksPerStage = kStageK / kGemmBlock;       // 4
 constexpr int kXfSlots = 2;
@@ -140,9 +141,21 @@ struct WgmmaParams {
   int m = 0, n = 0, k_blocks = 0, splits = 1, tiles_n = 0;
   int stages = 0;            // ring depth (1..kMaxStages)
   int max_split_blocks = 0;  // ceil(k_blocks / splits): capacity of the scale arrays
+  // kRope (run_gemm_fp8_rope_store): q_rope_store in the epilogue (S == 1 only).
+  const int32_t* rope_pos = nullptr;  // [m]
+  const float* rope_table = nullptr;  // [rope_max_pos, 64] (cos, sin) interleaved
+  int64_t rope_max_pos = 0;
+  unsigned long long* rope_err = nullptr;
 };
 
-template <int MT, int NP>
+// kRope: the wq_b GEMM with q_rope_store fused into its epilogue (its own instantiation, so the
+// plain kernel is compiled exactly as without it). Output column n is dim n % 512 of head n / 512;
+// dims 448..511 are rotated at rope_pos[m] in (even, odd) pairs. The pair partner of the element a
+// thread holds (column n ^ 1) is held by lane ^ 4 (fragment row g ^ 1, same column t and register
+// i), so one xor shuffle brings it. Numerics exactly those of q_rope_store on the GEMM's bf16
+// output: each value rounded to bf16 first, then num::rope_rotate in fp32, rounded to bf16. A row
+// whose position is outside the table is not written and counted once (like q_rope_store).
+template <int MT, int NP, bool kRope = false>
 __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __grid_constant__ WgmmaParams p) {
   constexpr int BN = kConsumerWarpgroups * 64 * MT;  // weight rows per CTA
   constexpr int R = NP / 2;                          // accumulator registers per m64 tile per thread
@@ -348,6 +361,41 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
   // Element (mt, i): weight row n = row0 + (wgc*MT + mt)*64 + 16w + g + (i & 2 ? 8 : 0),
   // token = 8 (i / 4) + 2t + (i & 1).
   bf16_t* out = p.out + grp * p.out_group_stride;
+  if constexpr (kRope) {  // S == 1, one group (host-checked)
+    if (tile == 0 && ctid == 0)
+      for (int m = 0; m < p.m; ++m)
+        if (p.rope_pos[m] < 0 || p.rope_pos[m] >= p.rope_max_pos) dev::count_error(p.rope_err);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        const int n = row0 + (wgc * MT + mt) * 64 + 16 * w + g + ((i & 2) ? 8 : 0);
+        const int m = 8 * (i >> 2) + 2 * t + (i & 1);
+        const float x = num::f32_from_bf16(num::bf16_from_f32(acc[mt][i]));  // the GEMM's bf16 output
+        const float partner = __shfl_xor_sync(0xffffffffu, x, 4);           // column n ^ 1
+        if (m < p.m && n < p.n) {
+          const int32_t pos = p.rope_pos[m];
+          if (pos < 0 || pos >= p.rope_max_pos) continue;
+          const int hd = n % kRopeHeadDim;
+          float v = x;
+          if (hd >= kRopeHeadDim - num::kRopeDim) {
+            const int j = (hd - (kRopeHeadDim - num::kRopeDim)) >> 1;
+            const float c = p.rope_table[static_cast<int64_t>(pos) * num::kRopeDim + 2 * j];
+            const float sn = p.rope_table[static_cast<int64_t>(pos) * num::kRopeDim + 2 * j + 1];
+            float re, im;
+            if ((n & 1) == 0) {
+              num::rope_rotate(x, partner, c, sn, re, im);
+              v = re;
+            } else {
+              num::rope_rotate(partner, x, c, sn, re, im);
+              v = im;
+            }
+          }
+          out[m * p.out_stride + n] = num::bf16_from_f32(v);
+        }
+      }
+    return;
+  }
   if (p.splits == 1) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -399,17 +447,17 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
 
 using WgmmaKernel = void (*)(WgmmaParams);
 
-template <int MT>
+template <int MT, bool kRope = false>
 WgmmaKernel pick_wgmma_kernel(int np) {
   switch (np) {
-    case 8: return gemm_fp8_wgmma_kernel<MT, 8>;
-    case 16: return gemm_fp8_wgmma_kernel<MT, 16>;
-    case 24: return gemm_fp8_wgmma_kernel<MT, 24>;
-    case 32: return gemm_fp8_wgmma_kernel<MT, 32>;
-    case 40: return gemm_fp8_wgmma_kernel<MT, 40>;
-    case 48: return gemm_fp8_wgmma_kernel<MT, 48>;
-    case 56: return gemm_fp8_wgmma_kernel<MT, 56>;
-    case 64: return gemm_fp8_wgmma_kernel<MT, 64>;
+    case 8: return gemm_fp8_wgmma_kernel<MT, 8, kRope>;
+    case 16: return gemm_fp8_wgmma_kernel<MT, 16, kRope>;
+    case 24: return gemm_fp8_wgmma_kernel<MT, 24, kRope>;
+    case 32: return gemm_fp8_wgmma_kernel<MT, 32, kRope>;
+    case 40: return gemm_fp8_wgmma_kernel<MT, 40, kRope>;
+    case 48: return gemm_fp8_wgmma_kernel<MT, 48, kRope>;
+    case 56: return gemm_fp8_wgmma_kernel<MT, 56, kRope>;
+    case 64: return gemm_fp8_wgmma_kernel<MT, 64, kRope>;
     default: throw std::invalid_argument("gemm v2: m must be 1..64");
   }
 }
@@ -463,6 +511,36 @@ GemmPlan plan_gemm_wgmma(int m, int64_t n, int64_t k, int groups, int force_spli
   return plan;
 }
 
+namespace {
+bool aligned_16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+}  // namespace
+
+bool gemm_v2_rope_store_supported(int m, int64_t n, int64_t k) {
+  if (m < 1 || m > kGemmMaxRows || n <= 0 || n % kRopeHeadDim != 0 || k <= 0 || k % kGemmBlock != 0) return false;
+  const GemmPlan plan = plan_gemm_wgmma(m, n, k, 1);
+  return plan.splits == 1 && plan.warp_mtiles == 2 && plan.stages >= 1;
+}
+
+void run_gemm_fp8_rope_store(const Fp8GemmParams& p, cudaStream_t stream, bool pdl) {
+  auto fail = [](const std::string& what) { throw std::invalid_argument("run_gemm_fp8_rope_store: " + what); };
+  if (p.m < 0) fail("m < 0");
+  if (p.m == 0) return;
+  if (!gemm_v2_rope_store_supported(p.m, p.n, p.k))
+    fail("unsupported shape (m " + std::to_string(p.m) + ", n " + std::to_string(p.n) + ", k " + std::to_string(p.k) +
+         "): needs m <= 64, n a multiple of 512 and v2's plan with one split and two m64 tiles per warpgroup");
+  if (p.groups != 1) fail("groups must be 1");
+  if (p.force_splits != 0 || p.force_mtiles != 0) fail("plan overrides are not supported");
+  if (!p.a_q || !p.a_scale || !p.w || !p.w_scale || !p.out) fail("null pointer");
+  if (p.a_bf16 != nullptr) fail("a_bf16 (the v3 fused act quant) is not supported here");
+  if (!p.rope_pos || !p.rope_table || p.rope_max_pos <= 0) fail("rope_pos, rope_table and rope_max_pos > 0 are required");
+  if (p.out_stride < p.n) fail("out_stride < n");
+  if (p.a_stride < p.k || p.a_stride % 16 != 0 || !aligned_16(p.a_q)) fail("a_q must be 16-byte aligned, a_stride % 16 == 0, >= k");
+  if (!aligned_16(p.w)) fail("w must be 16-byte aligned");
+  if (p.a_scale_stride < p.k / kGemmBlock) fail("a_scale_stride < k / 32");
+  const GemmPlan plan = plan_gemm_wgmma(p.m, p.n, p.k, 1, 0, 0, p.force_stages);
+  detail::launch_gemm_fp8_wgmma(p, plan, GemmWorkspace{}, stream, pdl);
+}
+
 namespace detail {
 
 void launch_gemm_fp8_wgmma(const Fp8GemmParams& p, const GemmPlan& plan, const GemmWorkspace& ws, cudaStream_t stream,
@@ -497,7 +575,16 @@ void launch_gemm_fp8_wgmma(const Fp8GemmParams& p, const GemmPlan& plan, const G
     t.counters = reinterpret_cast<uint32_t*>(wsb);
     t.partials = reinterpret_cast<float*>(wsb + workspace_counter_bytes(p.groups, plan.tiles_n));
   }
-  const WgmmaKernel kernel = plan.warp_mtiles == 2 ? pick_wgmma_kernel<2>(np) : pick_wgmma_kernel<1>(np);
+  const bool rope = p.rope_table != nullptr;
+  if (rope && (plan.splits != 1 || plan.warp_mtiles != 2 || p.groups != 1))
+    throw std::invalid_argument("gemm v2: the fused RoPE store needs one split, two m64 tiles per warpgroup, one group");
+  t.rope_pos = p.rope_pos;
+  t.rope_table = p.rope_table;
+  t.rope_max_pos = p.rope_max_pos;
+  t.rope_err = p.rope_err;
+  const WgmmaKernel kernel = rope                    ? pick_wgmma_kernel<2, true>(np)
+                             : plan.warp_mtiles == 2 ? pick_wgmma_kernel<2>(np)
+                                                     : pick_wgmma_kernel<1>(np);
   set_max_dynamic_smem(kernel, plan.smem_bytes);
   LaunchConfig cfg;
   cfg.grid = dim3(static_cast<unsigned>(plan.tiles_n), static_cast<unsigned>(plan.splits), static_cast<unsigned>(p.groups));

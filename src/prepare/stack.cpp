@@ -741,6 +741,19 @@ void GpuPrepareStack::Impl::issue_qb(int L, int T, cudaStream_t s) {
   g.m = T;
   g.n = static_cast<int64_t>(H) * kHd;
   g.k = q_rank;
+  // fuse_rope_store: the GEMM writes q_pad itself with the RoPE applied (v2 epilogue; same bytes).
+  const kn::GemmVersion qb_version =
+      o.gemm == kn::GemmVersion::kAuto ? kn::best_fp8_gemm_version(T, g.n, g.k) : o.gemm;
+  if (o.fuse_rope_store && qb_version == kn::GemmVersion::kWgmma && kn::gemm_v2_rope_store_supported(T, g.n, g.k)) {
+    g.out = q_pad[static_cast<size_t>(L)];
+    g.out_stride = static_cast<int64_t>(H_pad) * kHd;
+    g.rope_pos = mf(kMPos);
+    g.rope_table = table(L);
+    g.rope_max_pos = max_pos;
+    g.rope_err = err.get();
+    kn::run_gemm_fp8_rope_store(g, s, pdl_rest());
+    return;
+  }
   kn::run_gemm_fp8(g, ws_for(s), o.gemm, s, pdl_rest());
   kn::QRopeStoreParams r;
   r.q = q;
@@ -1098,6 +1111,12 @@ void GpuPrepareStack::set_s_fork(LayerIssue::SFork f) {
   if (f == impl_->o.s_fork) return;
   impl_->invalidate_graphs();
   impl_->o.s_fork = f;
+}
+
+void GpuPrepareStack::set_fuse_rope_store(bool on) {
+  if (on == impl_->o.fuse_rope_store) return;
+  impl_->invalidate_graphs();
+  impl_->o.fuse_rope_store = on;
 }
 
 void GpuPrepareStack::set_lane_prologue(bool on) {

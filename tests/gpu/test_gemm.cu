@@ -30,6 +30,7 @@
 
 #include "gpu_test_util.h"
 #include "v4attn/kernels/gemm.h"
+#include "v4attn/kernels/prepare_kernels.h"
 #include "v4attn/reference/gemm.h"
 
 namespace {
@@ -1579,4 +1580,96 @@ TEST(GpuGemmV3FusedQuant, RefusesBadArguments) {
     EXPECT_NO_THROW(run_gemm_fp8_fused_quant(valid(), GemmVersion::kWgmmaPipelined, nullptr, false));
     V4_CUDA_CHECK(cudaDeviceSynchronize());
   }
+}
+
+// ---- wq_b with q_rope_store fused into the v2 epilogue ---------------------------------------------
+namespace {
+
+// The fused GEMM (run_gemm_fp8_rope_store) against the unfused pair (v2 GEMM, then
+// run_q_rope_store) on the same inputs: the whole head-padded q_pad buffer byte for byte (padding
+// heads and rows past m stay poison), including a row whose position is past the table (not
+// written by either, counted once by each).
+void check_rope_store_case(int m, uint64_t seed, bool pdl) {
+  constexpr int kHeads = 64, kHeadsPad = 72, kHd = 512;
+  const Fp8Case cs{static_cast<int64_t>(kHeads) * kHd, 1280};
+  ASSERT_TRUE(gemm_v2_rope_store_supported(m, cs.n, cs.k)) << m;
+  const Fp8Weights w = make_fp8_weights(cs, Data::kRealistic, seed);
+  const Fp8Acts a = make_fp8_acts(cs, m, Data::kRealistic, seed * 3 + 1);
+  const int64_t max_pos = 4096;
+  Rng rng(seed * 5 + 2);
+  std::vector<float> table(static_cast<size_t>(max_pos * 64));
+  for (auto& v : table) v = rng.uniform();
+  std::vector<int32_t> pos(static_cast<size_t>(m));
+  for (auto& p : pos) p = rng.range(0, static_cast<int>(max_pos) - 1);
+  if (m > 1) pos[static_cast<size_t>(m / 2)] = static_cast<int32_t>(max_pos);  // past the table: skipped + counted
+  const auto d_table = to_device(table);
+  const auto d_pos = to_device(pos);
+  const size_t pad_elems = static_cast<size_t>(m + 2) * kHeadsPad * kHd;
+  DeviceBuffer<bf16_t> q(static_cast<size_t>(m) * kHeads * kHd), want(pad_elems), got(pad_elems);
+  DeviceBuffer<unsigned long long> err(2);
+  want.fill_bytes(kPoisonByte);
+  got.fill_bytes(kPoisonByte);
+  err.fill_bytes(0);
+  OutLayout l = make_layout(m, cs.n, 1, 0);
+  // Unfused: the GEMM into q [m, 64*512], then q_rope_store into q_pad.
+  Fp8GemmParams g = fp8_params(w, a, q.get(), l);
+  g.out_stride = cs.n;
+  run_gemm_fp8(g, GemmWorkspace{}, GemmVersion::kWgmma, nullptr, pdl);
+  QRopeStoreParams r;
+  r.q = q.get();
+  r.q_row_stride = cs.n;
+  r.q_pad = want.get();
+  r.q_pad_row_stride = static_cast<int64_t>(kHeadsPad) * kHd;
+  r.pos = d_pos.get();
+  r.table = d_table.get();
+  r.max_pos = max_pos;
+  r.T = m;
+  r.H = kHeads;
+  r.H_pad = kHeadsPad;
+  r.err_count = err.get();
+  run_q_rope_store(r, nullptr, pdl);
+  // Fused.
+  Fp8GemmParams f = fp8_params(w, a, got.get(), l);
+  f.out_stride = static_cast<int64_t>(kHeadsPad) * kHd;
+  f.rope_pos = d_pos.get();
+  f.rope_table = d_table.get();
+  f.rope_max_pos = max_pos;
+  f.rope_err = err.get() + 1;
+  run_gemm_fp8_rope_store(f, nullptr, pdl);
+  V4_CUDA_CHECK(cudaDeviceSynchronize());
+  const std::vector<bf16_t> hw = to_host(want), hg = to_host(got);
+  const std::vector<unsigned long long> he = to_host(err);
+  EXPECT_EQ(he[0], m > 1 ? 1u : 0u);
+  EXPECT_EQ(he[1], he[0]);
+  size_t differ = 0, written = 0;
+  for (size_t i = 0; i < hw.size(); ++i) {
+    if (hw[i] != static_cast<bf16_t>(kPoisonBf16)) ++written;
+    if (hw[i] != hg[i] && differ++ < 5) ADD_FAILURE() << "q_pad element " << i << ": fused " << hg[i] << ", unfused " << hw[i];
+  }
+  EXPECT_EQ(differ, 0u) << "m " << m;
+  EXPECT_GT(written, static_cast<size_t>(m - 1) * kHeads * kHd / 2) << "the unfused path wrote almost nothing";
+}
+
+}  // namespace
+
+TEST(GpuGemmRopeStore, MatchesGemmThenQRopeStoreBytes) {
+  V4_REQUIRE_GPU();
+  use_all_cores();
+  uint64_t seed = 900;
+  for (int m : {1, 6, 16, 24, 64})
+    for (bool pdl : {false, true}) check_rope_store_case(m, ++seed, pdl);
+}
+
+TEST(GpuGemmRopeStore, SupportPredicateAndRefusals) {
+  EXPECT_TRUE(gemm_v2_rope_store_supported(6, 32768, 1280));
+  EXPECT_FALSE(gemm_v2_rope_store_supported(6, 32768 + 64, 1280));  // not whole heads
+  EXPECT_FALSE(gemm_v2_rope_store_supported(65, 32768, 1280));
+  EXPECT_FALSE(gemm_v2_rope_store_supported(6, 4096, 1280));  // v2 splits K / one m64 tile per warpgroup here
+  Fp8GemmParams p;
+  p.m = 6;
+  p.n = 4096;
+  p.k = 1280;
+  EXPECT_THROW(run_gemm_fp8_rope_store(p, nullptr, false), std::invalid_argument);
+  p.n = 32768;
+  EXPECT_THROW(run_gemm_fp8_rope_store(p, nullptr, false), std::invalid_argument);  // null pointers, no table
 }

@@ -437,6 +437,7 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
     bool qnorm_trigger_late = false;
     bool idx_scores_on_main = false;
     int scores_min_blocks = 0;
+    bool fuse_rope_store = false;
   };
   std::vector<Config> configs;
   for (Schedule sched : kAllSchedules)
@@ -482,7 +483,7 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
                              " side-priority " + std::to_string(c.side_priority) + " row-split " +
                              std::to_string(c.scores_row_split) + (c.qnorm_trigger_late ? " qnorm-late" : "") +
                              (c.idx_scores_on_main ? " idx-scores-main" : "") + " scores-mb " +
-                             std::to_string(c.scores_min_blocks);
+                             std::to_string(c.scores_min_blocks) + (c.fuse_rope_store ? " fused-rope" : "");
     SCOPED_TRACE(name);
     // A fresh stack per configuration: the device inputs of padded rows depend on the step count.
     go.schedule = c.schedule;
@@ -499,6 +500,7 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
     go.qnorm_trigger_late = c.qnorm_trigger_late;
     go.idx_scores_on_main = c.idx_scores_on_main;
     go.scores_min_blocks = c.scores_min_blocks;
+    go.fuse_rope_store = c.fuse_rope_store;
     GpuPrepareStack gpu(plan, go);
     gpu.prefill_device_random(ctx);
     for (int step = 0; step < 2; ++step) {
@@ -537,6 +539,11 @@ INSTANTIATE_TEST_SUITE_P(Shapes, GpuStackSchedules,
 
 // ================================ the real config ======================================================
 
+int buckets_rows(const GpuStackOptions& go, StepKind kind) {
+  const std::vector<int>& b = kind == StepKind::kDecode ? go.decode_buckets : go.verify_buckets;
+  return b.empty() ? 0 : b.front();
+}
+
 void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
   const ModelPlan plan = build_plan(load_config(""), tp);
   const ModelConfig& cfg = plan.config;
@@ -561,19 +568,29 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
     Schedule schedule;
     bool graph;
     bool pdl;
+    bool fuse_rope_store = false;  // q_rope_store in the wq_b GEMM's epilogue (v2)
   };
   const Config configs[] = {{Schedule::kSerial, false, false},
                             {Schedule::kThreeLane, true, true},
                             {Schedule::kSourcesSide, true, false},
-                            {Schedule::kThreeLane, false, true}};
+                            {Schedule::kThreeLane, false, true},
+                            {Schedule::kThreeLane, true, true, true},
+                            {Schedule::kSerial, false, false, true}};
+  // The fused form must really run here (wq_b at this config and bucket), or the configs above
+  // that ask for it would silently compare the unfused path with itself.
+  if (tp == 1)
+    EXPECT_TRUE(kernels::gemm_v2_rope_store_supported(buckets_rows(go, kind), static_cast<int64_t>(cfg.n_heads) * 512,
+                                                      cfg.q_lora_rank));
   std::vector<Snapshot> first;
   const int rows = bs * v;
   for (size_t c = 0; c < std::size(configs); ++c) {
-    const std::string name = std::string(to_string(configs[c].schedule)) + (configs[c].graph ? " graph" : " eager");
+    const std::string name = std::string(to_string(configs[c].schedule)) + (configs[c].graph ? " graph" : " eager") +
+                             (configs[c].fuse_rope_store ? " fused-rope" : "");
     SCOPED_TRACE(name);
     gpu.upload_caches(initial);
     gpu.set_schedule(configs[c].schedule);
     gpu.set_pdl(configs[c].pdl);
+    gpu.set_fuse_rope_store(configs[c].fuse_rope_store);
     gpu.reset_error_count();
     for (int step = 0; step < 2; ++step) {
       gpu.poison_outputs(kPoison);

@@ -242,6 +242,11 @@ struct Fp8GemmParams {
   // (byte-identical to run_act_quant_fp8 on the same rows), and a_q / a_scale must be null.
   const bf16_t* a_bf16 = nullptr;
   int64_t a_bf16_stride = 0;  // elements, >= k
+  // v2 only (run_gemm_fp8_rope_store): q_rope_store fused into the epilogue.
+  const int32_t* rope_pos = nullptr;      // [m] positions
+  const float* rope_table = nullptr;      // [rope_max_pos, 64] fp32 (cos, sin) interleaved
+  int64_t rope_max_pos = 0;
+  unsigned long long* rope_err = nullptr; // rows with pos outside [0, rope_max_pos): not written, counted
 };
 void run_gemm_fp8(const Fp8GemmParams& p, const GemmWorkspace& ws, GemmVersion version, cudaStream_t stream,
                   bool pdl);
@@ -259,6 +264,15 @@ void run_gemm_fp8(const Fp8GemmParams& p, const GemmWorkspace& ws, GemmVersion v
 // not then kWgmmaPipelined is refused ("a_bf16 needs GemmVersion::kWgmmaPipelined").
 bool gemm_v3_fused_quant_supported(int m, int64_t n, int64_t k);
 void run_gemm_fp8_fused_quant(const Fp8GemmParams& p, GemmVersion version, cudaStream_t stream, bool pdl);
+
+// wq_b with q_rope_store fused into its epilogue (v2): out[m, n] is the q_pad row m (heads of 512
+// dims, out_stride = H_pad * 512), dims 448..511 of each head rotated at rope_pos[m] exactly like
+// run_q_rope_store on the unfused GEMM's bf16 output (the same bytes; tested). A row with a
+// position outside [0, rope_max_pos) is not written and counted once in rope_err (as
+// q_rope_store does). Supported when v2's plan has one split and two m64 tiles per warpgroup
+// (wq_b at TP1: n 32768, k 1280), n a multiple of 512, groups == 1.
+bool gemm_v2_rope_store_supported(int m, int64_t n, int64_t k);
+void run_gemm_fp8_rope_store(const Fp8GemmParams& p, cudaStream_t stream, bool pdl);
 
 // ---- bf16 GEMM --------------------------------------------------------------------------------
 // out[m, n] = bf16( sum_k x[m, k] * w[n, k] ), fp32 accumulation. Requirements as for fp8;

@@ -145,6 +145,9 @@ struct GpuStackOptions {
   // main before the wq_b GEMM (which then launches after the scores' last store); lane S keeps
   // the selection. Needs idx_gemm_on_main. Experiment knob.
   bool idx_scores_on_main = false;
+  // The wq_b GEMM (v2) writes q_pad with the RoPE itself (q_rope_store fused into its epilogue;
+  // same bytes). Experiment knob: the trace report's per-layer figures key on q_rope_store.
+  bool fuse_rope_store = false;
   // Index-source layers: run the indexer's wq_b GEMM (qr -> qi) on the main lane right after
   // q_norm instead of first on lane S (experiment knob; docs/perf.md).
   // Default since run 20: verify bs 1 1688.7 vs 1703.8 us, decode bs 32 4615.6 vs 4668.1 us.
@@ -215,6 +218,7 @@ class GpuPrepareStack {
   void set_gemm_version(kernels::GemmVersion v);
   void set_s_fork(LayerIssue::SFork f);
   void set_lane_prologue(bool on);
+  void set_fuse_rope_store(bool on);  // GpuStackOptions::fuse_rope_store
 
   // --- caches ------------------------------------------------------------------------------------
   // Device-side synthetic prefill (the full config at 64K would take minutes on the host): as if
