@@ -365,6 +365,20 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
     if (tile == 0 && ctid == 0)
       for (int m = 0; m < p.m; ++m)
         if (p.rope_pos[m] < 0 || p.rope_pos[m] >= p.rope_max_pos) dev::count_error(p.rope_err);
+    // The table rows of the NP rows' positions, staged once in the weight ring (free now: every
+    // stage has been consumed by both consumer warpgroups), so that no element waits on a global
+    // load: [NP][64] floats, then NP flags (row written or not).
+    named_barrier_sync(kConsumerBarrierId, kConsumerThreads);
+    float* tab = reinterpret_cast<float*>(smem + L.w);
+    int* row_ok = reinterpret_cast<int*>(tab + NP * num::kRopeDim);
+    for (int idx = ctid; idx < NP * num::kRopeDim; idx += kConsumerThreads) {
+      const int mr = idx / num::kRopeDim;
+      const int32_t pos = mr < p.m ? p.rope_pos[mr] : -1;
+      const bool ok = pos >= 0 && pos < p.rope_max_pos;
+      tab[idx] = ok ? p.rope_table[static_cast<int64_t>(pos) * num::kRopeDim + idx % num::kRopeDim] : 0.0f;
+      if (idx % num::kRopeDim == 0) row_ok[mr] = ok ? 1 : 0;
+    }
+    named_barrier_sync(kConsumerBarrierId, kConsumerThreads);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -374,14 +388,13 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
         const float x = num::f32_from_bf16(num::bf16_from_f32(acc[mt][i]));  // the GEMM's bf16 output
         const float partner = __shfl_xor_sync(0xffffffffu, x, 4);           // column n ^ 1
         if (m < p.m && n < p.n) {
-          const int32_t pos = p.rope_pos[m];
-          if (pos < 0 || pos >= p.rope_max_pos) continue;
+          if (!row_ok[m]) continue;
           const int hd = n % kRopeHeadDim;
           float v = x;
           if (hd >= kRopeHeadDim - num::kRopeDim) {
             const int j = (hd - (kRopeHeadDim - num::kRopeDim)) >> 1;
-            const float c = p.rope_table[static_cast<int64_t>(pos) * num::kRopeDim + 2 * j];
-            const float sn = p.rope_table[static_cast<int64_t>(pos) * num::kRopeDim + 2 * j + 1];
+            const float c = tab[m * num::kRopeDim + 2 * j];
+            const float sn = tab[m * num::kRopeDim + 2 * j + 1];
             float re, im;
             if ((n & 1) == 0) {
               num::rope_rotate(x, partner, c, sn, re, im);
