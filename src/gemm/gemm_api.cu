@@ -12,7 +12,7 @@ namespace {
 
 [[noreturn]] void fail(const char* who, const std::string& what) { throw std::invalid_argument(std::string(who) + ": " + what); }
 
-bool aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
+using detail::aligned_to;
 
 void check_nk(const char* who, int64_t n, int64_t k) {
   if (n <= 0 || n % kGemmBlock != 0) fail(who, "n " + std::to_string(n) + " is not a positive multiple of 32");
@@ -44,7 +44,7 @@ GemmPlan check_tc(const char* who, GemmVersion version, int m, int64_t n, int64_
     if (ws.data == nullptr || ws.bytes < plan.workspace_bytes)
       fail(who, "split-K plan (S = " + std::to_string(plan.splits) + ") needs a workspace of " +
                     std::to_string(plan.workspace_bytes) + " bytes (got " + std::to_string(ws.bytes) + ")");
-    if (!aligned(ws.data, 256)) fail(who, "workspace must be 256-byte aligned");
+    if (!aligned_to(ws.data, 256)) fail(who, "workspace must be 256-byte aligned");
   }
   return plan;
 }
@@ -93,22 +93,44 @@ size_t gemm_workspace_bytes(int m_max, int64_t n, int64_t k, int groups) {
   return std::max(v1, v2);
 }
 
+// One validation for every fp8 form: plain, the v3 fused act quant (a_bf16) and the v2 fused
+// RoPE store (rope_table); run_gemm_fp8_fused_quant / run_gemm_fp8_rope_store are thin wrappers.
 void run_gemm_fp8(const Fp8GemmParams& p, const GemmWorkspace& ws, GemmVersion version, cudaStream_t stream,
                   bool pdl) {
   const char* who = "run_gemm_fp8";
   if (p.m < 0) fail(who, "m < 0");
-  if (p.m == 0) return;
   // kSkinny has no fp8 kernel: the fp8 GEMMs of a stack run with kSkinny take kAuto's choice.
   if (version == GemmVersion::kAuto || version == GemmVersion::kSkinny) version = best_fp8_gemm_version(p.m, p.n, p.k);
+  const bool fused_quant = p.a_bf16 != nullptr;
+  const bool rope = p.rope_table != nullptr || p.rope_pos != nullptr;
+  if (fused_quant && version != GemmVersion::kWgmmaPipelined) fail(who, "a_bf16 needs GemmVersion::kWgmmaPipelined");
+  if (rope && version != GemmVersion::kWgmma) fail(who, "the fused RoPE store (rope_table) needs GemmVersion::kWgmma");
+  if (p.m == 0) return;
   check_nk(who, p.n, p.k);
   check_rows_groups(who, p.m, p.groups);
-  if (!p.a_q || !p.a_scale || !p.w || !p.w_scale || !p.out) fail(who, "null pointer");
-  if (p.a_stride < p.k) fail(who, "a_stride < k");
-  if (p.a_scale_stride < p.k / kGemmBlock) fail(who, "a_scale_stride < k/32");
+  if (!p.w || !p.w_scale || !p.out) fail(who, "null pointer");
+  if (fused_quant) {  // the GEMM quantises x itself
+    if (p.a_q != nullptr || p.a_scale != nullptr) fail(who, "a_q and a_scale must be null when a_bf16 is set");
+    if (p.groups != 1) fail(who, "the fused act quant takes groups == 1");
+    if (p.a_bf16_stride < p.k) fail(who, "a_bf16_stride < k");
+    if (!aligned_to(p.a_bf16, 16) || p.a_bf16_stride % 8 != 0)
+      fail(who, "a_bf16 must be 16-byte aligned with a_bf16_stride % 8 == 0");
+  } else {
+    if (!p.a_q || !p.a_scale) fail(who, "null pointer");
+    if (p.a_stride < p.k) fail(who, "a_stride < k");
+    if (p.a_scale_stride < p.k / kGemmBlock) fail(who, "a_scale_stride < k/32");
+    if (!aligned_to(p.a_q, 16) || p.a_stride % 16 != 0 || p.a_group_stride % 16 != 0)
+      fail(who, "a_q must be 16-byte aligned with a_stride and a_group_stride multiples of 16");
+  }
+  if (rope) {
+    if (!p.rope_pos || !p.rope_table || p.rope_max_pos <= 0)
+      fail(who, "the fused RoPE store needs rope_pos, rope_table and rope_max_pos > 0");
+    if (p.groups != 1 || p.force_splits != 0 || p.force_mtiles != 0)
+      fail(who, "the fused RoPE store takes groups == 1 and no plan overrides");
+    if (p.n % 512 != 0) fail(who, "the fused RoPE store needs whole heads of 512 columns");
+  }
   if (p.out_stride < p.n) fail(who, "out_stride < n");
-  if (!aligned(p.a_q, 16) || p.a_stride % 16 != 0 || p.a_group_stride % 16 != 0)
-    fail(who, "a_q must be 16-byte aligned with a_stride and a_group_stride multiples of 16");
-  if (!aligned(p.w, 16) || p.w_group_stride % 16 != 0) fail(who, "w must be 16-byte aligned with w_group_stride % 16 == 0");
+  if (!aligned_to(p.w, 16) || p.w_group_stride % 16 != 0) fail(who, "w must be 16-byte aligned with w_group_stride % 16 == 0");
   switch (version) {
     case GemmVersion::kAuto:
     case GemmVersion::kSkinny: break;  // resolved above
@@ -122,12 +144,25 @@ void run_gemm_fp8(const Fp8GemmParams& p, const GemmWorkspace& ws, GemmVersion v
       if (p.force_stages < 0) fail(who, "force_stages < 0");
       const GemmPlan plan =
           check_tc(who, version, p.m, p.n, p.k, p.groups, p.force_splits, p.force_mtiles, ws, p.force_stages);
+      if (rope && (plan.splits != 1 || plan.warp_mtiles != 2))
+        fail(who, "the fused RoPE store needs v2's plan with one split and two m64 tiles per warpgroup "
+                  "(gemm_v2_rope_store_supported)");
       detail::launch_gemm_fp8_wgmma(p, plan, ws, stream, pdl);
       return;
     }
     case GemmVersion::kWgmmaPipelined: {
       if (p.force_stages < 0) fail(who, "force_stages < 0");
       if (p.v3_int_mask < -1 || p.v3_int_mask > 15) fail(who, "v3_int_mask must be -1 (default) or 0..15");
+      if (fused_quant) {  // every stage of a CTA writes its own ring slot: the ring must hold them all
+        if (p.m > kGemmMaxRows) fail(who, "tensor-core versions take m <= 64 (got " + std::to_string(p.m) + ")");
+        const GemmPlan plan =
+            plan_gemm_wgmma_pipelined(p.m, p.n, p.k, 1, p.force_splits, p.force_mtiles, p.force_stages);
+        const int need = detail::v3_max_cta_stages(plan, p.k);
+        if (plan.stages < 1 || plan.stages < need)
+          fail(who, "the fused act quant needs the whole K range of a CTA in its ring: " + std::to_string(need) +
+                        " stages of 128 K, but the plan has " + std::to_string(plan.stages) +
+                        " (see gemm_v3_fused_quant_supported)");
+      }
       const GemmPlan plan =
           check_tc(who, version, p.m, p.n, p.k, p.groups, p.force_splits, p.force_mtiles, ws, p.force_stages);
       detail::launch_gemm_fp8_wgmma_pipelined(p, plan, stream, pdl);
@@ -135,6 +170,17 @@ void run_gemm_fp8(const Fp8GemmParams& p, const GemmWorkspace& ws, GemmVersion v
     }
   }
   fail(who, "unknown version");
+}
+
+void run_gemm_fp8_fused_quant(const Fp8GemmParams& p, GemmVersion version, cudaStream_t stream, bool pdl) {
+  if (p.a_bf16 == nullptr)
+    throw std::invalid_argument("run_gemm_fp8_fused_quant: a_bf16 is null (use run_gemm_fp8 for quantised activations)");
+  run_gemm_fp8(p, GemmWorkspace{}, version, stream, pdl);  // v3 needs no workspace
+}
+
+void run_gemm_fp8_rope_store(const Fp8GemmParams& p, cudaStream_t stream, bool pdl) {
+  if (p.rope_table == nullptr) throw std::invalid_argument("run_gemm_fp8_rope_store: rope_table is null");
+  run_gemm_fp8(p, GemmWorkspace{}, GemmVersion::kWgmma, stream, pdl);  // one split: no workspace
 }
 
 void run_gemm_bf16(const Bf16GemmParams& p, const GemmWorkspace& ws, GemmVersion version, cudaStream_t stream,
@@ -147,9 +193,9 @@ void run_gemm_bf16(const Bf16GemmParams& p, const GemmWorkspace& ws, GemmVersion
   if (!p.x || !p.w || !p.out) fail(who, "null pointer");
   if (p.x_stride < p.k) fail(who, "x_stride < k");
   if (p.out_stride < p.n) fail(who, "out_stride < n");
-  if (!aligned(p.x, 16) || p.x_stride % 8 != 0 || p.x_group_stride % 8 != 0)
+  if (!aligned_to(p.x, 16) || p.x_stride % 8 != 0 || p.x_group_stride % 8 != 0)
     fail(who, "x must be 16-byte aligned with x_stride and x_group_stride multiples of 8");
-  if (!aligned(p.w, 16) || p.w_group_stride % 8 != 0) fail(who, "w must be 16-byte aligned with w_group_stride % 8 == 0");
+  if (!aligned_to(p.w, 16) || p.w_group_stride % 8 != 0) fail(who, "w must be 16-byte aligned with w_group_stride % 8 == 0");
   if (version == GemmVersion::kAuto)  // v1 plan overrides (tests, bench) keep v1
     version = p.groups == 1 && p.force_splits == 0 && p.force_mtiles == 0 && skinny_gemm_preferred(p.m, p.n, p.k)
                   ? GemmVersion::kSkinny
@@ -189,8 +235,8 @@ void run_gemm_f32(const F32GemmParams& p, GemmVersion version, cudaStream_t stre
   if (!p.x || !p.w || !p.out) fail(who, "null pointer");
   if (p.x_stride < p.k) fail(who, "x_stride < k");
   if (p.out_stride < p.n) fail(who, "out_stride < n");
-  if (!aligned(p.w, 16)) fail(who, "w must be 16-byte aligned");
-  if (!aligned(p.x, 8) || p.x_stride % 4 != 0) fail(who, "x must be 8-byte aligned with x_stride % 4 == 0");
+  if (!aligned_to(p.w, 16)) fail(who, "w must be 16-byte aligned");
+  if (!aligned_to(p.x, 8) || p.x_stride % 4 != 0) fail(who, "x must be 8-byte aligned with x_stride % 4 == 0");
   if (p.force_splits < 0) fail(who, "force_splits < 0");
   // kAuto: v1. v5 fp32 was measured slower than v1 at every m <= 32 (skinny_gemm_preferred);
   // kSkinny still runs it (it validates its own extra requirements: 16-byte x, whole K blocks).
@@ -200,7 +246,7 @@ void run_gemm_f32(const F32GemmParams& p, GemmVersion version, cudaStream_t stre
     case GemmVersion::kSkinny: {
       if (p.m > kGemmMaxRows) fail(who, "v5 skinny takes m <= 64 (got " + std::to_string(p.m) + ")");
       if (p.k % kGemmBlock != 0) fail(who, "v5 skinny: k " + std::to_string(p.k) + " is not a multiple of 32");
-      if (!aligned(p.x, 16) || p.x_stride % 8 != 0)
+      if (!aligned_to(p.x, 16) || p.x_stride % 8 != 0)
         fail(who, "v5 skinny: x must be 16-byte aligned with x_stride % 8 == 0");
       const GemmPlan plan = plan_gemm_skinny(p.m, p.n, p.k, 1, true, p.force_splits, 0);
       detail::launch_gemm_f32_skinny(p, plan, stream, pdl);

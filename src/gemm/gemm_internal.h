@@ -33,6 +33,12 @@ void launch_gemm_fp8_wgmma(const Fp8GemmParams& p, const GemmPlan& plan, const G
 // plan_gemm_wgmma_pipelined with the params' overrides. No workspace.
 void launch_gemm_fp8_wgmma_pipelined(const Fp8GemmParams& p, const GemmPlan& plan, cudaStream_t stream, bool pdl);
 
+// v3: stages of 4 K blocks of the CTA with the most K blocks under `plan` (its fused act quant
+// needs them all in the ring at once).
+int v3_max_cta_stages(const GemmPlan& plan, int64_t k);
+
+inline bool aligned_to(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
+
 // v1 of the fp32 GEMM: CUDA cores (gemm_f32.cu).
 void launch_gemm_f32_warp(const F32GemmParams& p, cudaStream_t stream, bool pdl);
 

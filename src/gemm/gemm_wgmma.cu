@@ -524,34 +524,10 @@ GemmPlan plan_gemm_wgmma(int m, int64_t n, int64_t k, int groups, int force_spli
   return plan;
 }
 
-namespace {
-bool aligned_16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
-}  // namespace
-
 bool gemm_v2_rope_store_supported(int m, int64_t n, int64_t k) {
   if (m < 1 || m > kGemmMaxRows || n <= 0 || n % kRopeHeadDim != 0 || k <= 0 || k % kGemmBlock != 0) return false;
   const GemmPlan plan = plan_gemm_wgmma(m, n, k, 1);
   return plan.splits == 1 && plan.warp_mtiles == 2 && plan.stages >= 1;
-}
-
-void run_gemm_fp8_rope_store(const Fp8GemmParams& p, cudaStream_t stream, bool pdl) {
-  auto fail = [](const std::string& what) { throw std::invalid_argument("run_gemm_fp8_rope_store: " + what); };
-  if (p.m < 0) fail("m < 0");
-  if (p.m == 0) return;
-  if (!gemm_v2_rope_store_supported(p.m, p.n, p.k))
-    fail("unsupported shape (m " + std::to_string(p.m) + ", n " + std::to_string(p.n) + ", k " + std::to_string(p.k) +
-         "): needs m <= 64, n a multiple of 512 and v2's plan with one split and two m64 tiles per warpgroup");
-  if (p.groups != 1) fail("groups must be 1");
-  if (p.force_splits != 0 || p.force_mtiles != 0) fail("plan overrides are not supported");
-  if (!p.a_q || !p.a_scale || !p.w || !p.w_scale || !p.out) fail("null pointer");
-  if (p.a_bf16 != nullptr) fail("a_bf16 (the v3 fused act quant) is not supported here");
-  if (!p.rope_pos || !p.rope_table || p.rope_max_pos <= 0) fail("rope_pos, rope_table and rope_max_pos > 0 are required");
-  if (p.out_stride < p.n) fail("out_stride < n");
-  if (p.a_stride < p.k || p.a_stride % 16 != 0 || !aligned_16(p.a_q)) fail("a_q must be 16-byte aligned, a_stride % 16 == 0, >= k");
-  if (!aligned_16(p.w)) fail("w must be 16-byte aligned");
-  if (p.a_scale_stride < p.k / kGemmBlock) fail("a_scale_stride < k / 32");
-  const GemmPlan plan = plan_gemm_wgmma(p.m, p.n, p.k, 1, 0, 0, p.force_stages);
-  detail::launch_gemm_fp8_wgmma(p, plan, GemmWorkspace{}, stream, pdl);
 }
 
 namespace detail {

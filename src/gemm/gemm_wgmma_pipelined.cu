@@ -709,8 +709,6 @@ CUtensorMap make_tensor_map(const void* ptr, uint64_t cols, uint64_t rows, uint6
   return detail::make_byte_tensor_map_sw128("gemm v3", ptr, cols, rows, groups, row_stride, group_stride, kStageK, box_rows);
 }
 
-bool aligned_to(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
-
 }  // namespace
 
 GemmPlan plan_gemm_wgmma_pipelined(int m, int64_t n, int64_t k, int groups, int force_splits, int force_mtiles,
@@ -755,57 +753,20 @@ GemmPlan plan_gemm_wgmma_pipelined(int m, int64_t n, int64_t k, int groups, int 
   return plan;
 }
 
-namespace {
-
-// Stages of 4 K blocks of the CTA with the most K blocks (ceil(k_blocks / S) blocks).
-int max_cta_stages(const GemmPlan& plan, int64_t k) {
-  const int64_t kb = k / kGemmBlock;
-  const int64_t msb = (kb + plan.splits - 1) / plan.splits;
-  return static_cast<int>((msb + kBlocksPerStage - 1) / kBlocksPerStage);
-}
-
-}  // namespace
-
 bool gemm_v3_fused_quant_supported(int m, int64_t n, int64_t k) {
   if (m < 1 || m > kGemmMaxRows || n <= 0 || k <= 0 || n % kGemmBlock != 0 || k % kGemmBlock != 0) return false;
   if (n > (int64_t{1} << 30) || k > (int64_t{1} << 30)) return false;
   const GemmPlan plan = plan_gemm_wgmma_pipelined(m, n, k, 1);
-  return plan.stages >= 1 && plan.stages >= max_cta_stages(plan, k);
-}
-
-void run_gemm_fp8_fused_quant(const Fp8GemmParams& p, GemmVersion version, cudaStream_t stream, bool pdl) {
-  auto fail = [](const std::string& what) { throw std::invalid_argument("run_gemm_fp8_fused_quant: " + what); };
-  if (p.a_bf16 == nullptr) fail("a_bf16 is null (use run_gemm_fp8 for quantised activations)");
-  if (p.m < 0) fail("m < 0");
-  if (version == GemmVersion::kAuto || version == GemmVersion::kSkinny) version = best_fp8_gemm_version(p.m, p.n, p.k);
-  if (version != GemmVersion::kWgmmaPipelined) fail("a_bf16 needs GemmVersion::kWgmmaPipelined");
-  if (p.m == 0) return;
-  if (p.m > kGemmMaxRows) fail("v3 takes m <= 64 (got " + std::to_string(p.m) + ")");
-  if (p.n <= 0 || p.n % kGemmBlock != 0) fail("n " + std::to_string(p.n) + " is not a positive multiple of 32");
-  if (p.k <= 0 || p.k % kGemmBlock != 0) fail("k " + std::to_string(p.k) + " is not a positive multiple of 32");
-  if (p.n > (int64_t{1} << 30) || p.k > (int64_t{1} << 30)) fail("n or k too large");
-  if (p.groups != 1) fail("the fused act quant takes groups == 1");
-  if (p.a_q != nullptr || p.a_scale != nullptr) fail("a_q and a_scale must be null when a_bf16 is set");
-  if (!p.w || !p.w_scale || !p.out) fail("null pointer");
-  if (p.a_bf16_stride < p.k) fail("a_bf16_stride < k");
-  if (!aligned_to(p.a_bf16, 16) || p.a_bf16_stride % 8 != 0)
-    fail("a_bf16 must be 16-byte aligned with a_bf16_stride % 8 == 0");
-  if (p.out_stride < p.n) fail("out_stride < n");
-  if (!aligned_to(p.w, 16)) fail("w must be 16-byte aligned");
-  if (p.force_splits < 0 || p.force_mtiles < 0 || p.force_mtiles > 2 || p.force_stages < 0)
-    fail("force_splits >= 0, force_mtiles in 0..2, force_stages >= 0");
-  if (p.v3_int_mask < -1 || p.v3_int_mask > 15) fail("v3_int_mask must be -1 (default) or 0..15");
-  const GemmPlan plan =
-      plan_gemm_wgmma_pipelined(p.m, p.n, p.k, 1, p.force_splits, p.force_mtiles, p.force_stages);
-  const int need = max_cta_stages(plan, p.k);
-  if (plan.stages < 1 || plan.stages < need)
-    fail("the fused act quant needs the whole K range of a CTA in its ring: " + std::to_string(need) +
-         " stages of 128 K, but the plan has " + std::to_string(plan.stages) + " (m " + std::to_string(p.m) + ", n " +
-         std::to_string(p.n) + ", k " + std::to_string(p.k) + "; see gemm_v3_fused_quant_supported)");
-  detail::launch_gemm_fp8_wgmma_pipelined(p, plan, stream, pdl);
+  return plan.stages >= 1 && plan.stages >= detail::v3_max_cta_stages(plan, k);
 }
 
 namespace detail {
+
+int v3_max_cta_stages(const GemmPlan& plan, int64_t k) {
+  const int64_t kb = k / kGemmBlock;
+  const int64_t msb = (kb + plan.splits - 1) / plan.splits;
+  return static_cast<int>((msb + kBlocksPerStage - 1) / kBlocksPerStage);
+}
 
 void launch_gemm_fp8_wgmma_pipelined(const Fp8GemmParams& p, const GemmPlan& plan, cudaStream_t stream, bool pdl) {
   const int np = (p.m + 7) / 8 * 8;
@@ -817,7 +778,7 @@ void launch_gemm_fp8_wgmma_pipelined(const Fp8GemmParams& p, const GemmPlan& pla
                              static_cast<uint64_t>(p.k), w_group, static_cast<uint32_t>(plan.block_n));
   if (p.a_bf16 != nullptr) {  // fused act quant: no x map
     // The kernel writes stage it's codes into slot it: every CTA's stages must be distinct slots.
-    if (plan.stages < max_cta_stages(plan, p.k))
+    if (plan.stages < v3_max_cta_stages(plan, p.k))
       throw std::invalid_argument("gemm v3: a_bf16 (fused act quant) needs the whole K range of a CTA in its ring");
     std::memset(&t.tmap_x, 0, sizeof(t.tmap_x));
     t.a_bf16 = p.a_bf16;

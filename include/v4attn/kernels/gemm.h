@@ -251,7 +251,9 @@ struct Fp8GemmParams {
 void run_gemm_fp8(const Fp8GemmParams& p, const GemmWorkspace& ws, GemmVersion version, cudaStream_t stream,
                   bool pdl);
 
-// ---- v3 with the FP8 act quant fused in --------------------------------------------------------
+// ---- fused forms (validated by run_gemm_fp8 itself: it takes a_bf16 / rope_* too; the two run_*
+// below are wrappers that also require their field and pick the version) ------------------------
+// v3 with the FP8 act quant fused in:
 // run_gemm_fp8_fused_quant: out = run_gemm_fp8(act_quant(a_bf16), kWgmmaPipelined), byte for byte,
 // in one kernel: after its PDL wait every CTA quantises its own K range of the m rows (numerics.h
 // act quant, the same functions in the same order as run_act_quant_fp8) straight into its shared
