@@ -33,6 +33,16 @@ void launch_gemm_fp8_wgmma(const Fp8GemmParams& p, const GemmPlan& plan, const G
 // plan_gemm_wgmma_pipelined with the params' overrides. No workspace.
 void launch_gemm_fp8_wgmma_pipelined(const Fp8GemmParams& p, const GemmPlan& plan, cudaStream_t stream, bool pdl);
 
+// The tiling and split-K choice v2 and v3 share (gemm_wgmma.cu): two m64 tiles per consumer
+// warpgroup (256 rows per CTA) when that still gives ~one CTA per SM without split-K, otherwise 128
+// rows per CTA and split-K to fill the machine (bounded so that a CTA's scale arrays stay small;
+// max_splits > 0 caps S, v3's cluster size). Validates the arguments (`who` names the caller).
+struct WgmmaSplit {
+  int warp_mtiles = 1, block_n = 0, tiles_n = 0, splits = 1;
+};
+WgmmaSplit plan_wgmma_split(const char* who, int m, int64_t n, int64_t k, int groups, int force_splits, int force_mtiles,
+                            int force_stages, int max_splits);
+
 // v3: stages of 4 K blocks of the CTA with the most K blocks under `plan` (its fused act quant
 // needs them all in the ring at once).
 int v3_max_cta_stages(const GemmPlan& plan, int64_t k);

@@ -483,29 +483,45 @@ CUtensorMap make_tensor_map(const void* ptr, uint64_t cols, uint64_t rows, uint6
 
 }  // namespace
 
-GemmPlan plan_gemm_wgmma(int m, int64_t n, int64_t k, int groups, int force_splits, int force_mtiles, int force_stages) {
-  auto fail = [](const std::string& what) { throw std::invalid_argument("plan_gemm_wgmma: " + what); };
+namespace detail {
+
+WgmmaSplit plan_wgmma_split(const char* who, int m, int64_t n, int64_t k, int groups, int force_splits, int force_mtiles,
+                            int force_stages, int max_splits) {
+  auto fail = [who](const std::string& what) { throw std::invalid_argument(std::string(who) + ": " + what); };
   if (m < 0 || m > kGemmMaxRows || n <= 0 || k <= 0 || groups < 1) fail("need 0 <= m <= 64, n > 0, k > 0, groups >= 1");
   if (force_splits < 0 || force_mtiles < 0 || force_mtiles > 2 || force_stages < 0)
     fail("force_splits >= 0, force_mtiles in 0..2, force_stages >= 0");
   const int64_t kb = k / kGemmBlock;
   if (kb < 1) fail("k < 32");
-  GemmPlan plan;
-  // Two m64 tiles per consumer warpgroup (256 rows per CTA) when that still gives ~one CTA per SM
-  // without split-K (wq_b: 128 CTAs); otherwise 128 rows per CTA and split-K to fill the machine.
-  plan.warp_mtiles = force_mtiles != 0 ? force_mtiles : (groups * ((n + 255) / 256) >= 96 ? 2 : 1);
-  plan.block_n = kConsumerWarpgroups * 64 * plan.warp_mtiles;
-  plan.tiles_n = static_cast<int>((n + plan.block_n - 1) / plan.block_n);
-  const int64_t tiles = static_cast<int64_t>(groups) * plan.tiles_n;
+  WgmmaSplit sp;
+  sp.warp_mtiles = force_mtiles != 0 ? force_mtiles : (groups * ((n + 255) / 256) >= 96 ? 2 : 1);  // wq_b: 128 CTAs
+  sp.block_n = kConsumerWarpgroups * 64 * sp.warp_mtiles;
+  sp.tiles_n = static_cast<int>((n + sp.block_n - 1) / sp.block_n);
+  const int64_t tiles = static_cast<int64_t>(groups) * sp.tiles_n;
   int64_t s;
   if (force_splits != 0) {
     s = std::min<int64_t>(force_splits, kb);
   } else {
-    s = std::max<int64_t>(1, kTargetCtas / tiles);                                  // ~one CTA per SM
-    s = std::max<int64_t>(s, (kb + kMaxCtaBlocks - 1) / kMaxCtaBlocks);             // bounded scale arrays
+    s = std::max<int64_t>(1, kTargetCtas / tiles);                       // ~one CTA per SM
+    s = std::max<int64_t>(s, (kb + kMaxCtaBlocks - 1) / kMaxCtaBlocks);  // bounded scale arrays
     s = std::min<int64_t>(s, kb);
   }
-  plan.splits = static_cast<int>(s);
+  if (max_splits > 0) s = std::min<int64_t>(s, max_splits);
+  sp.splits = static_cast<int>(s);
+  return sp;
+}
+
+}  // namespace detail
+
+GemmPlan plan_gemm_wgmma(int m, int64_t n, int64_t k, int groups, int force_splits, int force_mtiles, int force_stages) {
+  const detail::WgmmaSplit sp =
+      detail::plan_wgmma_split("plan_gemm_wgmma", m, n, k, groups, force_splits, force_mtiles, force_stages, 0);
+  const int64_t kb = k / kGemmBlock, s = sp.splits;
+  GemmPlan plan;
+  plan.warp_mtiles = sp.warp_mtiles;
+  plan.block_n = sp.block_n;
+  plan.tiles_n = sp.tiles_n;
+  plan.splits = sp.splits;
   // Pipeline depth for this m (numerics do not depend on it): as many stages as fit, <= 8, <= the
   // stages a CTA has.
   const int msb = static_cast<int>((kb + s - 1) / s);

@@ -99,8 +99,6 @@ constexpr int kXfSlots = 2;
 constexpr int kMaxStages = 8;
 constexpr int kSmemLimit = 227 * 1024;  // sm_90 opt-in dynamic shared memory per block
 constexpr int kSmemAlign = 1024;        // 128B-swizzle atoms (TMA destination, wgmma operand)
-constexpr int kTargetCtas = 132;        // H100 / H200 SXM: one CTA per SM
-constexpr int kMaxCtaBlocks = 96;       // K blocks per CTA in the automatic plan (scale arrays)
 constexpr int kMaxClusterSplits = 8;    // portable cluster size: S <= 8
 constexpr int kDefaultIntMask = 0xA;    // blocks 1 and 3 of each stage widened with integer ops
 constexpr uint32_t kConsumerBarrierId = 1;  // named barrier of the 256 consumers
@@ -713,30 +711,16 @@ CUtensorMap make_tensor_map(const void* ptr, uint64_t cols, uint64_t rows, uint6
 
 GemmPlan plan_gemm_wgmma_pipelined(int m, int64_t n, int64_t k, int groups, int force_splits, int force_mtiles,
                                    int force_stages) {
-  auto fail = [](const std::string& what) { throw std::invalid_argument("plan_gemm_wgmma_pipelined: " + what); };
-  if (m < 0 || m > kGemmMaxRows || n <= 0 || k <= 0 || groups < 1) fail("need 0 <= m <= 64, n > 0, k > 0, groups >= 1");
-  if (force_splits < 0 || force_mtiles < 0 || force_mtiles > 2 || force_stages < 0)
-    fail("force_splits >= 0, force_mtiles in 0..2, force_stages >= 0");
-  const int64_t kb = k / kGemmBlock;
-  if (kb < 1) fail("k < 32");
+  // v2's tiling and split choice, S capped at the portable cluster size (the S CTAs of a tile form
+  // one cluster).
+  const detail::WgmmaSplit sp = detail::plan_wgmma_split("plan_gemm_wgmma_pipelined", m, n, k, groups, force_splits,
+                                                         force_mtiles, force_stages, kMaxClusterSplits);
+  const int64_t kb = k / kGemmBlock, s = sp.splits;
   GemmPlan plan;
-  // As v2: two m64 tiles per consumer warpgroup (256 rows per CTA) when that still gives ~one CTA
-  // per SM without split-K (wq_b: 128 CTAs); otherwise 128 rows per CTA and split-K (clusters of
-  // S <= 8 CTAs) to fill the machine.
-  plan.warp_mtiles = force_mtiles != 0 ? force_mtiles : (groups * ((n + 255) / 256) >= 96 ? 2 : 1);
-  plan.block_n = kConsumerWarpgroups * 64 * plan.warp_mtiles;
-  plan.tiles_n = static_cast<int>((n + plan.block_n - 1) / plan.block_n);
-  const int64_t tiles = static_cast<int64_t>(groups) * plan.tiles_n;
-  int64_t s;
-  if (force_splits != 0) {
-    s = std::min<int64_t>(force_splits, kb);
-  } else {
-    s = std::max<int64_t>(1, kTargetCtas / tiles);                       // ~one CTA per SM
-    s = std::max<int64_t>(s, (kb + kMaxCtaBlocks - 1) / kMaxCtaBlocks);  // bounded scale arrays
-    s = std::min<int64_t>(s, kb);
-  }
-  s = std::min<int64_t>(s, kMaxClusterSplits);  // the S CTAs of a tile form one (portable) cluster
-  plan.splits = static_cast<int>(s);
+  plan.warp_mtiles = sp.warp_mtiles;
+  plan.block_n = sp.block_n;
+  plan.tiles_n = sp.tiles_n;
+  plan.splits = sp.splits;
   plan.cluster = plan.splits;
   const int msb = static_cast<int>((kb + s - 1) / s);
   const int np = std::max(8, (m + 7) / 8 * 8);
