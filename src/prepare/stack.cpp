@@ -287,6 +287,11 @@ struct GpuPrepareStack::Impl {
   const int32_t* mf(MetaField f) const { return meta + static_cast<int64_t>(f) * o.max_rows; }
   const float* table(int L) const { return rope[lp(L).ratio > 0 ? 1 : 0]; }
   bf16_t* x(int L) const { return x_all + static_cast<int64_t>(L) * x_layer_stride; }
+  // The version run_gemm_fp8 runs for an m x n x k GEMM under o.gemm (kAuto / kSkinny resolve by shape).
+  kn::GemmVersion fp8_version(int m, int64_t n, int64_t k) const {
+    return o.gemm == kn::GemmVersion::kAuto || o.gemm == kn::GemmVersion::kSkinny ? kn::best_fp8_gemm_version(m, n, k)
+                                                                                    : o.gemm;
+  }
   // The bf16 / fp32 GEMMs' version: gemm_small unless it is kAuto, then the cycle's version.
   kn::GemmVersion small_gemm() const { return o.gemm_small != kn::GemmVersion::kAuto ? o.gemm_small : o.gemm; }
 
@@ -664,41 +669,29 @@ void GpuPrepareStack::Impl::issue_cycle(int T) {
 
 void GpuPrepareStack::Impl::issue_qa(int L, int T, cudaStream_t s) {
   const LayerWeightsDev& d = w[static_cast<size_t>(L)];
+  kn::Fp8GemmParams g;
   // fuse_x_quant: when the QA GEMM runs v3 and its plan holds a CTA's whole K range, v3 quantises x
   // itself (the same bytes as act quant + v3), which takes the act-quant launch off the main lane.
-  kn::GemmVersion qa_version = o.gemm;
-  if (qa_version == kn::GemmVersion::kAuto || qa_version == kn::GemmVersion::kSkinny)
-    qa_version = kn::best_fp8_gemm_version(T, qkv_w, dim);
-  if (o.fuse_x_quant && qa_version == kn::GemmVersion::kWgmmaPipelined &&
+  if (o.fuse_x_quant && fp8_version(T, qkv_w, dim) == kn::GemmVersion::kWgmmaPipelined &&
       kn::gemm_v3_fused_quant_supported(T, qkv_w, dim)) {
-    kn::Fp8GemmParams g;
     g.a_bf16 = x(L);
     g.a_bf16_stride = dim;
-    g.w = d.wqkv_a;
-    g.w_scale = d.wqkv_a_s;
-    g.out = qkv_a;
-    g.out_stride = qkv_w;
-    g.m = T;
-    g.n = qkv_w;
-    g.k = dim;
-    kn::run_gemm_fp8_fused_quant(g, qa_version, s, pdl_rest());
-    return;
+  } else {
+    kn::ActQuantParams a;
+    a.x = x(L);
+    a.x_stride = dim;
+    a.q = xq;
+    a.q_stride = dim;
+    a.scale = xs;
+    a.scale_stride = dim / 32;
+    a.m = T;
+    a.k = dim;
+    kn::run_act_quant_fp8(a, s, pdl_rest());
+    g.a_q = xq;
+    g.a_stride = dim;
+    g.a_scale = xs;
+    g.a_scale_stride = dim / 32;
   }
-  kn::ActQuantParams a;
-  a.x = x(L);
-  a.x_stride = dim;
-  a.q = xq;
-  a.q_stride = dim;
-  a.scale = xs;
-  a.scale_stride = dim / 32;
-  a.m = T;
-  a.k = dim;
-  kn::run_act_quant_fp8(a, s, pdl_rest());
-  kn::Fp8GemmParams g;
-  g.a_q = xq;
-  g.a_stride = dim;
-  g.a_scale = xs;
-  g.a_scale_stride = dim / 32;
   g.w = d.wqkv_a;
   g.w_scale = d.wqkv_a_s;
   g.out = qkv_a;
@@ -742,16 +735,15 @@ void GpuPrepareStack::Impl::issue_qb(int L, int T, cudaStream_t s) {
   g.n = static_cast<int64_t>(H) * kHd;
   g.k = q_rank;
   // fuse_rope_store: the GEMM writes q_pad itself with the RoPE applied (v2 epilogue; same bytes).
-  const kn::GemmVersion qb_version =
-      o.gemm == kn::GemmVersion::kAuto ? kn::best_fp8_gemm_version(T, g.n, g.k) : o.gemm;
-  if (o.fuse_rope_store && qb_version == kn::GemmVersion::kWgmma && kn::gemm_v2_rope_store_supported(T, g.n, g.k)) {
+  if (o.fuse_rope_store && fp8_version(T, g.n, g.k) == kn::GemmVersion::kWgmma &&
+      kn::gemm_v2_rope_store_supported(T, g.n, g.k)) {
     g.out = q_pad[static_cast<size_t>(L)];
     g.out_stride = static_cast<int64_t>(H_pad) * kHd;
     g.rope_pos = mf(kMPos);
     g.rope_table = table(L);
     g.rope_max_pos = max_pos;
     g.rope_err = err.get();
-    kn::run_gemm_fp8_rope_store(g, s, pdl_rest());
+    kn::run_gemm_fp8(g, ws_for(s), o.gemm, s, pdl_rest());
     return;
   }
   kn::run_gemm_fp8(g, ws_for(s), o.gemm, s, pdl_rest());
