@@ -430,60 +430,70 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
     bool pdl_everywhere = false;
     bool idx_gemm_on_main = false;
     int select_version = 3;
+    int select_cluster = 0;
     int scores_group_rows = 0;
     int scores_steps = 0;
-    int side_priority = 0;
     int scores_row_split = 0;
+    int scores_min_blocks = 0;
+    int side_priority = 0;
     bool qnorm_trigger_late = false;
     bool idx_scores_on_main = false;
-    int scores_min_blocks = 0;
-    bool fuse_rope_store = false;
+    kernels::GemmVersion gemm_small = kernels::GemmVersion::kAuto;
   };
+  using SF = LayerIssue::SFork;
   std::vector<Config> configs;
   for (Schedule sched : kAllSchedules)
     for (bool graph : {false, true})
       for (bool pdl : {false, true}) configs.push_back({sched, graph, pdl});
   // The lanes' experiment knobs must not change bytes either.
-  configs.push_back({Schedule::kThreeLane, true, true, LayerIssue::SFork::kAfterQNorm});
-  configs.push_back({Schedule::kThreeLane, true, true, LayerIssue::SFork::kIdxOnKWithoutCmp});
-  configs.push_back({Schedule::kThreeLane, true, true, LayerIssue::SFork::kAtLayerStart, true});
-  configs.push_back({Schedule::kSourcesSide, false, true, LayerIssue::SFork::kAtLayerStart, true});
+  configs.push_back({.schedule = Schedule::kThreeLane, .graph = true, .pdl = true, .s_fork = SF::kAfterQNorm});
+  configs.push_back({.schedule = Schedule::kThreeLane, .graph = true, .pdl = true, .s_fork = SF::kIdxOnKWithoutCmp});
+  configs.push_back({.schedule = Schedule::kThreeLane, .graph = true, .pdl = true, .lane_prologue = true});
+  configs.push_back({.schedule = Schedule::kSourcesSide, .graph = false, .pdl = true, .lane_prologue = true});
   // The indexer's GEMMs on lane K (cross-lane event to S), eager and in graph, and on a schedule
   // without lane K (where they run right before the rest of IDX).
-  configs.push_back({Schedule::kThreeLane, true, true, LayerIssue::SFork::kIdxGemmsOnK});
-  configs.push_back({Schedule::kThreeLane, false, true, LayerIssue::SFork::kIdxGemmsOnK});
-  configs.push_back({Schedule::kSourcesSide, true, true, LayerIssue::SFork::kIdxGemmsOnK});
+  configs.push_back({.schedule = Schedule::kThreeLane, .graph = true, .pdl = true, .s_fork = SF::kIdxGemmsOnK});
+  configs.push_back({.schedule = Schedule::kThreeLane, .graph = false, .pdl = true, .s_fork = SF::kIdxGemmsOnK});
+  configs.push_back({.schedule = Schedule::kSourcesSide, .graph = true, .pdl = true, .s_fork = SF::kIdxGemmsOnK});
   // PDL on every kernel of the cycle, eager and in graphs, on every schedule.
   for (Schedule sched : kAllSchedules)
-    for (bool graph : {false, true}) configs.push_back({sched, graph, true, LayerIssue::SFork::kAtLayerStart, false, true});
-  // Session-2 knobs: the indexer's GEMM on main (eager, graph, serial), the v2 selection kernels,
-  // other scores launch shapes, high-priority side lanes.
-  configs.push_back({Schedule::kThreeLane, true, true, LayerIssue::SFork::kAtLayerStart, false, true, true});
-  configs.push_back({Schedule::kThreeLane, false, true, LayerIssue::SFork::kAtLayerStart, false, true, true});
-  configs.push_back({Schedule::kSerial, true, true, LayerIssue::SFork::kAtLayerStart, false, true, true});
-  configs.push_back({Schedule::kThreeLane, true, true, LayerIssue::SFork::kAtLayerStart, false, true, false, 2});
-  configs.push_back({Schedule::kThreeLane, true, true, LayerIssue::SFork::kAtLayerStart, false, true, false, 3, 2, 1});
-  configs.push_back({Schedule::kThreeLane, true, true, LayerIssue::SFork::kAtLayerStart, false, true, false, 3, 1, 4, -5});
-  configs.push_back({Schedule::kThreeLane, true, true, LayerIssue::SFork::kAtLayerStart, false, true, false, 3, 0, 0, 0, 1});
-  configs.push_back({Schedule::kThreeLane, true, true, LayerIssue::SFork::kAtLayerStart, false, true, true, 3, 0, 0, 0, 0, true});
-  for (Schedule sched : kAllSchedules)  // q pack + scores on main in the reindex layers, eager and graph
-    for (bool graph : {false, true})
-      configs.push_back({sched, graph, true, LayerIssue::SFork::kAtLayerStart, false, true, true, 3, 0, 0, 0, 0, false, true});
-  configs.push_back({Schedule::kThreeLane, true, true, LayerIssue::SFork::kAtLayerStart, false, true, true, 3, 0, 0, 0, 0, false, false, 4});
+    for (bool graph : {false, true}) configs.push_back({.schedule = sched, .graph = graph, .pdl = true, .pdl_everywhere = true});
+  // Session-2 knobs, each against the first configuration: the indexer's GEMM on main (eager, graph,
+  // serial), the v2 selection kernels, a fixed v3 cluster size, other scores launch shapes, high-
+  // priority side lanes, the late q_norm trigger, q pack + scores on main in the reindex layers,
+  // the skinny bf16 / fp32 GEMMs. `with`: a three-lane graph cycle with PDL everywhere unless given.
+  const auto with = [&](const std::function<void(Config&)>& edit, Schedule sched = Schedule::kThreeLane, bool graph = true) {
+    Config c{.schedule = sched, .graph = graph, .pdl = true, .pdl_everywhere = true};
+    edit(c);
+    configs.push_back(c);
+  };
+  with([](Config& c) { c.idx_gemm_on_main = true; });
+  with([](Config& c) { c.idx_gemm_on_main = true; }, Schedule::kThreeLane, false);
+  with([](Config& c) { c.idx_gemm_on_main = true; }, Schedule::kSerial);
+  with([](Config& c) { c.select_version = 2; });
+  with([](Config& c) { c.select_cluster = 4; });
+  with([](Config& c) { c.scores_group_rows = 2, c.scores_steps = 1; });
+  with([](Config& c) { c.scores_group_rows = 1, c.scores_steps = 4, c.side_priority = -5; });
+  with([](Config& c) { c.scores_row_split = 1; });
+  with([](Config& c) { c.scores_min_blocks = 4; });
+  with([](Config& c) { c.idx_gemm_on_main = true, c.qnorm_trigger_late = true; });
+  for (Schedule sched : kAllSchedules)
+    for (bool graph : {false, true}) with([](Config& c) { c.idx_gemm_on_main = c.idx_scores_on_main = true; }, sched, graph);
+  with([](Config& c) { c.gemm_small = kernels::GemmVersion::kSkinny; });
 
   std::vector<Snapshot> first;  // per step, of the first configuration
   std::string first_name;
   int n_configs = 0;
   for (const Config& c : configs) {
-    const std::string name = std::string(to_string(c.schedule)) + (c.graph ? " graph" : " eager") +
-                             (c.pdl ? " pdl" : " no-pdl") + " s_fork " + std::to_string(static_cast<int>(c.s_fork)) +
-                             (c.lane_prologue ? " lane-prologue" : "") + (c.pdl_everywhere ? " pdl-everywhere" : "") +
-                             (c.idx_gemm_on_main ? " idx-gemm-main" : "") + " select v" + std::to_string(c.select_version) +
-                             " scores g" + std::to_string(c.scores_group_rows) + " s" + std::to_string(c.scores_steps) +
-                             " side-priority " + std::to_string(c.side_priority) + " row-split " +
-                             std::to_string(c.scores_row_split) + (c.qnorm_trigger_late ? " qnorm-late" : "") +
-                             (c.idx_scores_on_main ? " idx-scores-main" : "") + " scores-mb " +
-                             std::to_string(c.scores_min_blocks) + (c.fuse_rope_store ? " fused-rope" : "");
+    const std::string name =
+        std::string(to_string(c.schedule)) + (c.graph ? " graph" : " eager") + (c.pdl ? " pdl" : " no-pdl") +
+        " s_fork " + std::to_string(static_cast<int>(c.s_fork)) + (c.lane_prologue ? " lane-prologue" : "") +
+        (c.pdl_everywhere ? " pdl-everywhere" : "") + (c.idx_gemm_on_main ? " idx-gemm-main" : "") + " select v" +
+        std::to_string(c.select_version) + " cluster " + std::to_string(c.select_cluster) + " scores g" +
+        std::to_string(c.scores_group_rows) + " s" + std::to_string(c.scores_steps) + " rs" +
+        std::to_string(c.scores_row_split) + " mb" + std::to_string(c.scores_min_blocks) + " side-priority " +
+        std::to_string(c.side_priority) + (c.qnorm_trigger_late ? " qnorm-late" : "") +
+        (c.idx_scores_on_main ? " idx-scores-main" : "") + " gemm-small " + kernels::gemm_version_name(c.gemm_small);
     SCOPED_TRACE(name);
     // A fresh stack per configuration: the device inputs of padded rows depend on the step count.
     go.schedule = c.schedule;
@@ -500,7 +510,8 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
     go.qnorm_trigger_late = c.qnorm_trigger_late;
     go.idx_scores_on_main = c.idx_scores_on_main;
     go.scores_min_blocks = c.scores_min_blocks;
-    go.fuse_rope_store = c.fuse_rope_store;
+    go.select_cluster = c.select_cluster;
+    go.gemm_small = c.gemm_small;
     GpuPrepareStack gpu(plan, go);
     gpu.prefill_device_random(ctx);
     for (int step = 0; step < 2; ++step) {
