@@ -251,34 +251,15 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
   if (c.context < 0) throw UsageError("--context must be >= 0");
   const StepKind kind = c.verify ? StepKind::kVerify : StepKind::kDecode;
 
-  GpuStackOptions so;
+  GpuStackOptions so = c.knobs;
   so.n_requests = c.bs;
   so.max_context = std::max(c.context + v, 2);  // the step writes positions context .. context + v - 1
   so.rows_per_request = v;
   so.max_rows = rows;
-  so.fuse_x_quant = c.fuse_x_quant;
   so.decode_buckets = {rows};  // exactly the step's rows: no padded rows in the measurement
   so.verify_buckets = {rows};
   so.schedule = c.schedules.front();
-  so.s_fork = c.s_fork;
-  so.lane_prologue = c.lane_prologue;
-  so.scores_group_rows = c.scores_group_rows;
-  so.scores_steps = c.scores_steps;
-  so.scores_row_split = c.scores_row_split;
-  so.scores_min_blocks = c.scores_min_blocks;
-  so.side_priority = c.side_priority;
-  so.select_version = c.select_version;
-  so.gemm_small = c.gemm_small;
-  so.idx_gemm_on_main = c.idx_gemm_on_main;
-  so.select_cluster = c.select_cluster;
-  so.qnorm_trigger_late = c.qnorm_trigger_late;
-  so.idx_scores_on_main = c.idx_scores_on_main;
-  so.fuse_rope_store = c.fuse_rope_store;
-  so.pdl = c.pdl;
-  so.pdl_everywhere = c.pdl_everywhere;
-  so.gemm = c.gemm;
   so.weights = prepare::WeightSource::kDeviceRandom;
-  so.seed = c.seed;
   so.progress = [&progress](const std::string& line) { progress << "[bench] " << line << std::endl; };
 
   cudaDeviceProp prop{};
@@ -296,8 +277,8 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
       << plan.parallel.tp << " (" << stack.local_heads() << " heads, " << stack.index_heads() << " index heads)\n";
   out << (c.verify ? "verify" : "decode") << " step: bs " << c.bs << " x " << v << " row" << (v > 1 ? "s" : "") << " = "
       << info.rows << " rows at context " << c.context << "; " << (c.graph ? "CUDA graph replay" : "eager launches")
-      << ", PDL " << (c.pdl ? (c.pdl_everywhere ? "all" : "on") : "off") << ", GEMM " << kernels::gemm_version_name(c.gemm) << ", S fork "
-      << s_fork_name(c.s_fork) << (c.lane_prologue ? ", lane prologue" : "") << "\n";
+      << ", PDL " << (c.knobs.pdl ? (c.knobs.pdl_everywhere ? "all" : "on") : "off") << ", GEMM " << kernels::gemm_version_name(c.knobs.gemm) << ", S fork "
+      << s_fork_name(c.knobs.s_fork) << (c.knobs.lane_prologue ? ", lane prologue" : "") << "\n";
   out << "device memory: " << fmt("%.2f", static_cast<double>(stack.device_bytes()) / 1e9) << " GB ("
       << fmt("%.2f", static_cast<double>(stack.weight_bytes()) / 1e9) << " GB weights, device-random)\n";
 
@@ -361,25 +342,25 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
     j["rows"] = info.rows;
     j["context"] = c.context;
     j["graph"] = c.graph;
-    j["pdl"] = c.pdl;
-    j["pdl_everywhere"] = c.pdl_everywhere;
-    j["fuse_x_quant"] = c.fuse_x_quant;
-    j["gemm"] = kernels::gemm_version_name(c.gemm);
-    j["s_fork"] = s_fork_name(c.s_fork);
-    j["lane_prologue"] = c.lane_prologue;
-    j["scores_group_rows"] = c.scores_group_rows;
-    j["scores_steps"] = c.scores_steps;
-    j["scores_row_split"] = c.scores_row_split;
-    j["scores_min_blocks"] = c.scores_min_blocks;
-    j["side_priority"] = c.side_priority;
-    j["select_version"] = c.select_version;
-    j["gemm_small"] = kernels::gemm_version_name(c.gemm_small);
-    j["idx_gemm_on_main"] = c.idx_gemm_on_main;
-    j["select_cluster"] = c.select_cluster;
-    j["qnorm_trigger_late"] = c.qnorm_trigger_late;
-    j["idx_scores_on_main"] = c.idx_scores_on_main;
-    j["fuse_rope_store"] = c.fuse_rope_store;
-    j["seed"] = c.seed;
+    j["pdl"] = c.knobs.pdl;
+    j["pdl_everywhere"] = c.knobs.pdl_everywhere;
+    j["fuse_x_quant"] = c.knobs.fuse_x_quant;
+    j["gemm"] = kernels::gemm_version_name(c.knobs.gemm);
+    j["s_fork"] = s_fork_name(c.knobs.s_fork);
+    j["lane_prologue"] = c.knobs.lane_prologue;
+    j["scores_group_rows"] = c.knobs.scores_group_rows;
+    j["scores_steps"] = c.knobs.scores_steps;
+    j["scores_row_split"] = c.knobs.scores_row_split;
+    j["scores_min_blocks"] = c.knobs.scores_min_blocks;
+    j["side_priority"] = c.knobs.side_priority;
+    j["select_version"] = c.knobs.select_version;
+    j["gemm_small"] = kernels::gemm_version_name(c.knobs.gemm_small);
+    j["idx_gemm_on_main"] = c.knobs.idx_gemm_on_main;
+    j["select_cluster"] = c.knobs.select_cluster;
+    j["qnorm_trigger_late"] = c.knobs.qnorm_trigger_late;
+    j["idx_scores_on_main"] = c.knobs.idx_scores_on_main;
+    j["fuse_rope_store"] = c.knobs.fuse_rope_store;
+    j["seed"] = c.knobs.seed;
     j["device_bytes"] = stack.device_bytes();
     j["weight_bytes"] = stack.weight_bytes();
     nlohmann::ordered_json sched = nlohmann::ordered_json::array();
@@ -530,36 +511,36 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       c.warmup = o->warmup;
       c.trace_cycles = o->trace_cycles;
       c.graph = !o->eager;
-      c.pdl = o->pdl != "off";
-      c.pdl_everywhere = o->pdl == "all";
-      c.fuse_x_quant = o->fuse_x_quant;
-      c.gemm = o->gemm == "simple" ? kernels::GemmVersion::kSimple
+      c.knobs.pdl = o->pdl != "off";
+      c.knobs.pdl_everywhere = o->pdl == "all";
+      c.knobs.fuse_x_quant = o->fuse_x_quant;
+      c.knobs.gemm = o->gemm == "simple" ? kernels::GemmVersion::kSimple
                : o->gemm == "tc"   ? kernels::GemmVersion::kTensorCore
                : o->gemm == "wgmma-pipelined" ? kernels::GemmVersion::kWgmmaPipelined
                : o->gemm == "wgmma" ? kernels::GemmVersion::kWgmma
                : o->gemm == "skinny" ? kernels::GemmVersion::kSkinny
                                    : kernels::GemmVersion::kAuto;
-      c.s_fork = o->s_fork == "after-q-norm"     ? LayerIssue::SFork::kAfterQNorm
+      c.knobs.s_fork = o->s_fork == "after-q-norm"     ? LayerIssue::SFork::kAfterQNorm
                  : o->s_fork == "idx-on-k"       ? LayerIssue::SFork::kIdxOnKWithoutCmp
                  : o->s_fork == "idx-gemms-on-k" ? LayerIssue::SFork::kIdxGemmsOnK
                                              : LayerIssue::SFork::kAtLayerStart;
-      c.lane_prologue = o->lane_prologue;
-      c.scores_group_rows = o->scores_group_rows;
-      c.scores_steps = o->scores_steps;
-      c.scores_row_split = o->scores_row_split;
-      c.scores_min_blocks = o->scores_min_blocks;
-      c.side_priority = o->side_priority;
-      c.select_version = o->select == "v2" ? 2 : 3;
+      c.knobs.lane_prologue = o->lane_prologue;
+      c.knobs.scores_group_rows = o->scores_group_rows;
+      c.knobs.scores_steps = o->scores_steps;
+      c.knobs.scores_row_split = o->scores_row_split;
+      c.knobs.scores_min_blocks = o->scores_min_blocks;
+      c.knobs.side_priority = o->side_priority;
+      c.knobs.select_version = o->select == "v2" ? 2 : 3;
       // The lane-K placement of the indexer's GEMMs excludes the main-lane one.
-      c.idx_gemm_on_main = !o->no_idx_gemm_main && o->s_fork != "idx-gemms-on-k";
-      c.select_cluster = o->select_cluster;
-      c.qnorm_trigger_late = o->qnorm_trigger_late;
-      c.idx_scores_on_main = o->idx_scores_main && c.idx_gemm_on_main;
-      c.fuse_rope_store = o->fuse_rope_store;
-      c.gemm_small = o->gemm_small == "tc"       ? kernels::GemmVersion::kTensorCore
+      c.knobs.idx_gemm_on_main = !o->no_idx_gemm_main && o->s_fork != "idx-gemms-on-k";
+      c.knobs.select_cluster = o->select_cluster;
+      c.knobs.qnorm_trigger_late = o->qnorm_trigger_late;
+      c.knobs.idx_scores_on_main = o->idx_scores_main && c.knobs.idx_gemm_on_main;
+      c.knobs.fuse_rope_store = o->fuse_rope_store;
+      c.knobs.gemm_small = o->gemm_small == "tc"       ? kernels::GemmVersion::kTensorCore
                      : o->gemm_small == "skinny" ? kernels::GemmVersion::kSkinny
                                                  : kernels::GemmVersion::kAuto;
-      c.seed = o->seed;
+      c.knobs.seed = o->seed;
       c.json_path = o->json_path;
       c.trace_path = o->trace_path;
       // Usage and config errors first (exit 2 from main), then the GPU.

@@ -66,8 +66,8 @@ bool run_main_gpu(const MainOptions& options, std::ostream& out) {
   c.warmup = 3;
   c.trace_cycles = 3;
   c.graph = true;
-  c.pdl = true;
-  c.seed = o.seed;
+  c.knobs.pdl = true;
+  c.knobs.seed = o.seed;
   c.json_path = o.json_path;
   bench_rows(c, load_config(o.config_path));  // usage errors before anything runs
   out << "GPU path: the prepare stack of every backbone layer on the GPU (device-random weights, device prefill), "
