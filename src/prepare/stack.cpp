@@ -287,6 +287,20 @@ struct GpuPrepareStack::Impl {
   const int32_t* mf(MetaField f) const { return meta + static_cast<int64_t>(f) * o.max_rows; }
   const float* table(int L) const { return rope[lp(L).ratio > 0 ? 1 : 0]; }
   bf16_t* x(int L) const { return x_all + static_cast<int64_t>(L) * x_layer_stride; }
+  // out [m, n] = x [m, k] @ w [n, k]^T, dense rows, with the small-GEMM version on stream s.
+  void gemm_bf16_dense(const bf16_t* xin, const bf16_t* wt, bf16_t* out, int m, int64_t n, int64_t k,
+                       cudaStream_t s) const {
+    kn::Bf16GemmParams g;
+    g.x = xin;
+    g.x_stride = k;
+    g.w = wt;
+    g.out = out;
+    g.out_stride = n;
+    g.m = m;
+    g.n = n;
+    g.k = k;
+    kn::run_gemm_bf16(g, ws_for(s), small_gemm(), s, pdl_rest());
+  }
   // The version run_gemm_fp8 runs for an m x n x k GEMM under o.gemm (kAuto / kSkinny resolve by shape).
   kn::GemmVersion fp8_version(int m, int64_t n, int64_t k) const {
     return o.gemm == kn::GemmVersion::kAuto || o.gemm == kn::GemmVersion::kSkinny ? kn::best_fp8_gemm_version(m, n, k)
@@ -785,18 +799,8 @@ void GpuPrepareStack::Impl::issue_cmp(int L, int T, cudaStream_t s) {
   const LayerWeightsDev& d = w[static_cast<size_t>(L)];
   const int r = lp(L).ratio;
   const size_t i = static_cast<size_t>(L);
-  const kn::GemmWorkspace& wsp = ws_for(s);
   if (r == 1) {
-    kn::Bf16GemmParams g;
-    g.x = x(L);
-    g.x_stride = dim;
-    g.w = d.wkv_c;
-    g.out = proj;
-    g.out_stride = kHd;
-    g.m = T;
-    g.n = kHd;
-    g.k = dim;
-    kn::run_gemm_bf16(g, wsp, small_gemm(), s, pdl_rest());
+    gemm_bf16_dense(x(L), d.wkv_c, proj, T, kHd, dim, s);
     kn::C1FusedParams c;
     c.proj = proj;
     c.proj_row_stride = kHd;
@@ -850,16 +854,7 @@ void GpuPrepareStack::Impl::issue_cmp(int L, int T, cudaStream_t s) {
   }
   // Index keys from the latent BEFORE its RoPE. Ratio 2: rows completing no group have a stale
   // latent (the GEMM runs over all rows; their store is skipped by out_loc <= 0).
-  kn::Bf16GemmParams g;
-  g.x = latent;
-  g.x_stride = kHd;
-  g.w = d.wk;
-  g.out = kproj;
-  g.out_stride = kIdxHd;
-  g.m = T;
-  g.n = kIdxHd;
-  g.k = kHd;
-  kn::run_gemm_bf16(g, wsp, small_gemm(), s, pdl_rest());
+  gemm_bf16_dense(latent, d.wk, kproj, T, kIdxHd, kHd, s);
   kn::IndexKStoreParams k;
   k.kproj = kproj;
   k.kproj_row_stride = kIdxHd;
@@ -903,20 +898,8 @@ void GpuPrepareStack::Impl::issue_idx_gemms(int L, int T, cudaStream_t s) {
 }
 
 void GpuPrepareStack::Impl::issue_idx_x(int L, int T, cudaStream_t s) {
-  const LayerWeightsDev& d = w[static_cast<size_t>(L)];
-  const kn::GemmWorkspace& wsp = ws_for(s);
-  {
-    kn::Bf16GemmParams g;  // weights_proj(x), padded to wproj_rows outputs (zero rows)
-    g.x = x(L);
-    g.x_stride = dim;
-    g.w = d.wproj;
-    g.out = wproj_out;
-    g.out_stride = wproj_rows;
-    g.m = T;
-    g.n = wproj_rows;
-    g.k = dim;
-    kn::run_gemm_bf16(g, wsp, small_gemm(), s, pdl_rest());
-  }
+  // weights_proj(x), padded to wproj_rows outputs (zero rows)
+  gemm_bf16_dense(x(L), w[static_cast<size_t>(L)].wproj, wproj_out, T, wproj_rows, dim, s);
 }
 
 void GpuPrepareStack::Impl::issue_idx_rest(int L, int T, cudaStream_t s) {
