@@ -60,46 +60,12 @@ void expect_same_bytes(const std::vector<T>& got, const std::vector<T>& want, co
 // kPdlLate: the scores are written by a "late producer" that lets its dependents launch at once,
 // spins ~25 us, then copies the scores in; a kernel that reads them before griddepcontrol.wait
 // sees poison and fails the comparison.
-enum class Launch { kPlain, kPdl, kPdlLate };
-bool pdl_of(Launch m) { return m != Launch::kPlain; }
-const char* launch_name(Launch m) { return m == Launch::kPlain ? "plain" : (m == Launch::kPdl ? "pdl" : "pdl-late"); }
-
-__global__ void late_copy_kernel(const uint4* src, uint4* dst, long long n16, long long spin_cycles) {
-  dev::pdl_launch_dependents();
-  const long long t0 = clock64();
-  while (clock64() - t0 < spin_cycles) {
-  }
-  for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < n16;
-       i += static_cast<long long>(gridDim.x) * blockDim.x)
-    dst[i] = src[i];
-}
-
-struct TestStream {
-  cudaStream_t s = nullptr;
-  TestStream() {
-    V4_CUDA_CHECK(cudaDeviceSynchronize());
-    V4_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  }
-  ~TestStream() {
-    cudaStreamSynchronize(s);
-    cudaStreamDestroy(s);
-  }
-  TestStream(const TestStream&) = delete;
-  TestStream& operator=(const TestStream&) = delete;
-};
-
+using test_util::Launch;
+using test_util::launch_name;
+using test_util::pdl_of;
+using test_util::TestStream;
 void late_feed(Launch mode, DeviceBuffer<float>& input, DeviceBuffer<float>& staging, cudaStream_t s) {
-  if (mode != Launch::kPdlLate) return;
-  ASSERT_EQ(input.bytes() % 16, 0u) << "late inputs are copied in 16-byte units";
-  staging.resize(input.size());
-  V4_CUDA_CHECK(cudaMemcpyAsync(staging.get(), input.get(), input.bytes(), cudaMemcpyDeviceToDevice, s));
-  V4_CUDA_CHECK(cudaMemsetAsync(input.get(), kPoison, input.bytes(), s));
-  LaunchConfig cfg;
-  cfg.grid = dim3(8, 1, 1);
-  cfg.block = dim3(256, 1, 1);
-  cfg.stream = s;
-  launch_kernel("late_copy", late_copy_kernel, cfg, reinterpret_cast<const uint4*>(staging.get()),
-                reinterpret_cast<uint4*>(input.get()), static_cast<long long>(input.bytes() / 16), 50000LL);
+  test_util::late_feed(mode, input, staging, kPoison, s);
 }
 
 // ---- inputs -------------------------------------------------------------------------------------

@@ -141,35 +141,13 @@ std::vector<T> poisoned_host(size_t n) {
   return h;
 }
 
-// The late producer: triggers its dependents first, spins ~25 us, then copies src -> dst. A PDL
-// kernel launched right after it starts early and only griddepcontrol.wait keeps it from reading
-// dst before the copy.
-__global__ void late_copy_kernel(const uint4* src, uint4* dst, long long n16, long long spin_cycles) {
-  dev::pdl_launch_dependents();
-  const long long t0 = clock64();
-  while (clock64() - t0 < spin_cycles) {
-  }
-  for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < n16;
-       i += static_cast<long long>(gridDim.x) * blockDim.x)
-    dst[i] = src[i];
-}
-
-// Puts the kernel input `bytes` from `staging` into `input`: plain mode copies it (stream order);
-// PDL mode poisons `input` and queues the late producer, after which the caller launches with pdl.
 void feed_input(Mode m, const void* staging, void* input, size_t bytes, cudaStream_t s) {
   ASSERT_EQ(bytes % 16, 0u);
   if (m == Mode::kPlain) {
     V4_CUDA_CHECK(cudaMemcpyAsync(input, staging, bytes, cudaMemcpyDeviceToDevice, s));
     return;
   }
-  V4_CUDA_CHECK(cudaMemsetAsync(input, kPoison, bytes, s));
-  LaunchConfig cfg;
-  cfg.grid = dim3(8, 1, 1);
-  cfg.block = dim3(256, 1, 1);
-  cfg.stream = s;
-  cfg.pdl = false;
-  launch_kernel("late_copy", late_copy_kernel, cfg, static_cast<const uint4*>(staging), static_cast<uint4*>(input),
-                static_cast<long long>(bytes / 16), 50000LL);
+  test_util::queue_late_producer(staging, input, bytes, kPoison, s);  // PDL: poisoned until the late copy
 }
 
 // Byte comparison with the first mismatch and the count in the message.
