@@ -438,7 +438,6 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
     int side_priority = 0;
     bool qnorm_trigger_late = false;
     bool idx_scores_on_main = false;
-    kernels::GemmVersion gemm_small = kernels::GemmVersion::kAuto;
   };
   using SF = LayerIssue::SFork;
   std::vector<Config> configs;
@@ -460,8 +459,10 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
     for (bool graph : {false, true}) configs.push_back({.schedule = sched, .graph = graph, .pdl = true, .pdl_everywhere = true});
   // Session-2 knobs, each against the first configuration: the indexer's GEMM on main (eager, graph,
   // serial), the v2 selection kernels, a fixed v3 cluster size, other scores launch shapes, high-
-  // priority side lanes, the late q_norm trigger, q pack + scores on main in the reindex layers,
-  // the skinny bf16 / fp32 GEMMs. `with`: a three-lane graph cycle with PDL everywhere unless given.
+  // priority side lanes, the late q_norm trigger, q pack + scores on main in the reindex layers.
+  // (Not the GEMM versions: another GEMM version may move rare outputs by the GEMM contract's ulp,
+  // e.g. v5's fp32 compressor GEMM changes pair-state bytes; those are tested per GEMM against the
+  // reference.) `with`: a three-lane graph cycle with PDL everywhere unless given.
   const auto with = [&](const std::function<void(Config&)>& edit, Schedule sched = Schedule::kThreeLane, bool graph = true) {
     Config c{.schedule = sched, .graph = graph, .pdl = true, .pdl_everywhere = true};
     edit(c);
@@ -479,7 +480,6 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
   with([](Config& c) { c.idx_gemm_on_main = true, c.qnorm_trigger_late = true; });
   for (Schedule sched : kAllSchedules)
     for (bool graph : {false, true}) with([](Config& c) { c.idx_gemm_on_main = c.idx_scores_on_main = true; }, sched, graph);
-  with([](Config& c) { c.gemm_small = kernels::GemmVersion::kSkinny; });
 
   std::vector<Snapshot> first;  // per step, of the first configuration
   std::string first_name;
@@ -493,7 +493,7 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
         std::to_string(c.scores_group_rows) + " s" + std::to_string(c.scores_steps) + " rs" +
         std::to_string(c.scores_row_split) + " mb" + std::to_string(c.scores_min_blocks) + " side-priority " +
         std::to_string(c.side_priority) + (c.qnorm_trigger_late ? " qnorm-late" : "") +
-        (c.idx_scores_on_main ? " idx-scores-main" : "") + " gemm-small " + kernels::gemm_version_name(c.gemm_small);
+        (c.idx_scores_on_main ? " idx-scores-main" : "");
     SCOPED_TRACE(name);
     // A fresh stack per configuration: the device inputs of padded rows depend on the step count.
     go.schedule = c.schedule;
@@ -511,7 +511,6 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
     go.idx_scores_on_main = c.idx_scores_on_main;
     go.scores_min_blocks = c.scores_min_blocks;
     go.select_cluster = c.select_cluster;
-    go.gemm_small = c.gemm_small;
     GpuPrepareStack gpu(plan, go);
     gpu.prefill_device_random(ctx);
     for (int step = 0; step < 2; ++step) {
