@@ -291,6 +291,7 @@ struct Env {
   int reps = 50;
   std::vector<int> v3_masks = {-1, 0, 15};  // v3 rows: Fp8GemmParams::v3_int_mask per row (-1 = default)
   int force_splits = 0, force_mtiles = 0, force_stages = 0;  // v1 / v2 plan overrides (0 = automatic)
+  int v2_overlap = -1, prewait_stages = -1;                   // Fp8GemmParams tuning fields (-1 = default)
   bool run_v0 = true, run_peer = true, run_graph = true;
   int graph_launches = 20;
   cudaStream_t stream = nullptr;
@@ -424,6 +425,8 @@ void bench_fp8(const Shape& sh, const std::vector<int>& ms, Env& env, std::vecto
     gp.force_splits = env.force_splits;
     gp.force_mtiles = env.force_mtiles;
     gp.force_stages = env.force_stages;
+    gp.v2_overlap = env.v2_overlap;
+    gp.prewait_stages = env.prewait_stages;
     const kn::GemmWorkspace ws = workspace(env, m, n, k, 1);
     kn::init_gemm_workspace(ws, env.stream);
     auto gemm = [&](kn::GemmVersion v, int v3_mask = -1) -> Launch {
@@ -770,6 +773,12 @@ int main(int argc, char** argv) {
   app.add_option("--mtiles", env.force_mtiles, "v1: force 1 or 2 m16 tiles per warp; v2, v3: 1 or 2 m64 tiles per warpgroup; v5 bf16: 1 or 2 m16 tiles per CTA (0 = automatic)")
       ->check(CLI::Range(0, 2));
   app.add_option("--stages", env.force_stages, "v2, v3: at most this many TMA ring stages (0 = automatic)")->check(CLI::Range(0, 8));
+  app.add_option("--v2-overlap", env.v2_overlap,
+                 "v2 consumer loop: 0 one K block at a time, 1 widening overlapped, 2 fully pipelined (m <= 32), -1 default")
+      ->check(CLI::Range(-1, 2));
+  app.add_option("--prewait-stages", env.prewait_stages,
+                 "v2: weight stages fetched before the PDL wait (-1 = the whole first ring fill)")
+      ->check(CLI::Range(-1, 8));
   app.add_option("--v3-masks", env.v3_masks,
                  "v3 rows: one per integer-widening mask (-1 = default 0b1010, 0 = all cvt, 15 = all integer; bit j = "
                  "block j of each 4-block stage)")

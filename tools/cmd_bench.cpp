@@ -220,6 +220,8 @@ struct BenchCliOptions {
   bool no_idx_gemm_main = false;
   int select_cluster = 0;
   bool qnorm_trigger_late = false;
+  int qb_prewait_stages = -1;
+  int qb_overlap = -1;
   bool idx_scores_main = false;
   bool fuse_rope_store = false;
   uint64_t seed = 1;
@@ -358,6 +360,8 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
     j["idx_gemm_on_main"] = c.knobs.idx_gemm_on_main;
     j["select_cluster"] = c.knobs.select_cluster;
     j["qnorm_trigger_late"] = c.knobs.qnorm_trigger_late;
+    j["qb_prewait_stages"] = c.knobs.qb_prewait_stages;
+    j["qb_overlap"] = c.knobs.qb_overlap;
     j["idx_scores_on_main"] = c.knobs.idx_scores_on_main;
     j["fuse_rope_store"] = c.knobs.fuse_rope_store;
     j["seed"] = c.knobs.seed;
@@ -484,6 +488,15 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
                 "Reindex layers: weights_proj, q pack and the indexer scores on main before the wq_b GEMM (experiment knob)");
   sub->add_flag("--qnorm-trigger-late", o->qnorm_trigger_late,
                 "q_norm lets the wq_b GEMM launch only after its last store (experiment knob)");
+  sub->add_option("--qb-prewait-stages", o->qb_prewait_stages,
+                  "wq_b GEMM: weight stages fetched before its PDL wait (-1: its whole first ring fill; tuning knob)")
+      ->check(CLI::Range(-1, 8))
+      ->capture_default_str();
+  sub->add_option("--qb-overlap", o->qb_overlap,
+                  "wq_b GEMM (v2) consumer loop: 0 one K block at a time, 1 widening overlapped, 2 fully pipelined "
+                  "(m <= 32), -1 default (tuning knob)")
+      ->check(CLI::Range(-1, 2))
+      ->capture_default_str();
   sub->add_option("--select-cluster", o->select_cluster,
                   "Selection v3: CTAs per row (thread-block cluster size) 1, 2, 4, 8 or 16; 0: automatic")
       ->check(CLI::IsMember({0, 1, 2, 4, 8, 16}))
@@ -535,6 +548,8 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       c.knobs.idx_gemm_on_main = !o->no_idx_gemm_main && o->s_fork != "idx-gemms-on-k";
       c.knobs.select_cluster = o->select_cluster;
       c.knobs.qnorm_trigger_late = o->qnorm_trigger_late;
+      c.knobs.qb_prewait_stages = o->qb_prewait_stages;
+      c.knobs.qb_overlap = o->qb_overlap;
       c.knobs.idx_scores_on_main = o->idx_scores_main && c.knobs.idx_gemm_on_main;
       c.knobs.fuse_rope_store = o->fuse_rope_store;
       c.knobs.gemm_small = o->gemm_small == "tc"       ? kernels::GemmVersion::kTensorCore

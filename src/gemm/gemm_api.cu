@@ -105,6 +105,8 @@ void run_gemm_fp8(const Fp8GemmParams& p, const GemmWorkspace& ws, GemmVersion v
   const bool rope = p.rope_table != nullptr || p.rope_pos != nullptr;
   if (fused_quant && version != GemmVersion::kWgmmaPipelined) fail(who, "a_bf16 needs GemmVersion::kWgmmaPipelined");
   if (rope && version != GemmVersion::kWgmma) fail(who, "the fused RoPE store (rope_table) needs GemmVersion::kWgmma");
+  if (p.prewait_stages < -1) fail(who, "prewait_stages must be >= -1 (-1: every stage of the first ring fill)");
+  if (p.v2_overlap < -1 || p.v2_overlap > 2) fail(who, "v2_overlap must be -1 (default), 0, 1 or 2");
   if (p.m == 0) return;
   check_nk(who, p.n, p.k);
   check_rows_groups(who, p.m, p.groups);

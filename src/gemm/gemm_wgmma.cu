@@ -83,6 +83,7 @@ using namespace hopper;
 
 constexpr int kWarpgroupThreads = 128;
 constexpr int kConsumerWarpgroups = 2;
+constexpr int kFullPipelineMaxNp = 32;  // v2_overlap 2: registers for a second block-sum set
 constexpr int kThreads = kWarpgroupThreads * (1 + kConsumerWarpgroups);  // 384
 constexpr int kConsumerThreads = kWarpgroupThreads * kConsumerWarpgroups;  // 256
 constexpr int kConverterThreads = 96;                                       // warps 1..3
@@ -141,6 +142,8 @@ struct WgmmaParams {
   int m = 0, n = 0, k_blocks = 0, splits = 1, tiles_n = 0;
   int stages = 0;            // ring depth (1..kMaxStages)
   int max_split_blocks = 0;  // ceil(k_blocks / splits): capacity of the scale arrays
+  int prewait_stages = 0;    // weight stages of the first ring fill issued before the PDL wait
+  int overlap = 1;           // consumer loop on full stages: 0 / 1 / 2 (Fp8GemmParams::v2_overlap)
   // kRope (run_gemm_fp8_rope_store): q_rope_store in the epilogue (S == 1 only).
   const int32_t* rope_pos = nullptr;  // [m]
   const float* rope_table = nullptr;  // [rope_max_pos, 64] (cos, sin) interleaved
@@ -183,6 +186,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
   const int nkb = kb_end - kb_begin;  // 1..msb
   const int n_iter = (nkb + kBlocksPerStage - 1) / kBlocksPerStage;
   const int prologue = min(ST, n_iter);
+  const int early = min(prologue, p.prewait_stages);  // weight stages issued before the PDL wait
 
   // ---- setup: barriers, first ring fill of weights (constant data: before the PDL wait) --------
   if (tid == 0) {
@@ -199,13 +203,13 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
     prefetch_tensormap(&p.tmap_x);
   }
   __syncthreads();
-  if (tid == 0) {
-    for (int it = 0; it < prologue; ++it) {
-      mbar_arrive_expect_tx(bar_full + 8u * it, kStageTx);
-      tma_load_3d(base + L.w + static_cast<uint32_t>(it * BN * kStageK), &p.tmap_w, bar_full + 8u * it,
-                  (kb_begin + it * kBlocksPerStage) * kGemmBlock, row0, grp);
-    }
-  }
+  auto issue_weight_stage = [&](int it) {
+    mbar_arrive_expect_tx(bar_full + 8u * it, kStageTx);
+    tma_load_3d(base + L.w + static_cast<uint32_t>(it * BN * kStageK), &p.tmap_w, bar_full + 8u * it,
+                (kb_begin + it * kBlocksPerStage) * kGemmBlock, row0, grp);
+  };
+  if (tid == 0)
+    for (int it = 0; it < early; ++it) issue_weight_stage(it);
   {  // weight scales of the tile's K range, decoded once (rows >= n: 0, never stored)
     const uint8_t* sw_g = p.w_scale + grp * p.w_scale_group_stride + static_cast<int64_t>(row0 / 32) * p.k_blocks + kb_begin;
     for (int i = tid; i < (BN / 32) * nkb; i += kThreads) {
@@ -217,6 +221,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
   dev::pdl_wait();  // activation codes and scales are the predecessor's output
 
   if (tid == 0) {
+    for (int it = early; it < prologue; ++it) issue_weight_stage(it);
     for (int it = 0; it < prologue; ++it)
       tma_load_3d(base + L.xc + static_cast<uint32_t>(it * NP * kStageK), &p.tmap_x, bar_full + 8u * it,
                   (kb_begin + it * kBlocksPerStage) * kGemmBlock, 0, grp);
@@ -302,12 +307,12 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
     const uint32_t w_slot = base + L.w + static_cast<uint32_t>(s * BN * kStageK);
     const uint32_t xf_slot = base + L.xf + static_cast<uint32_t>(x * NP * kStageK * 2);
     const int nb = min(kBlocksPerStage, nkb - it * kBlocksPerStage);
-#pragma unroll
-    for (int j = 0; j < kBlocksPerStage; ++j) {
-      if (j >= nb) break;  // uniform: only the CTA's last stage is partial
+    // The three steps of one K block j of this stage (b = it * 4 + j):
+    //  load: ldmatrix.x4 of the weight bytes, widened to the f16 A fragments; the weight scales;
+    //  issue: the two chained wgmmas per tile (the first with scale-d = 0: the block sum from zero);
+    //  fold: after the wait, acc += blocksum * (sa * sw), one rounding per block, blocks in order.
+    auto load_block = [&](int j, uint32_t (&a)[MT][2][4], float (&swv)[MT]) {
       const int b = it * kBlocksPerStage + j;
-      uint32_t a[MT][2][4];
-      float swv[MT];
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         const int row = (wgc * MT + mt) * 64 + ld_row;
@@ -324,6 +329,8 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
         a[mt][1][3] = e4m3x2_hi_to_f16x2(q[3]);
         swv[mt] = sw_s[((wgc * MT + mt) * 2 + (w >> 1)) * msb + b];
       }
+    };
+    auto issue_block = [&](int j, const uint32_t (&a)[MT][2][4], float (&d)[MT][R]) {
       const uint64_t desc0 = make_desc_sw128(xf_slot + static_cast<uint32_t>((j >> 1) * NP * kStageK + (j & 1) * 64));
       const uint64_t desc1 = desc0 + 2;  // + 32 bytes: the second 16 logical k of the block
       wgmma_fence();  // A fragments and accumulators were written by ordinary instructions
@@ -333,7 +340,9 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
         wgmma::WgmmaF16<NP>::mma(d[mt], a[mt][1], desc1, 1);
       }
       wgmma_commit();
-      wgmma_wait<0>();
+    };
+    auto fold_block = [&](int j, const float (&swv)[MT], float (&d)[MT][R]) {
+      const int b = it * kBlocksPerStage + j;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) fence_registers(d[mt]);
       // acc += blocksum * (sa * sw): sa * sw is a power of two (exact), one rounding per block.
@@ -348,6 +357,67 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
           acc[mt][4 * jj + 2] = __fmaf_rn(d[mt][4 * jj + 2], s0, acc[mt][4 * jj + 2]);
           acc[mt][4 * jj + 3] = __fmaf_rn(d[mt][4 * jj + 3], s1, acc[mt][4 * jj + 3]);
         }
+      }
+    };
+    const bool full_stage = nb == kBlocksPerStage;
+    if (NP <= kFullPipelineMaxNp && p.overlap == 2 && full_stage) {
+      if constexpr (NP <= kFullPipelineMaxNp) {
+        // Full stage, fully pipelined (two block-sum sets d / d2, two A fragment sets): the
+        // wgmmas of block j + 1 are issued before waiting for block j, so the tensor core works
+        // on j + 1 while the CUDA cores fold j and widen j + 2. The folds stay in block order.
+        uint32_t a0[MT][2][4], a1[MT][2][4];
+        float sw0[MT], sw1[MT];
+        float d2[MT][R];
+        load_block(0, a0, sw0);
+        issue_block(0, a0, d);
+        load_block(1, a1, sw1);
+        issue_block(1, a1, d2);
+        wgmma_wait<1>();  // block 0 done (its A set a0 and block sums d are free)
+        fold_block(0, sw0, d);
+        load_block(2, a0, sw0);
+        issue_block(2, a0, d);
+        wgmma_wait<1>();  // block 1 done
+        fold_block(1, sw1, d2);
+        load_block(3, a1, sw1);
+        issue_block(3, a1, d2);
+        wgmma_wait<1>();  // block 2 done
+        fold_block(2, sw0, d);
+        wgmma_wait<0>();  // block 3 done
+        fold_block(3, sw1, d2);
+      }
+    } else if (p.overlap != 0 && full_stage) {
+      // Full stage, pipelined: the ldmatrix + widening of block j + 1 (into the other A fragment
+      // set) is issued after block j's wgmmas and before waiting for them, so the tensor core and
+      // the conversion pipe work at the same time. Straight-line code, every wgmma waited for
+      // inside the stage (no wgmma in flight across the loop back-edge: ptxas would serialize).
+      uint32_t a0[MT][2][4], a1[MT][2][4];
+      float sw0[MT], sw1[MT];
+      load_block(0, a0, sw0);
+      issue_block(0, a0, d);
+      load_block(1, a1, sw1);
+      wgmma_wait<0>();
+      fold_block(0, sw0, d);
+      issue_block(1, a1, d);
+      load_block(2, a0, sw0);
+      wgmma_wait<0>();
+      fold_block(1, sw1, d);
+      issue_block(2, a0, d);
+      load_block(3, a1, sw1);
+      wgmma_wait<0>();
+      fold_block(2, sw0, d);
+      issue_block(3, a1, d);
+      wgmma_wait<0>();
+      fold_block(3, sw1, d);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kBlocksPerStage; ++j) {
+        if (j >= nb) break;  // uniform: only the CTA's last stage is partial
+        uint32_t a[MT][2][4];
+        float swv[MT];
+        load_block(j, a, swv);
+        issue_block(j, a, d);
+        wgmma_wait<0>();
+        fold_block(j, swv, d);
       }
     }
     // This thread's reads of the slot are complete (ldmatrix is synchronous; the wgmmas reading Xf
@@ -575,6 +645,8 @@ void launch_gemm_fp8_wgmma(const Fp8GemmParams& p, const GemmPlan& plan, const G
   t.tiles_n = plan.tiles_n;
   t.stages = plan.stages;
   t.max_split_blocks = static_cast<int>((kb + plan.splits - 1) / plan.splits);
+  t.prewait_stages = p.prewait_stages < 0 ? plan.stages : p.prewait_stages;
+  t.overlap = p.v2_overlap < 0 ? 2 : p.v2_overlap;  // 2 runs as 1 where m > 32
   if (plan.splits > 1) {
     uint8_t* wsb = static_cast<uint8_t*>(ws.data);
     t.counters = reinterpret_cast<uint32_t*>(wsb);

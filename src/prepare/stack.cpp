@@ -155,6 +155,8 @@ void validate_options(const ModelPlan& plan, const GpuStackOptions& o) {
     fail("select_cluster must be 0 (automatic), 1, 2, 4, 8 or 16 (got " + std::to_string(o.select_cluster) + ")");
   if (o.select_version != 2 && o.select_version != 3)
     fail("select_version must be 2 or 3 (got " + std::to_string(o.select_version) + ")");
+  if (o.qb_prewait_stages < -1) fail("qb_prewait_stages must be >= -1 (got " + std::to_string(o.qb_prewait_stages) + ")");
+  if (o.qb_overlap < -1 || o.qb_overlap > 2) fail("qb_overlap must be -1, 0, 1 or 2 (got " + std::to_string(o.qb_overlap) + ")");
   if (o.scores_min_blocks != 0 && o.scores_min_blocks != 3 && o.scores_min_blocks != 4)
     fail("scores_min_blocks must be 0, 3 or 4 (got " + std::to_string(o.scores_min_blocks) + ")");
   if (o.scores_row_split < 0 || o.scores_row_split > 2)
@@ -748,6 +750,8 @@ void GpuPrepareStack::Impl::issue_qb(int L, int T, cudaStream_t s) {
   g.m = T;
   g.n = static_cast<int64_t>(H) * kHd;
   g.k = q_rank;
+  g.prewait_stages = o.qb_prewait_stages;
+  g.v2_overlap = o.qb_overlap;
   // fuse_rope_store: the GEMM writes q_pad itself with the RoPE applied (v2 epilogue; same bytes).
   if (o.fuse_rope_store && fp8_version(T, g.n, g.k) == kn::GemmVersion::kWgmma &&
       kn::gemm_v2_rope_store_supported(T, g.n, g.k)) {

@@ -736,6 +736,58 @@ TEST(GpuGemm, Fp8WgmmaSmallShapesAllPaths) {
   expect_realistic_stats(agg, "fp8 small shapes, realistic, v2");
 }
 
+// v2's two tuning fields change the schedule, never the arithmetic: the pipelined consumer loops
+// (v2_overlap 1 and 2, full stages) and the one-block-at-a-time loop give the same bytes, and so does
+// any split of the first ring fill around the PDL wait (prewait_stages 0, 1, all). Realistic data
+// (so that a changed order of operations would show), partial last stages, split-K, MT = 1 and 2,
+// with and without PDL; the first variant is also checked against the reference (<= 1 ulp).
+TEST(GpuGemm, Fp8WgmmaOverlapAndPrewaitAreByteNeutral) {
+  V4_REQUIRE_GPU();
+  use_all_cores();
+  const Fp8Case cases[] = {
+      {288, 2080, 1, 1, 2, 0},  // MT = 2, 65 blocks: 16 full stages + a partial one, ring of 8
+      {160, 416, 1, 1, 1, 2},   // MT = 1, 13 blocks, 2-slot ring
+      {96, 1056, 1, 2, 1, 1},   // S = 2, 1-slot ring
+      {512, 1280, 1, 0, 0, 0},  // automatic plan, wq_b-like K (40 blocks = 10 full stages)
+  };
+  struct Variant {
+    int overlap, prewait;
+  };
+  const Variant variants[] = {{0, -1}, {1, -1}, {2, -1}, {1, 0}, {2, 1}, {0, 0}};
+  uint64_t seed = 1900;
+  DiffStats agg;
+  for (const Fp8Case& cs : cases) {
+    const Fp8Weights w = make_fp8_weights(cs, Data::kRealistic, ++seed);
+    for (int m : {1, 6, 24, 64}) {
+      const Fp8Acts a = make_fp8_acts(cs, m, Data::kRealistic, ++seed);
+      const OutLayout l = make_layout(m, cs.n, cs.groups);
+      const GemmPlan plan = fp8_plan(cs, m, GemmVersion::kWgmma);
+      DeviceBuffer<uint8_t> ws(std::max<size_t>(plan.workspace_bytes, 1));
+      const GemmWorkspace gws{ws.get(), plan.workspace_bytes};
+      init_gemm_workspace(gws, nullptr);
+      std::vector<bf16_t> first;
+      for (const Variant& v : variants) {
+        DeviceBuffer<bf16_t> out(l.elems());
+        out.fill_bytes(kPoisonByte);
+        Fp8GemmParams p = fp8_params(w, a, out.get(), l);
+        p.v2_overlap = v.overlap;
+        p.prewait_stages = v.prewait;
+        run_gemm_fp8(p, gws, GemmVersion::kWgmma, nullptr, (m & 1) != 0);
+        V4_CUDA_CHECK(cudaDeviceSynchronize());
+        std::vector<bf16_t> got = to_host(out);
+        const std::string name = fp8_name(cs, m) + " overlap" + std::to_string(v.overlap) + " prewait" + std::to_string(v.prewait);
+        if (first.empty()) {
+          agg.add(check_bf16(got, l, dense_want(ref_fp8(w, a), cs.n), 1, name + " v2", true));
+          first = std::move(got);
+        } else {
+          EXPECT_EQ(0, std::memcmp(first.data(), got.data(), first.size() * sizeof(bf16_t))) << name;
+        }
+      }
+    }
+  }
+  expect_realistic_stats(agg, "fp8 v2 overlap / prewait variants, realistic");
+}
+
 // v3: every code path on small shapes. m covers every token padding NP = 8..64; the cases cover
 // one and two m64 tiles per consumer warpgroup, tiles partly beyond n, cluster split-K with
 // S = 2..8 (uneven K ranges, one block per CTA, MT = 2 partial tiles of 256 rows), 8-unit
@@ -1096,6 +1148,12 @@ TEST(GpuGemm, RefusesBadArguments) {
     p = valid_fp8();
     p.force_stages = -1;
     expect_refused(p, GemmVersion::kWgmma, no_ws, "v2 force_stages < 0");
+    p = valid_fp8();
+    p.prewait_stages = -2;
+    expect_refused(p, GemmVersion::kWgmma, no_ws, "prewait_stages < -1");
+    p = valid_fp8();
+    p.v2_overlap = 3;
+    expect_refused(p, GemmVersion::kWgmma, no_ws, "v2_overlap 3");
     EXPECT_THROW(plan_gemm_wgmma(65, 64, 64, 1), std::invalid_argument);
     EXPECT_THROW(plan_gemm_wgmma(4, 64, 64, 1, 0, 3), std::invalid_argument);
   }

@@ -146,6 +146,8 @@ TEST(GpuStackHost, ValidateOptionsRefusesWhatTheStackCannotRun) {
   refused([](GpuStackOptions& o) { o.scores_group_rows = 9; }, "scores_group_rows");
   refused([](GpuStackOptions& o) { o.scores_steps = 5; }, "scores_steps");
   refused([](GpuStackOptions& o) { o.select_version = 1; }, "select_version");
+  refused([](GpuStackOptions& o) { o.qb_prewait_stages = -2; }, "qb_prewait_stages");
+  refused([](GpuStackOptions& o) { o.qb_overlap = 3; }, "qb_overlap");
   refused(
       [](GpuStackOptions& o) {
         o.idx_scores_on_main = true;
@@ -438,6 +440,8 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
     int side_priority = 0;
     bool qnorm_trigger_late = false;
     bool idx_scores_on_main = false;
+    int qb_prewait_stages = -1;
+    int qb_overlap = -1;
   };
   using SF = LayerIssue::SFork;
   std::vector<Config> configs;
@@ -478,6 +482,10 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
   with([](Config& c) { c.scores_row_split = 1; });
   with([](Config& c) { c.scores_min_blocks = 4; });
   with([](Config& c) { c.idx_gemm_on_main = true, c.qnorm_trigger_late = true; });
+  // Session 3: the wq_b GEMM's pre-wait weight stages and its consumer loops (the schedule and the
+  // loop change, never the arithmetic).
+  with([](Config& c) { c.idx_gemm_on_main = true, c.qb_prewait_stages = 1, c.qb_overlap = 1; });
+  with([](Config& c) { c.idx_gemm_on_main = true, c.qb_prewait_stages = 0, c.qb_overlap = 0; });
   for (Schedule sched : kAllSchedules)
     for (bool graph : {false, true}) with([](Config& c) { c.idx_gemm_on_main = c.idx_scores_on_main = true; }, sched, graph);
 
@@ -493,7 +501,7 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
         std::to_string(c.scores_group_rows) + " s" + std::to_string(c.scores_steps) + " rs" +
         std::to_string(c.scores_row_split) + " mb" + std::to_string(c.scores_min_blocks) + " side-priority " +
         std::to_string(c.side_priority) + (c.qnorm_trigger_late ? " qnorm-late" : "") +
-        (c.idx_scores_on_main ? " idx-scores-main" : "");
+        (c.idx_scores_on_main ? " idx-scores-main" : "") + " qb-prewait " + std::to_string(c.qb_prewait_stages) + " qb-overlap " + std::to_string(c.qb_overlap);
     SCOPED_TRACE(name);
     // A fresh stack per configuration: the device inputs of padded rows depend on the step count.
     go.schedule = c.schedule;
@@ -508,6 +516,8 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
     go.side_priority = c.side_priority;
     go.scores_row_split = c.scores_row_split;
     go.qnorm_trigger_late = c.qnorm_trigger_late;
+    go.qb_prewait_stages = c.qb_prewait_stages;
+    go.qb_overlap = c.qb_overlap;
     go.idx_scores_on_main = c.idx_scores_on_main;
     go.scores_min_blocks = c.scores_min_blocks;
     go.select_cluster = c.select_cluster;

@@ -237,6 +237,17 @@ struct Fp8GemmParams {
   // (j = 0..3) set = K block j of every 128-byte stage widens its weight codes with integer ops
   // (ALU pipe) instead of cvt (conversion pipe). -1 = default (0b1010: half on each pipe).
   int v3_int_mask = -1;
+  // v2 / v3: weight stages of the first ring fill issued BEFORE the PDL wait (-1 = all of them,
+  // the default; 0 = none). The rest of the first fill follows the wait. Tuning only: the early
+  // fill overlaps the predecessor but competes with it (and the kernels before it) for DRAM.
+  int prewait_stages = -1;
+  // v2 tuning (numerics identical): the consumer loop over the 4 K blocks of a full stage.
+  // 0 = one block at a time; 1 = the ldmatrix and widening of block j + 1 issued while the wgmmas
+  // of block j run; 2 = also block j + 1's wgmmas issued before block j is folded (two block-sum
+  // register sets; m <= 32 only, larger m run 1); -1 = the default (2). Measured (docs/perf.md,
+  // session 3): wq_b at m = 1 / 6 / 24 / 32: 15.5 / 15.8 / 19.8 / 21.6 us (0) -> 12.7 / 13.1 /
+  // 17.6 / 19.1 us (2).
+  int v2_overlap = -1;
   // v3 only (run_gemm_fp8_fused_quant): the bf16 activations [m, k] (row r at a_bf16 + r *
   // a_bf16_stride elements; 16-byte aligned, stride % 8 == 0). The GEMM then quantises them itself
   // (byte-identical to run_act_quant_fp8 on the same rows), and a_q / a_scale must be null.

@@ -141,6 +141,11 @@ struct GpuStackOptions {
   // q_norm lets the wq_b GEMM launch only after its last store (no early weight prefetch by the
   // GEMM competing with q_norm's loads); experiment knob.
   bool qnorm_trigger_late = false;
+  // The wq_b GEMM (v2): weight stages of its first ring fill issued before its PDL wait (-1: all,
+  // the kernel's default; 0: none) and its consumer loop (Fp8GemmParams::v2_overlap: -1 default,
+  // 0, 1, 2). Tuning knobs; same bytes.
+  int qb_prewait_stages = -1;
+  int qb_overlap = -1;
   // Index sources without a compressor (reindex layers): weights_proj, q pack and the scores on
   // main before the wq_b GEMM (which then launches after the scores' last store); lane S keeps
   // the selection. Needs idx_gemm_on_main. Experiment knob.
