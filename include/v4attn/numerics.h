@@ -207,15 +207,40 @@ V4_HD float block_amax_step(float amax, float x) { return max_f(amax, abs_f(x));
 V4_HD int act_quant_scale_exp(float amax) {
   return pow2ceil_exp(mul_rn(max_f(amax, 1e-4f), 1.0f / 448.0f));
 }
+// x / s for a block scale s. When s is a power of two whose reciprocal is a normal fp32 (every
+// ue8m0 scale of the spec's quantizers: 2^-126 < s < 2^127), x * (1/s) is the same correctly
+// rounded value as x / s (both round the same real number x * 2^-e), so both sides take the one
+// multiplication; any other s (e.g. an e4m3 KV scale) divides.
+V4_HD float div_by_scale(float x, float s) {
+  const uint32_t u = f32_bits(s);
+  const uint32_t e = (u >> 23) & 0xffu;
+  if ((u & 0x807fffffu) == 0u && e >= 1u && e <= 253u) return mul_rn(x, f32_from_bits((254u - e) << 23));
+  return div_rn(x, s);
+}
+
+// e4m3 of a value already clamped to [-448, 448] (never NaN). Device: the hardware conversion
+// (cvt.rn.satfinite.e4m3x2.f32: round to nearest even, the same subnormals; one instruction instead
+// of the bit manipulation), which GpuNumerics.E4m3HardwareMatchesSoftwareForEveryFloat checks
+// against e4m3_from_f32 for all 2^32 fp32 bit patterns after the clamp; host: e4m3_from_f32.
+V4_HD uint8_t e4m3_from_clamped_f32(float x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  uint16_t r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.0f), "f"(x));  // x -> the low byte
+  return static_cast<uint8_t>(r & 0xffu);
+#else
+  return e4m3_from_f32(x);
+#endif
+}
+
 V4_HD uint8_t act_quant_code(float x, float s) {
-  return e4m3_from_f32(clamp_f(div_rn(x, s), -kE4m3Max, kE4m3Max));
+  return e4m3_from_clamped_f32(clamp_f(div_by_scale(x, s), -kE4m3Max, kE4m3Max));
 }
 
 // FP4 indexer quant: amax = max(amax, 6 * 2^-126); s = pow2ceil(amax * fp32(1/6)).
 V4_HD int indexer_quant_scale_exp(float amax) {
   return pow2ceil_exp(mul_rn(max_f(amax, 6.0f * 1.17549435e-38f), 1.0f / 6.0f));
 }
-V4_HD uint8_t fp4_code(float x, float s) { return e2m1_from_f32(clamp_f(div_rn(x, s), -6.0f, 6.0f)); }
+V4_HD uint8_t fp4_code(float x, float s) { return e2m1_from_f32(clamp_f(div_by_scale(x, s), -6.0f, 6.0f)); }
 
 // FP4 KV quant: amax = max(amax, 6 * 2^-9); s = e4m3(clamp(amax / 6, -448, 448)) (as a float).
 V4_HD uint8_t kv_fp4_scale_byte(float amax) {

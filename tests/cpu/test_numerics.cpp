@@ -988,3 +988,33 @@ TEST(NumericsPairSoftmax, RandomAgainstSpecSequenceAndDouble) {
 }
 
 }  // namespace
+
+// div_by_scale (the quantizers' x / s): the same bits as the IEEE division for every power-of-two
+// scale with a normal reciprocal (where it multiplies) and for any other scale (where it divides),
+// on a sweep of fp32 patterns (every exponent, random mantissas, zeros, subnormals, inf, NaN).
+TEST(NumericsQuant, DivideByScaleMatchesDivision) {
+  std::vector<float> scales;
+  for (int e = -126; e <= 127; ++e) scales.push_back(num::pow2_f32(e));
+  for (float s : {3.0f, 0.375f, 448.0f, 1.5e-30f, -2.0f, 0.0f, 1e-40f}) scales.push_back(s);
+  uint64_t st = 0x9E3779B97F4A7C15ull;
+  auto next = [&st] {
+    st ^= st << 13;
+    st ^= st >> 7;
+    st ^= st << 17;
+    return st;
+  };
+  int checked = 0;
+  for (uint32_t exp_bits = 0; exp_bits < 256; ++exp_bits)
+    for (int i = 0; i < 24; ++i) {
+      const uint32_t bits = (static_cast<uint32_t>(next() & 1u) << 31) | (exp_bits << 23) |
+                            static_cast<uint32_t>(i == 0 ? 0u : next() & 0x7fffffu);
+      const float x = num::f32_from_bits(bits);
+      for (float s : scales) {
+        const float a = num::div_by_scale(x, s), b = num::div_rn(x, s);
+        if (num::is_nan(a) && num::is_nan(b)) continue;
+        ASSERT_EQ(num::f32_bits(a), num::f32_bits(b)) << "x bits 0x" << std::hex << bits << " s " << s;
+        ++checked;
+      }
+    }
+  EXPECT_GT(checked, 1000000);
+}
