@@ -1366,7 +1366,8 @@ TEST(GpuGemm, AutoPicksTheMeasuredVersionPerShape) {
   for (int m : {1, 6, 8, 24, 48, 64}) {
     EXPECT_EQ(best_fp8_gemm_version(m, 1792, 5120), GemmVersion::kWgmmaPipelined) << m;  // wq_a|wkv
     EXPECT_EQ(best_fp8_gemm_version(m, 32768, 1280), GemmVersion::kWgmma) << m;          // wq_b
-    EXPECT_EQ(best_fp8_gemm_version(m, 4096, 1280), GemmVersion::kWgmma) << m;           // indexer wq_b
+    EXPECT_EQ(best_fp8_gemm_version(m, 4096, 1280), m >= 24 ? GemmVersion::kWgmmaPipelined : GemmVersion::kWgmma)
+        << m;  // indexer wq_b
     EXPECT_EQ(best_fp8_gemm_version(m, 5120, 8192), GemmVersion::kWgmma) << m;           // wo_b
   }
   EXPECT_EQ(best_fp8_gemm_version(65, 1792, 5120), GemmVersion::kSimple);
