@@ -360,54 +360,45 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
       }
     };
     const bool full_stage = nb == kBlocksPerStage;
+    // Full stages run straight-line code (the loops below unroll) with every wgmma waited for
+    // inside the stage: a wgmma in flight across the loop back-edge makes ptxas serialize them all.
+    // Two A fragment sets (and scale sets) alternate between consecutive blocks.
     if (NP <= kFullPipelineMaxNp && p.overlap == 2 && full_stage) {
       if constexpr (NP <= kFullPipelineMaxNp) {
-        // Full stage, fully pipelined (two block-sum sets d / d2, two A fragment sets): the
-        // wgmmas of block j + 1 are issued before waiting for block j, so the tensor core works
-        // on j + 1 while the CUDA cores fold j and widen j + 2. The folds stay in block order.
-        uint32_t a0[MT][2][4], a1[MT][2][4];
-        float sw0[MT], sw1[MT];
+        // Fully pipelined: two block-sum sets too, and block j + 1's wgmmas are issued before
+        // block j is folded, so the tensor core works on j + 1 while the CUDA cores fold j and
+        // widen j + 2. The folds stay in block order.
+        uint32_t a[2][MT][2][4];
+        float sw[2][MT];
         float d2[MT][R];
-        load_block(0, a0, sw0);
-        issue_block(0, a0, d);
-        load_block(1, a1, sw1);
-        issue_block(1, a1, d2);
-        wgmma_wait<1>();  // block 0 done (its A set a0 and block sums d are free)
-        fold_block(0, sw0, d);
-        load_block(2, a0, sw0);
-        issue_block(2, a0, d);
-        wgmma_wait<1>();  // block 1 done
-        fold_block(1, sw1, d2);
-        load_block(3, a1, sw1);
-        issue_block(3, a1, d2);
-        wgmma_wait<1>();  // block 2 done
-        fold_block(2, sw0, d);
-        wgmma_wait<0>();  // block 3 done
-        fold_block(3, sw1, d2);
+        auto sums = [&](int j) -> float (&)[MT][R] { return (j & 1) ? d2 : d; };
+        load_block(0, a[0], sw[0]);
+        issue_block(0, a[0], sums(0));
+#pragma unroll
+        for (int j = 0; j < kBlocksPerStage; ++j) {
+          if (j + 1 < kBlocksPerStage) {  // block j + 1's sets were freed by block j - 1's wait / fold
+            load_block(j + 1, a[(j + 1) & 1], sw[(j + 1) & 1]);
+            issue_block(j + 1, a[(j + 1) & 1], sums(j + 1));
+            wgmma_wait<1>();  // block j done, j + 1 may still run
+          } else {
+            wgmma_wait<0>();
+          }
+          fold_block(j, sw[j & 1], sums(j));
+        }
       }
     } else if (p.overlap != 0 && full_stage) {
-      // Full stage, pipelined: the ldmatrix + widening of block j + 1 (into the other A fragment
-      // set) is issued after block j's wgmmas and before waiting for them, so the tensor core and
-      // the conversion pipe work at the same time. Straight-line code, every wgmma waited for
-      // inside the stage (no wgmma in flight across the loop back-edge: ptxas would serialize).
-      uint32_t a0[MT][2][4], a1[MT][2][4];
-      float sw0[MT], sw1[MT];
-      load_block(0, a0, sw0);
-      issue_block(0, a0, d);
-      load_block(1, a1, sw1);
-      wgmma_wait<0>();
-      fold_block(0, sw0, d);
-      issue_block(1, a1, d);
-      load_block(2, a0, sw0);
-      wgmma_wait<0>();
-      fold_block(1, sw1, d);
-      issue_block(2, a0, d);
-      load_block(3, a1, sw1);
-      wgmma_wait<0>();
-      fold_block(2, sw0, d);
-      issue_block(3, a1, d);
-      wgmma_wait<0>();
-      fold_block(3, sw1, d);
+      // Widening overlapped: block j + 1's ldmatrix + widening is issued after block j's wgmmas
+      // and before waiting for them, so the tensor core and the conversion pipe work at once.
+      uint32_t a[2][MT][2][4];
+      float sw[2][MT];
+      load_block(0, a[0], sw[0]);
+#pragma unroll
+      for (int j = 0; j < kBlocksPerStage; ++j) {
+        issue_block(j, a[j & 1], d);
+        if (j + 1 < kBlocksPerStage) load_block(j + 1, a[(j + 1) & 1], sw[(j + 1) & 1]);
+        wgmma_wait<0>();
+        fold_block(j, sw[j & 1], d);
+      }
     } else {
 #pragma unroll
       for (int j = 0; j < kBlocksPerStage; ++j) {
