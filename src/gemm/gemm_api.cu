@@ -67,10 +67,11 @@ GemmVersion best_fp8_gemm_version(int m) { return m >= 1 && m <= kGemmMaxRows ? 
 
 GemmVersion best_fp8_gemm_version(int m, int64_t n, int64_t k) {
   if (m < 1 || m > kGemmMaxRows) return GemmVersion::kSimple;
-  // Measured (docs/perf.md, session 3 run 12, graph + PDL): v3 wins on wq_a|wkv at every m
-  // (8.2 vs 10.2 us at m = 6) and on the indexer's wq_b from m = 24 (13.2 vs 13.7 us at 24, 16.5 vs
-  // 22.2 at 48); v2 elsewhere (wq_b: 12.7 vs 16.8 us at m = 1, 26.6 vs 30.9 at 64).
-  const bool v3 = (n <= 2048 && k >= 4096) || (m >= 24 && n <= 4096);
+  // Measured (docs/perf.md, session 3 runs 12 and 19, graph + PDL): v3 wins on wq_a|wkv at every
+  // m (8.2 vs 10.2 us at m = 6) and, with its one-wave cluster plan, on the indexer's wq_b at every
+  // m (6.3 vs 8.0 us at m = 6, 7.5 vs 13.7 at 24); v2 elsewhere (wq_b: 12.7 vs 16.8 us at m = 1,
+  // 26.6 vs 30.9 at 64).
+  const bool v3 = (n <= 2048 && k >= 4096) || (n <= 4096 && k <= 2048);
   return v3 ? GemmVersion::kWgmmaPipelined : GemmVersion::kWgmma;
 }
 

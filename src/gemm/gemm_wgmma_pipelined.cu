@@ -100,6 +100,8 @@ constexpr int kMaxStages = 8;
 constexpr int kSmemLimit = 227 * 1024;  // sm_90 opt-in dynamic shared memory per block
 constexpr int kSmemAlign = 1024;        // 128B-swizzle atoms (TMA destination, wgmma operand)
 constexpr int kMaxClusterSplits = 8;    // portable cluster size: S <= 8
+constexpr int64_t kOneWaveCtas = 120;   // automatic plans: at most this many CTAs in clusters ...
+constexpr int64_t kClusterCtas = 96;    // ... else two tiles per warpgroup and about this many
 constexpr int kDefaultIntMask = 0xA;    // blocks 1 and 3 of each stage widened with integer ops
 constexpr uint32_t kConsumerBarrierId = 1;  // named barrier of the 256 consumers
 constexpr uint32_t kProducerRegs = 40, kConsumerRegs = 232;
@@ -713,8 +715,25 @@ GemmPlan plan_gemm_wgmma_pipelined(int m, int64_t n, int64_t k, int groups, int 
                                    int force_stages) {
   // v2's tiling and split choice, S capped at the portable cluster size (the S CTAs of a tile form
   // one cluster).
-  const detail::WgmmaSplit sp = detail::plan_wgmma_split("plan_gemm_wgmma_pipelined", m, n, k, groups, force_splits,
-                                                         force_mtiles, force_stages, kMaxClusterSplits);
+  detail::WgmmaSplit sp = detail::plan_wgmma_split("plan_gemm_wgmma_pipelined", m, n, k, groups, force_splits,
+                                                   force_mtiles, force_stages, kMaxClusterSplits);
+  // One wave of clusters: with one CTA per SM, a cluster needs S free SMs of one GPC, so well below
+  // 132 CTAs the clusters stop fitting at once and the kernel runs in two waves (measured, session 3
+  // run 19: the indexer's wq_b 4096 x 1280 as 32 clusters of 4 took 10.6 us at m = 1, as 16 clusters
+  // of 6 with two m64 tiles per warpgroup 6.2 us; wq_a|wkv's 14 clusters of 8 fit). Automatic plans
+  // over kOneWaveCtas CTAs take two tiles per warpgroup and S = kClusterCtas / tiles instead (still
+  // a function of (n, k, groups) only).
+  if (force_splits == 0 && force_mtiles == 0 && sp.splits > 1 &&
+      static_cast<int64_t>(groups) * sp.tiles_n * sp.splits > kOneWaveCtas) {
+    const detail::WgmmaSplit wide =
+        detail::plan_wgmma_split("plan_gemm_wgmma_pipelined", m, n, k, groups, 1, 2, force_stages, kMaxClusterSplits);
+    const int64_t tiles = static_cast<int64_t>(groups) * wide.tiles_n;
+    const int64_t s2 = std::clamp<int64_t>(kClusterCtas / std::max<int64_t>(tiles, 1), 1, kMaxClusterSplits);
+    if (s2 * tiles <= kOneWaveCtas) {
+      sp = detail::plan_wgmma_split("plan_gemm_wgmma_pipelined", m, n, k, groups, static_cast<int>(s2), 2, force_stages,
+                                    kMaxClusterSplits);
+    }
+  }
   const int64_t kb = k / kGemmBlock, s = sp.splits;
   GemmPlan plan;
   plan.warp_mtiles = sp.warp_mtiles;

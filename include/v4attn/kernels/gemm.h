@@ -139,10 +139,10 @@ bool skinny_gemm_preferred(int m, int64_t n, int64_t k);
 GemmVersion best_fp8_gemm_version(int m);
 // The measured per-shape choice (docs/perf.md, run 9, graph timing with PDL): v3 where its
 // in-cluster split-K reduction pays, i.e. narrow and long GEMMs (n <= 2048, k >= 4096: the fused
-// wq_a|wkv 1792x5120, 7.5-14.3 us vs v2's 8.3-36.4 us over M = 1..64), and from M = 24 on
-// n <= 4096 (the indexer's wq_b 4096x1280: 13.2-18.5 vs 13.7-28.8 us at M = 24..64, session 3);
-// v2 elsewhere (v3 was slower on wq_b, wo_b and, at M < 24, the indexer's wq_b). kSimple beyond 64
-// rows.
+// wq_a|wkv 1792x5120, 7.5-14.3 us vs v2's 8.3-36.4 us over M = 1..64), and on n <= 4096 with
+// k <= 2048 (the indexer's wq_b 4096x1280 with v3's one-wave cluster plan: 6.2-10.9 vs v2's
+// 6.4-28.8 us over M = 1..64, session 3 run 19); v2 elsewhere (v3 was slower on wq_b and wo_b).
+// kSimple beyond 64 rows.
 GemmVersion best_fp8_gemm_version(int m, int64_t n, int64_t k);
 
 // ---- FP8 act quant ----------------------------------------------------------------------------
