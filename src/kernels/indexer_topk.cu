@@ -45,6 +45,7 @@
 #include <string>
 
 #include "kernels/device_common.cuh"
+#include "kernels/indexer_select_common.cuh"
 #include "runtime/launch.h"
 
 namespace v4attn::kernels {
@@ -80,14 +81,8 @@ __device__ __forceinline__ SelectSmem& select_smem() {
   return *reinterpret_cast<SelectSmem*>(smem_raw);
 }
 
-__device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
-
-// Order-preserving key of a selectable value (v > -inf, so never NaN); -0.0 maps like +0.0.
-__device__ __forceinline__ uint32_t value_key(float v) {
-  uint32_t u = num::f32_bits(v);
-  if (u == 0x80000000u) u = 0u;
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
+using select_keys::neg_inf;  // indexer_select_common.cuh
+using select_keys::value_key;
 
 // Scores of one row (positions < clen), optionally masked by candidate blocks.
 struct ScoreKeys {
@@ -865,24 +860,7 @@ __global__ void __launch_bounds__(kThreads, 2) indexer_topk_v2_kernel(const __gr
 }
 
 // ---- candidate mask -------------------------------------------------------------------------------
-// Key of candidate block b < n_blocks: max over its positions below clen (num::max_f from -inf,
-// as the reference; the sign of a zero maximum does not matter, +0 and -0 share a key), the
-// newest block pinned to +inf.
-__device__ __forceinline__ uint32_t block_key(const float* row, int64_t c, int block, int64_t b, int64_t newest,
-                                              bool vec8) {
-  if (b == newest) return value_key(__int_as_float(0x7f800000));
-  float v = neg_inf();
-  const int64_t j0 = b * block, j1 = min(j0 + block, c);
-  if (vec8 && j1 == j0 + 8) {
-    const float4 x = *reinterpret_cast<const float4*>(row + j0);
-    const float4 y = *reinterpret_cast<const float4*>(row + j0 + 4);
-    v = num::max_f(num::max_f(num::max_f(num::max_f(v, x.x), x.y), x.z), x.w);
-    v = num::max_f(num::max_f(num::max_f(num::max_f(v, y.x), y.y), y.z), y.w);
-  } else {
-    for (int64_t j = j0; j < j1; ++j) v = num::max_f(v, row[j]);
-  }
-  return v > neg_inf() ? value_key(v) : 0u;
-}
+using select_keys::block_key;  // indexer_select_common.cuh
 
 __device__ __forceinline__ void zero_bytes(uint8_t* dst, int64_t n) {
   for (int64_t i = threadIdx.x; i < n; i += kThreads) dst[i] = 0;
