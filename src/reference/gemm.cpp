@@ -285,13 +285,12 @@ void quantize_fp8_strip(const float* w, int64_t rows, int64_t k, uint8_t* codes,
       for (int64_t c = b * kBlock; c < (b + 1) * kBlock; ++c) amax = std::max(amax, num::abs_f(w[r * k + c]));
     const int e = num::act_quant_scale_exp(amax);
     scales[b] = num::ue8m0_from_exp(e);
-    // = num::act_quant_code(x, 2^e): x / 2^e and x * 2^-e are the same correctly rounded value
-    // while 2^-e is a normal fp32; the e4m3 conversion goes through the memo above.
-    const bool by_reciprocal = e >= -126 && e <= 126;
-    const float s = num::pow2_f32(e), inv_s = by_reciprocal ? num::pow2_f32(-e) : 0.0f;
+    // = num::act_quant_code(x, 2^e) (num::div_by_scale: x * 2^-e where that is exact), the e4m3
+    // conversion through the memo above.
+    const float s = num::pow2_f32(e);
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t c = b * kBlock; c < (b + 1) * kBlock; ++c) {
-        const float v = by_reciprocal ? num::mul_rn(w[r * k + c], inv_s) : num::div_rn(w[r * k + c], s);
+        const float v = num::div_by_scale(w[r * k + c], s);
         codes[r * k + c] = e4m3_memo_code(memo, num::clamp_f(v, -num::kE4m3Max, num::kE4m3Max));
       }
   }
