@@ -534,21 +534,30 @@ GemmPlan plan_gemm_skinny(int m, int64_t n, int64_t k, int groups, bool f32, int
   return plan;
 }
 
-namespace detail {
-
-void launch_gemm_bf16_skinny(const Bf16GemmParams& p, const GemmPlan& plan, cudaStream_t stream, bool pdl) {
+namespace {
+// The fields bf16 and fp32 calls share (Bf16GemmParams / F32GemmParams name them alike).
+template <class P>
+SkinnyParams skinny_params(const P& p) {
   SkinnyParams t;
   t.w = p.w;
   t.x = p.x;
   t.out = p.out;
   t.x_stride = p.x_stride;
   t.out_stride = p.out_stride;
-  t.w_group_stride = p.w_group_stride;
-  t.x_group_stride = p.x_group_stride;
-  t.out_group_stride = p.out_group_stride;
   t.m = p.m;
   t.n = static_cast<int>(p.n);
   t.k_blocks = static_cast<int>(p.k / kGemmBlock);
+  return t;
+}
+}  // namespace
+
+namespace detail {
+
+void launch_gemm_bf16_skinny(const Bf16GemmParams& p, const GemmPlan& plan, cudaStream_t stream, bool pdl) {
+  SkinnyParams t = skinny_params(p);
+  t.w_group_stride = p.w_group_stride;
+  t.x_group_stride = p.x_group_stride;
+  t.out_group_stride = p.out_group_stride;
   const int nt = (p.m + 7) / 8;
   const SkinnyKernel kernel = plan.warp_mtiles == 4   ? pick_bf16_kernel<4>(nt)
                               : plan.warp_mtiles == 2 ? pick_bf16_kernel<2>(nt)
@@ -557,16 +566,7 @@ void launch_gemm_bf16_skinny(const Bf16GemmParams& p, const GemmPlan& plan, cuda
 }
 
 void launch_gemm_f32_skinny(const F32GemmParams& p, const GemmPlan& plan, cudaStream_t stream, bool pdl) {
-  SkinnyParams t;
-  t.w = p.w;
-  t.x = p.x;
-  t.out = p.out;
-  t.x_stride = p.x_stride;
-  t.out_stride = p.out_stride;
-  t.m = p.m;
-  t.n = static_cast<int>(p.n);
-  t.k_blocks = static_cast<int>(p.k / kGemmBlock);
-  launch_skinny("gemm_f32_skinny", pick_f32_kernel(p.m), t, plan, true, 1, stream, pdl);
+  launch_skinny("gemm_f32_skinny", pick_f32_kernel(p.m), skinny_params(p), plan, true, 1, stream, pdl);
 }
 
 }  // namespace detail
