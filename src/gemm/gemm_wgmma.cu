@@ -83,7 +83,7 @@ using namespace hopper;
 
 constexpr int kWarpgroupThreads = 128;
 constexpr int kConsumerWarpgroups = 2;
-constexpr int kFullPipelineMaxNp = 32;  // v2_overlap 2: registers for a second block-sum set
+constexpr int kFullPipelineMaxNp = 32;  // v2_overlap 2: registers for a second block-sum set (estimate, larger NP not measured)
 constexpr int kThreads = kWarpgroupThreads * (1 + kConsumerWarpgroups);  // 384
 constexpr int kConsumerThreads = kWarpgroupThreads * kConsumerWarpgroups;  // 256
 constexpr int kConverterThreads = 96;                                       // warps 1..3
