@@ -39,6 +39,15 @@ void launch_gemm_fp8_wgmma_pipelined(const Fp8GemmParams& p, const GemmPlan& pla
 // max_splits > 0 caps S, v3's cluster size). Validates the arguments (`who` names the caller).
 struct WgmmaSplit {
   int warp_mtiles = 1, block_n = 0, tiles_n = 0, splits = 1;
+  // The plan's tiling and split fields (the stages / shared memory are the version's own).
+  GemmPlan plan_base() const {
+    GemmPlan plan;
+    plan.warp_mtiles = warp_mtiles;
+    plan.block_n = block_n;
+    plan.tiles_n = tiles_n;
+    plan.splits = splits;
+    return plan;
+  }
 };
 WgmmaSplit plan_wgmma_split(const char* who, int m, int64_t n, int64_t k, int groups, int force_splits, int force_mtiles,
                             int force_stages, int max_splits);

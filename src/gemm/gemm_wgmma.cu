@@ -578,11 +578,7 @@ GemmPlan plan_gemm_wgmma(int m, int64_t n, int64_t k, int groups, int force_spli
   const detail::WgmmaSplit sp =
       detail::plan_wgmma_split("plan_gemm_wgmma", m, n, k, groups, force_splits, force_mtiles, force_stages, 0);
   const int64_t kb = k / kGemmBlock, s = sp.splits;
-  GemmPlan plan;
-  plan.warp_mtiles = sp.warp_mtiles;
-  plan.block_n = sp.block_n;
-  plan.tiles_n = sp.tiles_n;
-  plan.splits = sp.splits;
+  GemmPlan plan = sp.plan_base();
   // Pipeline depth for this m (numerics do not depend on it): as many stages as fit, <= 8, <= the
   // stages a CTA has.
   const int msb = static_cast<int>((kb + s - 1) / s);

@@ -735,11 +735,7 @@ GemmPlan plan_gemm_wgmma_pipelined(int m, int64_t n, int64_t k, int groups, int 
     }
   }
   const int64_t kb = k / kGemmBlock, s = sp.splits;
-  GemmPlan plan;
-  plan.warp_mtiles = sp.warp_mtiles;
-  plan.block_n = sp.block_n;
-  plan.tiles_n = sp.tiles_n;
-  plan.splits = sp.splits;
+  GemmPlan plan = sp.plan_base();
   plan.cluster = plan.splits;
   const int msb = static_cast<int>((kb + s - 1) / s);
   const int np = std::max(8, (m + 7) / 8 * 8);
