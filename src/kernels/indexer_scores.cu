@@ -351,6 +351,40 @@ __device__ void compute_run(const IndexerScoresParams& p, const RunCtx& run, int
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
         float term[2][8];
+        if (kf[mt] && head_ok == 0xffffffffu) {
+          // Every head of the row and every usable slot of the m-tile take the fused path (below):
+          // the same MMAs and epilogue, issued as four independent chains (one per n-tile) block by
+          // block, so that the tensor core's latency is paid once per block rather than once per
+          // MMA (the per-n-tile branch of the general loop keeps the chains apart; Nsight: the
+          // IMMA chains' fixed-latency waits were the kernel's top stall, docs/perf.md session 4).
+          int acc[4][4];
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {  // blocks 0-1, then 2-3: 16 fragment registers live at a time
+            uint4 f[4];
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) f[nt] = qf[(nt * 32 + lane) * 2 + half];
+#pragma unroll
+            for (int bb = 0; bb < 2; ++bb) {
+              const int b = 2 * half + bb;
+#pragma unroll
+              for (int nt = 0; nt < 4; ++nt) {
+                const uint32_t B[2] = {bb == 0 ? f[nt].x : f[nt].z, bb == 0 ? f[nt].y : f[nt].w};
+                if (b == 0) mma_s8_m16n8k32(acc[nt], A[mt][0], B, kMagicBits);
+                else mma_s8_m16n8k32_acc(acc[nt], A[mt][b], B);
+              }
+            }
+          }
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+            for (int rr = 0; rr < 2; ++rr)
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const int hl = 2 * nt + e;
+                const float y = __fmaf_rn(__int_as_float(acc[nt][2 * rr + e]), s4[mt][rr], c4[mt][rr]);  // exact
+                term[rr][hl] = num::mul_rn(y > 0.0f ? y : 0.0f, qw[hl]);
+              }
+        } else {
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
           const uint4 f01 = qf[(nt * 32 + lane) * 2], f23 = qf[(nt * 32 + lane) * 2 + 1];
@@ -404,6 +438,7 @@ __device__ void compute_run(const IndexerScoresParams& p, const RunCtx& run, int
                 term[rr][2 * nt + e] = num::mul_rn(d > 0.0f ? d : 0.0f, rcr.wt[8 * tq + 2 * nt + e]);
               }
           }
+        }
         }
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) {
