@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <memory>
@@ -25,6 +26,7 @@
 #include "bench_runner.h"
 #include "cli.h"
 #include "runtime/cuda_utils.h"
+#include "runtime/phase_stamps.h"
 #include "v4attn/config.h"
 #include "v4attn/plan.h"
 #include "v4attn/prepare/stack.h"
@@ -153,6 +155,17 @@ ScheduleResult run_schedule(GpuPrepareStack& stack, Schedule schedule, const Ben
   }
   res.errors = stack.error_count();
   res.digest = output_digest(stack);
+
+  // Measurement builds (-DV4ATTN_PHASE_STAMPS): one more cycle with the in-kernel phase stamps
+  // recorded, written to $V4ATTN_STAMPS_OUT.<schedule>.
+  if (const char* stamps_out = std::getenv("V4ATTN_STAMPS_OUT"); stamps_out != nullptr && stamps::available()) {
+    stamps::reset();
+    stack.run(c.graph);
+    stack.synchronize();
+    const std::string path = std::string(stamps_out) + "." + to_string(schedule);
+    const long n = stamps::dump(path);
+    progress << tag << "wrote " << n << " phase stamps to " << path << std::endl;
+  }
 
   if (c.trace_cycles > 0) {
     progress << tag << "tracing " << c.trace_cycles << " cycles with CUPTI" << std::endl;

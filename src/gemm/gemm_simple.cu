@@ -7,8 +7,11 @@
 #include "gemm/gemm_internal.h"
 #include "kernels/device_common.cuh"
 #include "runtime/launch.h"
+#include "runtime/phase_stamps.cuh"
 
 namespace v4attn::kernels {
+
+V4ATTN_STAMP_UNIT();
 
 namespace {
 
@@ -21,7 +24,11 @@ constexpr int kSimpleThreads = 128;
 constexpr int kQuantWarps = kSimpleThreads / 32;
 
 __global__ void __launch_bounds__(kSimpleThreads) act_quant_fp8_kernel(const __grid_constant__ ActQuantParams p) {
+  const bool stamper = threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0;
+  [[maybe_unused]] unsigned int stamp_rec = 0u;  // measurement builds only (phase_stamps.cuh)
+  if (stamper) V4ATTN_STAMP_BEGIN(stamp_rec, stamps::kActQuant, 0);
   dev::pdl_wait();  // x is the predecessor's output
+  if (stamper) V4ATTN_STAMP_AT(stamp_rec, stamps::kActQuant, 1);
   const int row = static_cast<int>(blockIdx.y);
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const int64_t blk = static_cast<int64_t>(blockIdx.x) * kQuantWarps + (threadIdx.x >> 5);
@@ -32,6 +39,7 @@ __global__ void __launch_bounds__(kSimpleThreads) act_quant_fp8_kernel(const __g
     p.q[row * p.q_stride + blk * kGemmBlock + lane] = num::act_quant_code(v, num::pow2_f32(e));
     if (lane == 0) p.scale[row * p.scale_stride + blk] = num::ue8m0_from_exp(e);
   }
+  if (stamper) V4ATTN_STAMP_AT(stamp_rec, stamps::kActQuant, 4);
   dev::pdl_launch_dependents();
 }
 

@@ -70,10 +70,13 @@
 #include "gemm/hopper_ptx.cuh"
 #include "gemm/tensor_map.h"
 #include "gemm/wgmma_f16.cuh"
+#include "runtime/phase_stamps.cuh"
 #include "kernels/device_common.cuh"
 #include "runtime/launch.h"
 
 namespace v4attn::kernels {
+
+V4ATTN_STAMP_UNIT();
 
 namespace {
 
@@ -203,6 +206,8 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
     prefetch_tensormap(&p.tmap_x);
   }
   __syncthreads();
+  [[maybe_unused]] unsigned int stamp_rec = 0u;  // measurement builds only (phase_stamps.cuh)
+  if (tid == 0) V4ATTN_STAMP_BEGIN(stamp_rec, stamps::kGemmV2, 0);
   auto issue_weight_stage = [&](int it) {
     mbar_arrive_expect_tx(bar_full + 8u * it, kStageTx);
     tma_load_3d(base + L.w + static_cast<uint32_t>(it * BN * kStageK), &p.tmap_w, bar_full + 8u * it,
@@ -219,6 +224,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
   }
 
   dev::pdl_wait();  // activation codes and scales are the predecessor's output
+  if (tid == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kGemmV2, 1);
 
   if (tid == 0) {
     for (int it = early; it < prologue; ++it) issue_weight_stage(it);
@@ -251,6 +257,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
       }
     } else {
       const int ctid = tid - 32;  // 0..95
+      if (ctid == 0 && blockIdx.x < 2) V4ATTN_STAMP_BEGIN(stamp_rec, stamps::kGemmV2, 63);
       for (int it = 0; it < n_iter; ++it) {
         const int s = it % ST, x = it % kXfSlots;
         mbar_wait(bar_full + 8u * s, static_cast<uint32_t>((it / ST) & 1));
@@ -274,6 +281,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
         }
         fence_proxy_async_smem();  // the f16 operand is read by wgmma (async proxy)
         mbar_arrive(bar_xready + 8u * x);
+        if (ctid == 0 && blockIdx.x < 2) V4ATTN_STAMP_AT(stamp_rec, stamps::kGemmV2, 64 + it);
       }
     }
     dev::pdl_launch_dependents();
@@ -291,6 +299,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
   const int ld_row = 16 * w + (lane & 7) + 8 * ((lane >> 3) & 1);
   const int ld_chunk = lane >> 4;
 
+  if (ctid == 0) V4ATTN_STAMP_BEGIN(stamp_rec, stamps::kGemmV2, 15);
   float acc[MT][R], d[MT][R];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
@@ -304,6 +313,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
     const int s = it % ST, x = it % kXfSlots;
     mbar_wait(bar_full + 8u * s, static_cast<uint32_t>((it / ST) & 1));
     mbar_wait(bar_xready + 8u * x, static_cast<uint32_t>((it / kXfSlots) & 1));
+    if (ctid == 0 && (it == 0 || blockIdx.x < 2)) V4ATTN_STAMP_AT(stamp_rec, stamps::kGemmV2, it == 0 ? 2 : 16 + it);
     const uint32_t w_slot = base + L.w + static_cast<uint32_t>(s * BN * kStageK);
     const uint32_t xf_slot = base + L.xf + static_cast<uint32_t>(x * NP * kStageK * 2);
     const int nb = min(kBlocksPerStage, nkb - it * kBlocksPerStage);
@@ -416,6 +426,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
     mbar_arrive(bar_empty + 8u * s);
     mbar_arrive(bar_xfree + 8u * x);
   }
+  if (ctid == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kGemmV2, 3);
   dev::pdl_launch_dependents();
 
   // ---- epilogue (consumers only) ------------------------------------------------------------------
@@ -479,6 +490,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
         const int m = 8 * (i >> 2) + 2 * t + (i & 1);
         if (m < p.m && n < p.n) out[m * p.out_stride + n] = num::bf16_from_f32(acc[mt][i]);
       }
+    if (ctid == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kGemmV2, 4);
     return;
   }
 

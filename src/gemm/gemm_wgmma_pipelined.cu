@@ -78,11 +78,14 @@
 #include "gemm/hopper_ptx.cuh"
 #include "gemm/tensor_map.h"
 #include "gemm/wgmma_f16.cuh"
+#include "runtime/phase_stamps.cuh"
 #include "kernels/device_common.cuh"
 #include "kernels/prepare_common.cuh"
 #include "runtime/launch.h"
 
 namespace v4attn::kernels {
+
+V4ATTN_STAMP_UNIT();
 
 namespace {
 
@@ -368,6 +371,8 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
     if (!fused) prefetch_tensormap(&p.tmap_x);  // fused: tmap_x is not a valid map
   }
   __syncthreads();
+  [[maybe_unused]] unsigned int stamp_rec = 0u;  // measurement builds only (phase_stamps.cuh)
+  if (tid == 0) V4ATTN_STAMP_BEGIN(stamp_rec, stamps::kGemmV3, 0);
   if (tid == 0) {
     for (int it = 0; it < prologue; ++it) {
       mbar_arrive_expect_tx(bar_full + 8u * it, stage_tx);
@@ -396,6 +401,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
   }
 
   dev::pdl_wait();  // activation codes and scales (fused: the bf16 activations) are the predecessor's output
+  if (tid == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kGemmV3, 1);
 
   if constexpr (fused) {
     // Fused act quant of the CTA's K range [kb_begin, kb_end) of the NP rows, exactly what
@@ -462,6 +468,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
     }
   }
   __syncthreads();  // scale arrays (fused: and the activation codes) visible to the converters
+  if (tid == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kGemmV3, 5);
 
   if (warp < 4) {
     // ======== warpgroup 0: producer (warp 0, lane 0) and converters (warps 1..3) ==================
@@ -481,6 +488,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
       }
     } else {
       const int ctid = tid - 32;  // 0..95
+      if (ctid == 0 && blockIdx.x < 2) V4ATTN_STAMP_BEGIN(stamp_rec, stamps::kGemmV3, 63);
       for (int it = 0; it < n_iter; ++it) {
         const int s = it % ST, x = it % kXfSlots;
         mbar_wait(bar_full + 8u * s, static_cast<uint32_t>((it / ST) & 1));
@@ -525,6 +533,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
         }
         fence_proxy_async_smem();  // the f16 operand is read by wgmma (async proxy)
         mbar_arrive(bar_xready + 8u * x);
+        if (ctid == 0 && blockIdx.x < 2) V4ATTN_STAMP_AT(stamp_rec, stamps::kGemmV3, 64 + it);
       }
     }
     dev::pdl_launch_dependents();
@@ -560,6 +569,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
   c.ld_chunk = lane >> 4;
   c.ld_swz = lane & 7;  // = ld_row & 7
 
+  if (ctid == 0) V4ATTN_STAMP_BEGIN(stamp_rec, stamps::kGemmV3, 15);
   float acc[MT][R];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
@@ -577,6 +587,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
   uint32_t q[4];  // weight bytes of the next unit to widen (ldmatrix one unit ahead)
 
   for (int it0 = 0; it0 < n_iter; it0 += kStagesPerIter<MT>) {
+    if (ctid == 0 && blockIdx.x < 2) V4ATTN_STAMP_AT(stamp_rec, stamps::kGemmV3, 16 + it0);
     StageRef sr[2];
     sr[0] = stage_ref<MT, NP>(c, it0);
     sr[1] = MT == 1 ? stage_ref<MT, NP>(c, it0 + 1) : sr[0];
@@ -592,6 +603,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
     consume_unit<MT, NP, 6>(c, sr, q, af, d, acc);
     consume_unit<MT, NP, 7>(c, sr, q, af, d, acc);
   }
+  if (ctid == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kGemmV3, 3);
   dev::pdl_launch_dependents();
 
   // ---- epilogue (consumers; the cluster barriers with warpgroup 0) ------------------------------
@@ -644,6 +656,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
       if (tok < p.m) part[tok * kStride + nl] = acc[mt][i];
     }
   cluster_sync();  // every CTA's partial tile is written (release / acquire, cluster scope)
+  if (ctid == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kGemmV3, 6);
   {
     constexpr int kPieces = BN / 4;  // float4 pieces per token
     const int S = p.splits;
@@ -683,6 +696,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
       }
     }
   }
+  if (ctid == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kGemmV3, 4);
   cluster_sync_relaxed();  // no CTA leaves (freeing its shared memory) before every read of it is done
 }
 

@@ -24,8 +24,11 @@
 
 #include "kernels/prepare_common.cuh"
 #include "runtime/launch.h"
+#include "runtime/phase_stamps.cuh"
 
 namespace v4attn::kernels {
+
+V4ATTN_STAMP_UNIT();
 
 namespace {
 
@@ -51,7 +54,11 @@ __global__ void __launch_bounds__(kThreads) q_rope_store_kernel(const __grid_con
   float cs[detail::kChunk] = {};
   if (rotate) detail::ldg_f32x8(p.table + static_cast<int64_t>(pos) * num::kRopeDim + (vec - kRopeFirstVec) * detail::kChunk, cs);
 
+  const bool stamper = threadIdx.x == 0 && blockIdx.x == 0;
+  [[maybe_unused]] unsigned int stamp_rec = 0u;  // measurement builds only (phase_stamps.cuh)
+  if (stamper) V4ATTN_STAMP_BEGIN(stamp_rec, stamps::kQRopeStore, 0);
   dev::pdl_wait();  // q is the predecessor's output
+  if (stamper) V4ATTN_STAMP_AT(stamp_rec, stamps::kQRopeStore, 1);
 
   const int64_t in_off = static_cast<int64_t>(t) * p.q_row_stride + static_cast<int64_t>(h) * kPrepHeadDim + vec * detail::kChunk;
   const int64_t out_off = static_cast<int64_t>(t) * p.q_pad_row_stride + static_cast<int64_t>(h) * kPrepHeadDim + vec * detail::kChunk;
@@ -63,6 +70,7 @@ __global__ void __launch_bounds__(kThreads) q_rope_store_kernel(const __grid_con
     v = detail::pack_bf16x8(x);
   }
   detail::st_global_v4(p.q_pad + out_off, v);
+  if (stamper) V4ATTN_STAMP_AT(stamp_rec, stamps::kQRopeStore, 4);
 
   dev::pdl_launch_dependents();  // after this thread's last store
 }

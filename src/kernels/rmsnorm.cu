@@ -1,9 +1,12 @@
 // Row RMSNorm (+ optional FP8 act quant of the result). See include/v4attn/kernels/norm_kernels.h.
 #include "kernels/prepare_common.cuh"
 #include "runtime/launch.h"
+#include "runtime/phase_stamps.cuh"
 #include "v4attn/kernels/norm_kernels.h"
 
 namespace v4attn::kernels {
+
+V4ATTN_STAMP_UNIT();
 namespace {
 
 constexpr int kMaxThreads = 256;  // n <= 2048: one thread per 8-element chunk
@@ -28,8 +31,11 @@ __global__ void __launch_bounds__(kMaxThreads) rmsnorm_kernel(const RmsNormParam
   const bool active = c < n_chunks;
   float wv[kChunk];
   if (active) ldg_f32x8(p.w + c * kChunk, wv);
+  [[maybe_unused]] unsigned int stamp_rec = 0u;  // measurement builds only (phase_stamps.cuh)
+  if (threadIdx.x == 0) V4ATTN_STAMP_BEGIN(stamp_rec, stamps::kRmsNorm, 0);
   if (p.trigger_at_wait) dev::pdl_wait();
   else dev::pdl_wait_no_trigger();  // successor (the wq_b GEMM) launches after the last store
+  if (threadIdx.x == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kRmsNorm, 1);
   __shared__ float s_rstd;
   const bf16_t* x = p.x + static_cast<int64_t>(row) * p.x_stride;
   float v[kChunk];
@@ -50,6 +56,7 @@ __global__ void __launch_bounds__(kMaxThreads) rmsnorm_kernel(const RmsNormParam
     if (lane == 0) s_rstd = r;
   }
   __syncthreads();
+  if (threadIdx.x == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kRmsNorm, 2);
   const float r = s_rstd;
   if (active) {
     rmsnorm_apply_chunk(v, r, wv);
@@ -66,6 +73,7 @@ __global__ void __launch_bounds__(kMaxThreads) rmsnorm_kernel(const RmsNormParam
       if ((lane & 3) == 0) p.q_scales[static_cast<int64_t>(row) * p.s_stride + c / 4] = num::ue8m0_from_exp(e);
     }
   }
+  if (threadIdx.x == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kRmsNorm, 4);
   dev::pdl_launch_dependents();
 }
 

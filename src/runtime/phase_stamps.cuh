@@ -1,0 +1,66 @@
+// Phase stamps: an opt-in measurement build (-DV4ATTN_PHASE_STAMPS) in which kernels record
+// (%globaltimer, clock64, kernel kind, CTA, phase) at points of their critical path into one
+// device buffer, so that the time between, say, a GEMM's PDL wait and its first consumed stage can
+// be read per CTA inside the real cycle (CUPTI only gives kernel begin and end). Without the
+// definition every stamp compiles to nothing. Host side: runtime/phase_stamps.h.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace v4attn::stamps {
+
+enum Kind : uint32_t { kGemmV2 = 1, kGemmV3 = 2, kRmsNorm = 3, kActQuant = 4, kQRopeStore = 5 };
+
+#ifdef V4ATTN_PHASE_STAMPS
+// A stamping thread takes a record of kPhases entries with one atomic (its first stamp, placed
+// where its latency is hidden, e.g. before a PDL wait) and then writes entries without any round
+// trip, so that the stamps barely move the timeline they measure.
+constexpr unsigned int kPhases = 128;
+struct Entry {
+  unsigned long long global_ns, clock, meta, unused;
+};
+// One copy per translation unit (no relocatable device code); runtime/phase_stamps.cu binds each.
+static __device__ Entry* g_entries = nullptr;
+static __device__ unsigned int* g_count = nullptr;
+static __device__ unsigned int g_records = 0;
+
+__device__ __forceinline__ void write_entry(unsigned int record, uint32_t kind, uint32_t phase) {
+  if (g_entries == nullptr || record >= g_records || phase >= kPhases) return;
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  const unsigned long long c = clock64();
+  unsigned int sm;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  g_entries[record * kPhases + phase] =
+      Entry{t, c,
+            (static_cast<unsigned long long>(kind) << 56) | (static_cast<unsigned long long>(sm) << 48) |
+                (static_cast<unsigned long long>(blockIdx.x & 0xffffu) << 32) |
+                (static_cast<unsigned long long>(blockIdx.y & 0xffu) << 24) | phase,
+            static_cast<unsigned long long>(record)};
+}
+__device__ __forceinline__ unsigned int begin(uint32_t kind, uint32_t phase) {
+  if (g_entries == nullptr) return 0xffffffffu;
+  const unsigned int r = atomicAdd(g_count, 1u);
+  write_entry(r, kind, phase);
+  return r;
+}
+// Binds this translation unit's copy of the buffer pointers (host; called through the registry).
+static inline void bind_this_unit(void* entries, void* count, unsigned int records) {
+  cudaMemcpyToSymbol(g_entries, &entries, sizeof(void*));
+  cudaMemcpyToSymbol(g_count, &count, sizeof(void*));
+  cudaMemcpyToSymbol(g_records, &records, sizeof(unsigned int));
+}
+int register_unit(void (*bind)(void*, void*, unsigned int));
+#define V4ATTN_STAMP_UNIT() \
+  static const int v4attn_stamp_unit_registered = ::v4attn::stamps::register_unit(&::v4attn::stamps::bind_this_unit)
+#define V4ATTN_STAMP_BEGIN(rec, kind, phase) rec = ::v4attn::stamps::begin((kind), (phase))
+#define V4ATTN_STAMP_AT(rec, kind, phase) ::v4attn::stamps::write_entry((rec), (kind), (phase))
+#else
+#define V4ATTN_STAMP_UNIT() static_assert(true, "")
+#define V4ATTN_STAMP_BEGIN(rec, kind, phase) ((void)(rec))
+#define V4ATTN_STAMP_AT(rec, kind, phase) ((void)(rec))
+#endif
+
+}  // namespace v4attn::stamps
