@@ -45,7 +45,9 @@
 //    proof at the path). 3 fp32 ops per (position, head).
 //  Vectors whose block amaxes are within ~8x of each other take the fused path (whether real q
 //  heads do, RoPE half vs nope half, is to be measured); the per-block path keeps every input
-//  exact.
+//  exact. When all 32 heads of a row and the whole m-tile are fused, the m-tile's 16 MMAs run as
+//  four independent chains (one per n-tile) issued block by block, so the tensor core's latency
+//  is paid per block, not per MMA (-33 % for 32 decode rows at 64K; docs/perf.md session 4).
 //
 // Bytes per position read (once per run): 68 (index K) + 4 (slot table); per row and stride slot:
 // 4 (score write).
