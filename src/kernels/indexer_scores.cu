@@ -653,13 +653,15 @@ void run_indexer_scores(const IndexerScoresParams& p, cudaStream_t stream, bool 
   while ((1 << page_shift) < P) ++page_shift;
   const int G = p.group_rows;
   const int64_t groups = (p.T + G - 1) / G;
-  // Steps per warp: 4 (512 positions per CTA) unless that leaves fewer than ~4 CTAs per SM of an
-  // H200 (132 SMs); then shorter tiles for more parallelism (the kernel is latency-bound at small
-  // T: in the stack, verify bs 1 at 64K, 6 rows per CTA, 1 step (512 CTAs) beat 2 steps (256 CTAs)
-  // by 37 us per 40-layer cycle; docs/perf.md session 2 run 2).
+  // Steps per warp: 2 (256 positions per CTA) unless that leaves fewer than ~4 CTAs per SM of an
+  // H200 (132 SMs); then 1 step for more parallelism (the kernel is latency-bound at small T: in
+  // the stack, verify bs 1 at 64K, 6 rows per CTA, 1 step (512 CTAs) beat 2 steps (256 CTAs) by
+  // 37 us per 40-layer cycle; docs/perf.md session 2 run 2). Since the MMA chains are interleaved,
+  // 2 steps also beat 4 at large batches: verify bs 4 2437.8 -> 2339.2 us per cycle, decode bs 32
+  // 3306.4 -> 3273.8 (docs/perf.md session 4, run 9); 4 stays available as a knob.
   int steps = p.steps_per_warp;
   if (steps == 0) {
-    steps = kMaxSteps;
+    steps = 2;
     auto ctas = [&](int s) { return groups * ((p.score_stride + kThreads * s - 1) / (kThreads * s)); };
     while (steps > 1 && ctas(steps) < 512) steps /= 2;
   }
