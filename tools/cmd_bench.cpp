@@ -235,6 +235,7 @@ struct BenchCliOptions {
   bool qnorm_trigger_late = false;
   int qb_prewait_stages = -1;
   int qb_overlap = -1;
+  int qb_prewait_pace_ns = -1;
   bool idx_scores_main = false;
   bool fuse_rope_store = false;
   uint64_t seed = 1;
@@ -375,6 +376,7 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
     j["qnorm_trigger_late"] = c.knobs.qnorm_trigger_late;
     j["qb_prewait_stages"] = c.knobs.qb_prewait_stages;
     j["qb_overlap"] = c.knobs.qb_overlap;
+    j["qb_prewait_pace_ns"] = c.knobs.qb_prewait_pace_ns;
     j["idx_scores_on_main"] = c.knobs.idx_scores_on_main;
     j["fuse_rope_store"] = c.knobs.fuse_rope_store;
     j["seed"] = c.knobs.seed;
@@ -505,6 +507,11 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
                   "wq_b GEMM: weight stages fetched before its PDL wait (-1: its whole first ring fill; tuning knob)")
       ->check(CLI::Range(-1, 8))
       ->capture_default_str();
+  sub->add_option("--qb-prewait-pace", o->qb_prewait_pace_ns,
+                  "wq_b GEMM: ns between its pre-wait weight stage issues per CTA (0: all at once; -1: automatic, "
+                  "1000 for one-row steps; tuning knob)")
+      ->check(CLI::Range(-1, 100000))
+      ->capture_default_str();
   sub->add_option("--qb-overlap", o->qb_overlap,
                   "wq_b GEMM (v2) consumer loop: 0 one K block at a time, 1 widening overlapped, 2 fully pipelined "
                   "(m <= 32), -1 default (tuning knob)")
@@ -563,6 +570,7 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       c.knobs.qnorm_trigger_late = o->qnorm_trigger_late;
       c.knobs.qb_prewait_stages = o->qb_prewait_stages;
       c.knobs.qb_overlap = o->qb_overlap;
+      c.knobs.qb_prewait_pace_ns = o->qb_prewait_pace_ns;
       c.knobs.idx_scores_on_main = o->idx_scores_main && c.knobs.idx_gemm_on_main;
       c.knobs.fuse_rope_store = o->fuse_rope_store;
       c.knobs.gemm_small = o->gemm_small == "tc"       ? kernels::GemmVersion::kTensorCore

@@ -111,6 +111,7 @@ void run_gemm_fp8(const Fp8GemmParams& p, const GemmWorkspace& ws, GemmVersion v
   if (fused_quant && version != GemmVersion::kWgmmaPipelined) fail(who, "a_bf16 needs GemmVersion::kWgmmaPipelined");
   if (rope && version != GemmVersion::kWgmma) fail(who, "the fused RoPE store (rope_table) needs GemmVersion::kWgmma");
   if (p.prewait_stages < -1) fail(who, "prewait_stages must be >= -1 (-1: every stage of the first ring fill)");
+  if (p.prewait_pace_ns < 0 || p.prewait_pace_ns > 100000) fail(who, "prewait_pace_ns must be in [0, 100000]");
   if (p.v2_overlap < -1 || p.v2_overlap > 2) fail(who, "v2_overlap must be -1 (default), 0, 1 or 2");
   if (p.m == 0) return;
   check_nk(who, p.n, p.k);

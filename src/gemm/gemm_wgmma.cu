@@ -146,6 +146,7 @@ struct WgmmaParams {
   int stages = 0;            // ring depth (1..kMaxStages)
   int max_split_blocks = 0;  // ceil(k_blocks / splits): capacity of the scale arrays
   int prewait_stages = 0;    // weight stages of the first ring fill issued before the PDL wait
+  int prewait_pace_ns = 0;   // Fp8GemmParams::prewait_pace_ns
   int overlap = 1;           // consumer loop on full stages: 0 / 1 / 2 (Fp8GemmParams::v2_overlap)
   // kRope (run_gemm_fp8_rope_store): q_rope_store in the epilogue (S == 1 only).
   const int32_t* rope_pos = nullptr;  // [m]
@@ -213,8 +214,19 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
     tma_load_3d(base + L.w + static_cast<uint32_t>(it * BN * kStageK), &p.tmap_w, bar_full + 8u * it,
                 (kb_begin + it * kBlocksPerStage) * kGemmBlock, row0, grp);
   };
-  if (tid == 0)
-    for (int it = 0; it < early; ++it) issue_weight_stage(it);
+  if (tid == 0) {
+    uint64_t t_start = 0;
+    if (p.prewait_pace_ns > 0) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_start));
+    for (int it = 0; it < early; ++it) {
+      if (p.prewait_pace_ns > 0 && it > 0) {  // paced: stage it at t_start + it * pace
+        uint64_t now;
+        do {
+          asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+        } while (now < t_start + static_cast<uint64_t>(it) * static_cast<uint64_t>(p.prewait_pace_ns));
+      }
+      issue_weight_stage(it);
+    }
+  }
   {  // weight scales of the tile's K range, decoded once (rows >= n: 0, never stored)
     const uint8_t* sw_g = p.w_scale + grp * p.w_scale_group_stride + static_cast<int64_t>(row0 / 32) * p.k_blocks + kb_begin;
     for (int i = tid; i < (BN / 32) * nkb; i += kThreads) {
@@ -645,6 +657,7 @@ void launch_gemm_fp8_wgmma(const Fp8GemmParams& p, const GemmPlan& plan, const G
   t.stages = plan.stages;
   t.max_split_blocks = static_cast<int>((kb + plan.splits - 1) / plan.splits);
   t.prewait_stages = p.prewait_stages < 0 ? plan.stages : p.prewait_stages;
+  t.prewait_pace_ns = p.prewait_pace_ns;
   t.overlap = p.v2_overlap < 0 ? 2 : p.v2_overlap;  // 2 runs as 1 where m > 32
   if (plan.splits > 1) {
     uint8_t* wsb = static_cast<uint8_t*>(ws.data);

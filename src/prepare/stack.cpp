@@ -157,6 +157,8 @@ void validate_options(const ModelPlan& plan, const GpuStackOptions& o) {
     fail("select_version must be 2 or 3 (got " + std::to_string(o.select_version) + ")");
   if (o.qb_prewait_stages < -1) fail("qb_prewait_stages must be >= -1 (got " + std::to_string(o.qb_prewait_stages) + ")");
   if (o.qb_overlap < -1 || o.qb_overlap > 2) fail("qb_overlap must be -1, 0, 1 or 2 (got " + std::to_string(o.qb_overlap) + ")");
+  if (o.qb_prewait_pace_ns < -1 || o.qb_prewait_pace_ns > 100000)
+    fail("qb_prewait_pace_ns must be -1 (automatic) or 0..100000 (got " + std::to_string(o.qb_prewait_pace_ns) + ")");
   if (o.scores_min_blocks != 0 && o.scores_min_blocks != 3 && o.scores_min_blocks != 4)
     fail("scores_min_blocks must be 0, 3 or 4 (got " + std::to_string(o.scores_min_blocks) + ")");
   if (o.scores_row_split < 0 || o.scores_row_split > 2)
@@ -752,6 +754,7 @@ void GpuPrepareStack::Impl::issue_qb(int L, int T, cudaStream_t s) {
   g.k = q_rank;
   g.prewait_stages = o.qb_prewait_stages;
   g.v2_overlap = o.qb_overlap;
+  g.prewait_pace_ns = o.qb_prewait_pace_ns >= 0 ? o.qb_prewait_pace_ns : (T == 1 ? 1000 : 0);
   // fuse_rope_store: the GEMM writes q_pad itself with the RoPE applied (v2 epilogue; same bytes).
   if (o.fuse_rope_store && fp8_version(T, g.n, g.k) == kn::GemmVersion::kWgmma &&
       kn::gemm_v2_rope_store_supported(T, g.n, g.k)) {

@@ -751,9 +751,9 @@ TEST(GpuGemm, Fp8WgmmaOverlapAndPrewaitAreByteNeutral) {
       {512, 1280, 1, 0, 0, 0},  // automatic plan, wq_b-like K (40 blocks = 10 full stages)
   };
   struct Variant {
-    int overlap, prewait;
+    int overlap, prewait, pace_ns = 0;
   };
-  const Variant variants[] = {{0, -1}, {1, -1}, {2, -1}, {1, 0}, {2, 1}, {0, 0}};
+  const Variant variants[] = {{0, -1}, {1, -1}, {2, -1}, {1, 0}, {2, 1}, {0, 0}, {2, -1, 1000}, {1, 2, 300}};
   uint64_t seed = 1900;
   DiffStats agg;
   for (const Fp8Case& cs : cases) {
@@ -772,10 +772,12 @@ TEST(GpuGemm, Fp8WgmmaOverlapAndPrewaitAreByteNeutral) {
         Fp8GemmParams p = fp8_params(w, a, out.get(), l);
         p.v2_overlap = v.overlap;
         p.prewait_stages = v.prewait;
+        p.prewait_pace_ns = v.pace_ns;
         run_gemm_fp8(p, gws, GemmVersion::kWgmma, nullptr, (m & 1) != 0);
         V4_CUDA_CHECK(cudaDeviceSynchronize());
         std::vector<bf16_t> got = to_host(out);
-        const std::string name = fp8_name(cs, m) + " overlap" + std::to_string(v.overlap) + " prewait" + std::to_string(v.prewait);
+        const std::string name = fp8_name(cs, m) + " overlap" + std::to_string(v.overlap) + " prewait" +
+                                 std::to_string(v.prewait) + " pace" + std::to_string(v.pace_ns);
         if (first.empty()) {
           agg.add(check_bf16(got, l, dense_want(ref_fp8(w, a), cs.n), 1, name + " v2", true));
           first = std::move(got);
@@ -1154,6 +1156,9 @@ TEST(GpuGemm, RefusesBadArguments) {
     p = valid_fp8();
     p.v2_overlap = 3;
     expect_refused(p, GemmVersion::kWgmma, no_ws, "v2_overlap 3");
+    p = valid_fp8();
+    p.prewait_pace_ns = -1;
+    expect_refused(p, GemmVersion::kWgmma, no_ws, "prewait_pace_ns < 0");
     EXPECT_THROW(plan_gemm_wgmma(65, 64, 64, 1), std::invalid_argument);
     EXPECT_THROW(plan_gemm_wgmma(4, 64, 64, 1, 0, 3), std::invalid_argument);
   }

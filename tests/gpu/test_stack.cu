@@ -148,6 +148,7 @@ TEST(GpuStackHost, ValidateOptionsRefusesWhatTheStackCannotRun) {
   refused([](GpuStackOptions& o) { o.select_version = 1; }, "select_version");
   refused([](GpuStackOptions& o) { o.qb_prewait_stages = -2; }, "qb_prewait_stages");
   refused([](GpuStackOptions& o) { o.qb_overlap = 3; }, "qb_overlap");
+  refused([](GpuStackOptions& o) { o.qb_prewait_pace_ns = -2; }, "qb_prewait_pace_ns");
   refused(
       [](GpuStackOptions& o) {
         o.idx_scores_on_main = true;
@@ -442,6 +443,7 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
     bool idx_scores_on_main = false;
     int qb_prewait_stages = -1;
     int qb_overlap = -1;
+    int qb_prewait_pace_ns = -1;
   };
   using SF = LayerIssue::SFork;
   std::vector<Config> configs;
@@ -488,6 +490,9 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
   with([](Config& c) { c.idx_gemm_on_main = true, c.qb_prewait_stages = 0, c.qb_overlap = 0; });
   for (Schedule sched : kAllSchedules)
     for (bool graph : {false, true}) with([](Config& c) { c.idx_gemm_on_main = c.idx_scores_on_main = true; }, sched, graph);
+  // Session 4: the wq_b GEMM's paced pre-wait stages (timing only).
+  with([](Config& c) { c.idx_gemm_on_main = true, c.qb_prewait_pace_ns = 700; });
+  with([](Config& c) { c.idx_gemm_on_main = true, c.qb_prewait_pace_ns = 0; }, Schedule::kThreeLane, false);
 
   std::vector<Snapshot> first;  // per step, of the first configuration
   std::string first_name;
@@ -501,7 +506,7 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
         std::to_string(c.scores_group_rows) + " s" + std::to_string(c.scores_steps) + " rs" +
         std::to_string(c.scores_row_split) + " mb" + std::to_string(c.scores_min_blocks) + " side-priority " +
         std::to_string(c.side_priority) + (c.qnorm_trigger_late ? " qnorm-late" : "") +
-        (c.idx_scores_on_main ? " idx-scores-main" : "") + " qb-prewait " + std::to_string(c.qb_prewait_stages) + " qb-overlap " + std::to_string(c.qb_overlap);
+        (c.idx_scores_on_main ? " idx-scores-main" : "") + " qb-prewait " + std::to_string(c.qb_prewait_stages) + " qb-overlap " + std::to_string(c.qb_overlap) + " qb-pace " + std::to_string(c.qb_prewait_pace_ns);
     SCOPED_TRACE(name);
     // A fresh stack per configuration: the device inputs of padded rows depend on the step count.
     go.schedule = c.schedule;
@@ -518,6 +523,7 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
     go.qnorm_trigger_late = c.qnorm_trigger_late;
     go.qb_prewait_stages = c.qb_prewait_stages;
     go.qb_overlap = c.qb_overlap;
+    go.qb_prewait_pace_ns = c.qb_prewait_pace_ns;
     go.idx_scores_on_main = c.idx_scores_on_main;
     go.scores_min_blocks = c.scores_min_blocks;
     go.select_cluster = c.select_cluster;

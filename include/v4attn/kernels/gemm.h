@@ -243,6 +243,10 @@ struct Fp8GemmParams {
   // the default; 0 = none). The rest of the first fill follows the wait. Tuning only: the early
   // fill overlaps the predecessor but competes with it (and the kernels before it) for DRAM.
   int prewait_stages = -1;
+  // v2: pacing of those pre-wait weight stages, nanoseconds between consecutive stage issues per CTA
+  // (0 = all at once). Experiment knob: spreads the first ring fill so that other kernels' memory
+  // requests do not queue behind it.
+  int prewait_pace_ns = 0;
   // v2 tuning (numerics identical): the consumer loop over the 4 K blocks of a full stage.
   // 0 = one block at a time; 1 = the ldmatrix and widening of block j + 1 issued while the wgmmas
   // of block j run; 2 = also block j + 1's wgmmas issued before block j is folded (two block-sum
