@@ -70,9 +70,9 @@
 #include "gemm/hopper_ptx.cuh"
 #include "gemm/tensor_map.h"
 #include "gemm/wgmma_f16.cuh"
-#include "runtime/phase_stamps.cuh"
 #include "kernels/device_common.cuh"
 #include "runtime/launch.h"
+#include "runtime/phase_stamps.cuh"
 
 namespace v4attn::kernels {
 
