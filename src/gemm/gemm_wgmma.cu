@@ -442,8 +442,9 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
   dev::pdl_launch_dependents();
 
   // ---- epilogue (consumers only) ------------------------------------------------------------------
-  // Element (mt, i): weight row n = row0 + (wgc*MT + mt)*64 + 16w + g + (i & 2 ? 8 : 0),
-  // token = 8 (i / 4) + 2t + (i & 1).
+  // Element (mt, i) of this thread's accumulators: weight row (output column) n and token m.
+  auto out_col = [&](int mt, int i) { return row0 + (wgc * MT + mt) * 64 + 16 * w + g + ((i & 2) ? 8 : 0); };
+  auto out_tok = [&](int i) { return 8 * (i >> 2) + 2 * t + (i & 1); };
   bf16_t* out = p.out + grp * p.out_group_stride;
   if constexpr (kRope) {  // S == 1, one group (host-checked)
     if (tile == 0 && ctid == 0)
@@ -467,8 +468,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int i = 0; i < R; ++i) {
-        const int n = row0 + (wgc * MT + mt) * 64 + 16 * w + g + ((i & 2) ? 8 : 0);
-        const int m = 8 * (i >> 2) + 2 * t + (i & 1);
+        const int n = out_col(mt, i), m = out_tok(i);
         const float x = num::f32_from_bf16(num::bf16_from_f32(acc[mt][i]));  // the GEMM's bf16 output
         const float partner = __shfl_xor_sync(0xffffffffu, x, 4);           // column n ^ 1
         if (m < p.m && n < p.n) {
@@ -498,8 +498,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int i = 0; i < R; ++i) {
-        const int n = row0 + (wgc * MT + mt) * 64 + 16 * w + g + ((i & 2) ? 8 : 0);
-        const int m = 8 * (i >> 2) + 2 * t + (i & 1);
+        const int n = out_col(mt, i), m = out_tok(i);
         if (m < p.m && n < p.n) out[m * p.out_stride + n] = num::bf16_from_f32(acc[mt][i]);
       }
     if (ctid == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kGemmV2, 4);
@@ -513,8 +512,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int i = 0; i < R; ++i) {
-      const int n = row0 + (wgc * MT + mt) * 64 + 16 * w + g + ((i & 2) ? 8 : 0);
-      const int m = 8 * (i >> 2) + 2 * t + (i & 1);
+      const int n = out_col(mt, i), m = out_tok(i);
       if (m < p.m && n < p.n) part[static_cast<int64_t>(m) * p.n + n] = acc[mt][i];
     }
   // Last-block pattern (as v1): each thread fences its own partial stores device-wide before the

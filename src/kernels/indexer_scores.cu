@@ -350,6 +350,18 @@ __device__ void compute_run(const IndexerScoresParams& p, const RunCtx& run, int
         const float4 b = *reinterpret_cast<const float4*>(&rcr.qw[8 * tq + 4]);
         qw[0] = a.x, qw[1] = a.y, qw[2] = a.z, qw[3] = a.w, qw[4] = b.x, qw[5] = b.y, qw[6] = b.z, qw[7] = b.w;
       }
+      // Fused-path epilogue of one n-tile's accumulator (see the proof at the general loop's fused
+      // path): I * sk_min / 4 by one exact FMA, relu, one rounded product with sq_min * w.
+      auto fused_terms = [&](const int (&acc)[4], int mt, int nt, float (&term)[2][8]) {
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int hl = 2 * nt + e;
+            const float y = __fmaf_rn(__int_as_float(acc[2 * rr + e]), s4[mt][rr], c4[mt][rr]);  // exact
+            term[rr][hl] = num::mul_rn(y > 0.0f ? y : 0.0f, qw[hl]);
+          }
+      };
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
         float term[2][8];
@@ -377,15 +389,7 @@ __device__ void compute_run(const IndexerScoresParams& p, const RunCtx& run, int
             }
           }
 #pragma unroll
-          for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-            for (int rr = 0; rr < 2; ++rr)
-#pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                const int hl = 2 * nt + e;
-                const float y = __fmaf_rn(__int_as_float(acc[nt][2 * rr + e]), s4[mt][rr], c4[mt][rr]);  // exact
-                term[rr][hl] = num::mul_rn(y > 0.0f ? y : 0.0f, qw[hl]);
-              }
+          for (int nt = 0; nt < 4; ++nt) fused_terms(acc[nt], mt, nt, term);
         } else {
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
@@ -405,14 +409,7 @@ __device__ void compute_run(const IndexerScoresParams& p, const RunCtx& run, int
             mma_s8_m16n8k32_acc(acc, A[mt][1], B[1]);
             mma_s8_m16n8k32_acc(acc, A[mt][2], B[2]);
             mma_s8_m16n8k32_acc(acc, A[mt][3], B[3]);
-#pragma unroll
-            for (int rr = 0; rr < 2; ++rr)
-#pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                const int hl = 2 * nt + e;
-                const float y = __fmaf_rn(__int_as_float(acc[2 * rr + e]), s4[mt][rr], c4[mt][rr]);  // exact
-                term[rr][hl] = num::mul_rn(y > 0.0f ? y : 0.0f, qw[hl]);
-              }
+            fused_terms(acc, mt, nt, term);
           } else {
             // Per-block path (any scales): four exact block sums, combined like the reference.
             float dot[2][2];
@@ -673,9 +670,10 @@ void run_indexer_scores(const IndexerScoresParams& p, cudaStream_t stream, bool 
   // 1752.8 / 1755.7 vs 1689.9 / 1680.5 us per cycle; bs 4: 2887.0 vs 2708.4; docs/perf.md run 22):
   // twice the threads per CTA and a second read of the tile's K cost more than the halved row walk.
   const int RS = p.row_split != 0 ? p.row_split : 1;
-  // Register cap: 4 CTAs per SM (128 registers, 88 B of spills) pays with 1-step tiles, 3 (168, no
-  // spill) with longer ones (more spills): measured in the stack, docs/perf.md run 26 (verify bs 1
-  // and decode bs 1: -1.6 / -0.6 %; verify bs 4 and decode bs 32, 4-step tiles: +1.4 / +4 %).
+  // Register cap: 4 CTAs per SM (128 registers, ~72 B of spills at 1 step) pays with 1-step tiles,
+  // 3 (168 registers, <= 16 B of spills) with longer ones (more spills at 128): measured in the
+  // stack, docs/perf.md run 26 (verify bs 1 and decode bs 1: -1.6 / -0.6 %; verify bs 4 and decode
+  // bs 32, 4-step tiles: +1.4 / +4 %).
   const int min_blocks = p.min_blocks != 0 ? p.min_blocks : (steps == 1 ? 4 : 3);
   LaunchConfig cfg;
   cfg.grid = dim3(static_cast<unsigned>(groups), static_cast<unsigned>(tiles), 1);

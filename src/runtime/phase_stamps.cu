@@ -51,7 +51,7 @@ long dump(const std::string& path) {
     if (x.global_ns == 0) continue;
     // global_ns clock kind sm cta_x cta_y phase record
     std::fprintf(f, "%llu %llu %llu %llu %llu %llu %llu %llu\n", x.global_ns, x.clock, x.meta >> 56, (x.meta >> 48) & 0xff,
-                 (x.meta >> 32) & 0xffff, (x.meta >> 24) & 0xff, x.meta & 0xff, x.unused);
+                 (x.meta >> 32) & 0xffff, (x.meta >> 24) & 0xff, x.meta & 0xff, x.record);
     ++written;
   }
   std::fclose(f);

@@ -19,7 +19,7 @@ enum Kind : uint32_t { kGemmV2 = 1, kGemmV3 = 2, kRmsNorm = 3, kActQuant = 4, kQ
 // trip, so that the stamps barely move the timeline they measure.
 constexpr unsigned int kPhases = 128;
 struct Entry {
-  unsigned long long global_ns, clock, meta, unused;
+  unsigned long long global_ns, clock, meta, record;  // record: the stamping thread's record index
 };
 // One copy per translation unit (no relocatable device code); runtime/phase_stamps.cu binds each.
 static __device__ Entry* g_entries = nullptr;

@@ -147,7 +147,7 @@ struct GpuStackOptions {
   int qb_prewait_stages = -1;
   int qb_overlap = -1;
   // wq_b GEMM: Fp8GemmParams::prewait_pace_ns; -1 = automatic: 1000 ns for one-row steps (decode
-  // bs 1: -3 % per cycle), 0 otherwise (pacing was slower at 6 rows and more; docs/perf.md session 4).
+  // bs 1: -2.3 % per cycle), 0 otherwise (pacing was slower at 6 rows and more; docs/perf.md session 4).
   int qb_prewait_pace_ns = -1;
   // Index sources without a compressor (reindex layers): weights_proj, q pack and the scores on
   // main before the wq_b GEMM (which then launches after the scores' last store); lane S keeps
