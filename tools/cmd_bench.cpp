@@ -236,6 +236,7 @@ struct BenchCliOptions {
   int qb_prewait_stages = -1;
   int qb_overlap = -1;
   int qb_prewait_pace_ns = -1;
+  int aq_warps = -1;
   bool idx_scores_main = false;
   bool fuse_rope_store = false;
   uint64_t seed = 1;
@@ -377,6 +378,7 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
     j["qb_prewait_stages"] = c.knobs.qb_prewait_stages;
     j["qb_overlap"] = c.knobs.qb_overlap;
     j["qb_prewait_pace_ns"] = c.knobs.qb_prewait_pace_ns;
+    j["aq_warps"] = c.knobs.aq_warps;
     j["idx_scores_on_main"] = c.knobs.idx_scores_on_main;
     j["fuse_rope_store"] = c.knobs.fuse_rope_store;
     j["seed"] = c.knobs.seed;
@@ -512,6 +514,11 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
                   "1000 for one-row steps; tuning knob)")
       ->check(CLI::Range(-1, 100000))
       ->capture_default_str();
+  sub->add_option("--aq-warps", o->aq_warps,
+                  "QA act quant: warps (32-element blocks) per CTA, 1..32 (0: the kernel's 4; -1: automatic: 4 for one "
+                  "row, 16 for 2-7 rows, 32 from 8)")
+      ->check(CLI::Range(-1, 32))
+      ->capture_default_str();
   sub->add_option("--qb-overlap", o->qb_overlap,
                   "wq_b GEMM (v2) consumer loop: 0 one K block at a time, 1 widening overlapped, 2 fully pipelined "
                   "(m <= 32), -1 default (tuning knob)")
@@ -571,6 +578,7 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       c.knobs.qb_prewait_stages = o->qb_prewait_stages;
       c.knobs.qb_overlap = o->qb_overlap;
       c.knobs.qb_prewait_pace_ns = o->qb_prewait_pace_ns;
+      c.knobs.aq_warps = o->aq_warps;
       c.knobs.idx_scores_on_main = o->idx_scores_main && c.knobs.idx_gemm_on_main;
       c.knobs.fuse_rope_store = o->fuse_rope_store;
       c.knobs.gemm_small = o->gemm_small == "tc"       ? kernels::GemmVersion::kTensorCore

@@ -18,12 +18,14 @@ namespace {
 constexpr int kSimpleThreads = 128;
 
 // ---- FP8 act quant ----------------------------------------------------------------------------
-// Grid (ceil((k/32) / 4), m), block 128: one warp owns one 32-wide block of one row, one lane one
-// element. amax = warp max of max(0, |x|): the reference's sequential NaN-skipping max from 0,
-// exactly (max is exact and order-free); then the same scale exponent and codes.
-constexpr int kQuantWarps = kSimpleThreads / 32;
+// Grid (ceil((k/32) / W), m), block 32 W (W = ActQuantParams::warps_per_cta, 4 by default): one
+// warp owns one 32-wide block of one row, one lane one element, whatever W. amax = warp max of
+// max(0, |x|): the reference's sequential NaN-skipping max from 0, exactly (max is exact and
+// order-free); then the same scale exponent and codes.
+constexpr int kQuantWarps = kSimpleThreads / 32;  // the default W (warps_per_cta 0)
+constexpr int kQuantMaxWarps = 32;
 
-__global__ void __launch_bounds__(kSimpleThreads) act_quant_fp8_kernel(const __grid_constant__ ActQuantParams p) {
+__global__ void __launch_bounds__(kQuantMaxWarps * 32) act_quant_fp8_kernel(const __grid_constant__ ActQuantParams p) {
   const bool stamper = threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0;
   [[maybe_unused]] unsigned int stamp_rec = 0u;  // measurement builds only (phase_stamps.cuh)
   if (stamper) V4ATTN_STAMP_BEGIN(stamp_rec, stamps::kActQuant, 0);
@@ -31,7 +33,7 @@ __global__ void __launch_bounds__(kSimpleThreads) act_quant_fp8_kernel(const __g
   if (stamper) V4ATTN_STAMP_AT(stamp_rec, stamps::kActQuant, 1);
   const int row = static_cast<int>(blockIdx.y);
   const int lane = static_cast<int>(threadIdx.x) & 31;
-  const int64_t blk = static_cast<int64_t>(blockIdx.x) * kQuantWarps + (threadIdx.x >> 5);
+  const int64_t blk = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (blk < p.k / kGemmBlock) {  // uniform per warp
     const float v = num::f32_from_bf16(p.x[row * p.x_stride + blk * kGemmBlock + lane]);
     const float amax = dev::warp_max(num::block_amax_step(0.0f, v));
@@ -119,10 +121,12 @@ void run_act_quant_fp8(const ActQuantParams& p, cudaStream_t stream, bool pdl) {
   if (p.x_stride < p.k) fail("x_stride < k");
   if (p.q_stride < p.k) fail("q_stride < k");
   if (p.scale_stride < p.k / kGemmBlock) fail("scale_stride < k/32");
+  if (p.warps_per_cta < 0 || p.warps_per_cta > kQuantMaxWarps) fail("warps_per_cta must be 0..32");
   LaunchConfig cfg;
   const int64_t blocks = p.k / kGemmBlock;
-  cfg.grid = dim3(static_cast<unsigned>((blocks + kQuantWarps - 1) / kQuantWarps), static_cast<unsigned>(p.m));
-  cfg.block = dim3(kSimpleThreads);
+  const int warps = p.warps_per_cta > 0 ? p.warps_per_cta : kQuantWarps;
+  cfg.grid = dim3(static_cast<unsigned>((blocks + warps - 1) / warps), static_cast<unsigned>(p.m));
+  cfg.block = dim3(static_cast<unsigned>(warps * 32));
   cfg.stream = stream;
   cfg.pdl = pdl;
   launch_kernel("act_quant_fp8", act_quant_fp8_kernel, cfg, p);

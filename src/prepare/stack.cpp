@@ -157,6 +157,8 @@ void validate_options(const ModelPlan& plan, const GpuStackOptions& o) {
     fail("select_version must be 2 or 3 (got " + std::to_string(o.select_version) + ")");
   if (o.qb_prewait_stages < -1) fail("qb_prewait_stages must be >= -1 (got " + std::to_string(o.qb_prewait_stages) + ")");
   if (o.qb_overlap < -1 || o.qb_overlap > 2) fail("qb_overlap must be -1, 0, 1 or 2 (got " + std::to_string(o.qb_overlap) + ")");
+  if (o.aq_warps < -1 || o.aq_warps > 32)
+    fail("aq_warps must be -1 (automatic) or 0..32 (got " + std::to_string(o.aq_warps) + ")");
   if (o.qb_prewait_pace_ns < -1 || o.qb_prewait_pace_ns > 100000)
     fail("qb_prewait_pace_ns must be -1 (automatic) or 0..100000 (got " + std::to_string(o.qb_prewait_pace_ns) + ")");
   if (o.scores_min_blocks != 0 && o.scores_min_blocks != 3 && o.scores_min_blocks != 4)
@@ -704,6 +706,7 @@ void GpuPrepareStack::Impl::issue_qa(int L, int T, cudaStream_t s) {
     a.scale_stride = dim / 32;
     a.m = T;
     a.k = dim;
+    a.warps_per_cta = o.aq_warps >= 0 ? o.aq_warps : T == 1 ? 0 : T < 8 ? 16 : 32;  // GpuStackOptions::aq_warps
     kn::run_act_quant_fp8(a, s, pdl_rest());
     g.a_q = xq;
     g.a_stride = dim;

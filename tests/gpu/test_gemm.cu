@@ -20,6 +20,7 @@
 // Every output buffer has extra rows and a row stride > n, poisoned (0xAB) before each call;
 // everything outside [0, m) x [0, n) must still be poison afterwards.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -542,8 +543,11 @@ void check_f32_case(int64_t n, int64_t k, int m, Data d, uint64_t seed, GemmVers
 TEST(GpuGemm, ActQuantMatchesReferenceBytes) {
   V4_REQUIRE_GPU();
   uint64_t seed = 1;
+  int run = 0;
   for (int64_t k : {32, 96, 1280, 5120, 8192})
     for (int m : kAllM) {
+      // The CTA size rotates (warps_per_cta: default, 1, 7 -- a partial last CTA --, 32): same bytes.
+      const int warps = std::array<int, 4>{0, 1, 7, 32}[static_cast<size_t>(run++ % 4)];
       // Odd strides for k = 96: the act quant has no alignment requirement.
       const int64_t x_stride = k + (k == 96 ? 3 : 24), q_stride = k + (k == 96 ? 5 : 16), s_stride = k / 32 + 5;
       const std::vector<bf16_t> x = make_x(m, k, x_stride, Data::kRealistic, ++seed);
@@ -561,6 +565,7 @@ TEST(GpuGemm, ActQuantMatchesReferenceBytes) {
       p.scale_stride = s_stride;
       p.m = m;
       p.k = k;
+      p.warps_per_cta = warps;
       run_act_quant_fp8(p, nullptr, (m & 1) != 0);  // pdl on for odd m: same bytes
       const std::vector<uint8_t> hq = to_host(q), hs = to_host(s);
       int bad = 0;
@@ -568,12 +573,12 @@ TEST(GpuGemm, ActQuantMatchesReferenceBytes) {
         for (int64_t c = 0; c < q_stride; ++c) {
           const uint8_t w = (r < m && c < k) ? want.q[static_cast<size_t>(r * k + c)] : kPoisonByte;
           if (hq[static_cast<size_t>(r * q_stride + c)] != w && bad++ < 5)
-            ADD_FAILURE() << "k " << k << " m " << m << ": code row " << r << " col " << c;
+            ADD_FAILURE() << "k " << k << " m " << m << " warps " << warps << ": code row " << r << " col " << c;
         }
         for (int64_t c = 0; c < s_stride; ++c) {
           const uint8_t w = (r < m && c < k / 32) ? want.scale[static_cast<size_t>(r * (k / 32) + c)] : kPoisonByte;
           if (hs[static_cast<size_t>(r * s_stride + c)] != w && bad++ < 5)
-            ADD_FAILURE() << "k " << k << " m " << m << ": scale row " << r << " col " << c;
+            ADD_FAILURE() << "k " << k << " m " << m << " warps " << warps << ": scale row " << r << " col " << c;
         }
       }
     }
@@ -1254,6 +1259,11 @@ TEST(GpuGemm, RefusesBadArguments) {
     EXPECT_THROW(run_act_quant_fp8(q, nullptr, false), std::invalid_argument);
     q = p;
     q.x_stride = 63;  // < k
+    EXPECT_THROW(run_act_quant_fp8(q, nullptr, false), std::invalid_argument);
+    q = p;
+    q.warps_per_cta = 33;
+    EXPECT_THROW(run_act_quant_fp8(q, nullptr, false), std::invalid_argument);
+    q.warps_per_cta = -1;
     EXPECT_THROW(run_act_quant_fp8(q, nullptr, false), std::invalid_argument);
     q = p;
     q.scale = nullptr;

@@ -149,6 +149,7 @@ TEST(GpuStackHost, ValidateOptionsRefusesWhatTheStackCannotRun) {
   refused([](GpuStackOptions& o) { o.qb_prewait_stages = -2; }, "qb_prewait_stages");
   refused([](GpuStackOptions& o) { o.qb_overlap = 3; }, "qb_overlap");
   refused([](GpuStackOptions& o) { o.qb_prewait_pace_ns = -2; }, "qb_prewait_pace_ns");
+  refused([](GpuStackOptions& o) { o.aq_warps = 33; }, "aq_warps");
   refused(
       [](GpuStackOptions& o) {
         o.idx_scores_on_main = true;
@@ -444,6 +445,7 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
     int qb_prewait_stages = -1;
     int qb_overlap = -1;
     int qb_prewait_pace_ns = -1;
+    int aq_warps = -1;
   };
   using SF = LayerIssue::SFork;
   std::vector<Config> configs;
@@ -493,6 +495,10 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
   // Session 4: the wq_b GEMM's paced pre-wait stages (timing only).
   with([](Config& c) { c.idx_gemm_on_main = true, c.qb_prewait_pace_ns = 700; });
   with([](Config& c) { c.idx_gemm_on_main = true, c.qb_prewait_pace_ns = 0; }, Schedule::kThreeLane, false);
+  // Session 5: the act quant's CTA size (launch shape only).
+  with([](Config& c) { c.aq_warps = 32; });
+  with([](Config& c) { c.aq_warps = 0; });
+  with([](Config& c) { c.aq_warps = 7; }, Schedule::kSerial, false);
 
   std::vector<Snapshot> first;  // per step, of the first configuration
   std::string first_name;
@@ -506,7 +512,7 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
         std::to_string(c.scores_group_rows) + " s" + std::to_string(c.scores_steps) + " rs" +
         std::to_string(c.scores_row_split) + " mb" + std::to_string(c.scores_min_blocks) + " side-priority " +
         std::to_string(c.side_priority) + (c.qnorm_trigger_late ? " qnorm-late" : "") +
-        (c.idx_scores_on_main ? " idx-scores-main" : "") + " qb-prewait " + std::to_string(c.qb_prewait_stages) + " qb-overlap " + std::to_string(c.qb_overlap) + " qb-pace " + std::to_string(c.qb_prewait_pace_ns);
+        (c.idx_scores_on_main ? " idx-scores-main" : "") + " qb-prewait " + std::to_string(c.qb_prewait_stages) + " qb-overlap " + std::to_string(c.qb_overlap) + " qb-pace " + std::to_string(c.qb_prewait_pace_ns) + " aq-warps " + std::to_string(c.aq_warps);
     SCOPED_TRACE(name);
     // A fresh stack per configuration: the device inputs of padded rows depend on the step count.
     go.schedule = c.schedule;
@@ -524,6 +530,7 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
     go.qb_prewait_stages = c.qb_prewait_stages;
     go.qb_overlap = c.qb_overlap;
     go.qb_prewait_pace_ns = c.qb_prewait_pace_ns;
+    go.aq_warps = c.aq_warps;
     go.idx_scores_on_main = c.idx_scores_on_main;
     go.scores_min_blocks = c.scores_min_blocks;
     go.select_cluster = c.select_cluster;

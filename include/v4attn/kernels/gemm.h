@@ -158,6 +158,10 @@ struct ActQuantParams {
   int64_t scale_stride = 0;   // bytes, >= k/32
   int m = 0;
   int64_t k = 0;              // multiple of 32
+  // Warps (32-element blocks) per CTA, 1..32; 0 = 4. The same work per thread whatever the value;
+  // larger CTAs put the grid on fewer SMs (the CTAs of a PDL-launched act quant wait on their SMs
+  // for the predecessor, and a one-CTA-per-SM GEMM after it cannot use those SMs).
+  int warps_per_cta = 0;
 };
 void run_act_quant_fp8(const ActQuantParams& p, cudaStream_t stream, bool pdl);
 

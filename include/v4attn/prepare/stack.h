@@ -149,6 +149,14 @@ struct GpuStackOptions {
   // wq_b GEMM: Fp8GemmParams::prewait_pace_ns; -1 = automatic: 1000 ns for one-row steps (decode
   // bs 1: -2.3 % per cycle), 0 otherwise (pacing was slower at 6 rows and more; docs/perf.md session 4).
   int qb_prewait_pace_ns = -1;
+  // The QA act quant's warps per CTA (ActQuantParams::warps_per_cta): -1 automatic (as measured,
+  // docs/perf.md session 5 run 19: the kernel's 4 for one-row steps, where 32 was 1.2 % slower; 16
+  // for 2-7 rows, -2.1 % per verify bs 1 cycle; 32 from 8 rows, -1.4 / -0.3 / -0.6 % at 8 / 24 / 32
+  // rows), 0 the kernel's default, 1..32. Its CTAs, launched early under PDL, wait on their SMs for
+  // the previous layer's q_rope_store, and the QA GEMM's one-per-SM CTAs cannot start on those SMs:
+  // with 4 warps a verify bs 1 step spread 240 CTAs over the machine and only 48 of the QA GEMM's
+  // 112 CTAs started before act quant ended (phase stamps). Launch shape only: same bytes.
+  int aq_warps = -1;
   // Index sources without a compressor (reindex layers): weights_proj, q pack and the scores on
   // main before the wq_b GEMM (which then launches after the scores' last store); lane S keeps
   // the selection. Needs idx_gemm_on_main. Experiment knob.
