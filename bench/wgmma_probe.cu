@@ -13,7 +13,7 @@
 //   int-half   full, with tile 1's widening done by integer ops (v3's mask idea) instead of cvt
 //   split      full, but the two k16 halves of a block into two independent sums (added at the fold)
 // `depth` D: block-sum register sets in flight (wgmma.wait_group D-1), D = 1 waits for every unit.
-// Output: ns per 4 units (one v2 stage at MT = 2) per SM, and cycles per wgmma per SM, medians over
+// Output: ns per 16 m64 x 32-K tiles (one 128-K stage of a wq_b CTA: MT 2, 2 warpgroups) per SM, and cycles per wgmma per SM, medians over
 // repetitions of a 132-CTA launch (one CTA per SM). No correctness to check: a timing probe only
 // (the arithmetic of the real kernels is tested in tests/gpu).
 //
@@ -36,7 +36,7 @@ namespace {
 
 using namespace kernels::hopper;
 
-enum Mode : int { kLdWgmma = 1, kFull = 2, kIntHalf = 4, kSplit = 5 };
+enum Mode : int { kLdWgmma, kFull, kIntHalf, kSplit };
 const char* mode_name(int m) {
   switch (m) {
     case kLdWgmma: return "ld+wgmma";
@@ -208,7 +208,7 @@ int main(int argc, char** argv) {
     V4_CUDA_CHECK(cudaStreamCreate(&s));
     EventTimer timer;
     nlohmann::json rows = nlohmann::json::array();
-    std::printf("%-10s %5s %3s %3s %4s %14s %16s %16s\n", "mode", "depth", "MT", "NP", "WGs", "ns/4 units/SM",
+    std::printf("%-10s %5s %3s %3s %4s %14s %16s %16s\n", "mode", "depth", "MT", "NP", "WGs", "ns/16 tiles/SM",
                 "cycles/wgmma/SM", "units/us/SM");
     const int iters = units / kUnroll;
     for (const Variant& v : variants) {
