@@ -19,6 +19,8 @@
 // launch latency (~2-3 us), which dominates the small kernels.
 //
 // Versions:
+//  - scores "masked" / "masked-sh" (with a candidate mask of 2048 random kept blocks per row, own
+//    or shared by a request's rows; "-mN": N blocks per CTA tile): only kept blocks are scored.
 //  - scores "auto" (the launcher's tile choice) and "s1", "s2", "s4" (32-position steps per warp
 //    per CTA, i.e. 128 / 256 / 512 positions per CTA) on narrow scales (each vector's 4 block
 //    scales within 2^1, like real quantized activations: the kernel's fused path), and "wide"
@@ -306,11 +308,50 @@ kn::CandidateMaskParams mask_params(const Problem& pb, const SelVersion& v) {
   return p;
 }
 
+// A candidate mask for the masked scores rows: every row keeps min(2048, blocks) random blocks of
+// 8 positions (the V4.1 budget), independently per row, or (shared) one draw per request.
+struct HostMask {
+  std::vector<uint8_t> bytes;  // [T, pb.mask_stride]
+  DeviceBuffer<uint8_t> d;
+  int64_t kept_distinct = 0;   // sum over requests of the positions some row of it keeps
+};
+HostMask make_mask(const Problem& pb, bool shared) {
+  HostMask m;
+  m.bytes.assign(static_cast<size_t>(pb.T * pb.mask_stride), 0);
+  const int64_t n_blocks = (pb.clen + kMaskBlock - 1) / kMaskBlock;
+  std::vector<int64_t> blocks(static_cast<size_t>(n_blocks));
+  std::vector<uint8_t> any(static_cast<size_t>(pb.n_req * n_blocks), 0);
+  for (int t = 0; t < pb.T; ++t) {
+    if (pb.req[t] < 0) continue;
+    if (!shared || t == 0 || pb.req[t] != pb.req[t - 1]) {
+      std::iota(blocks.begin(), blocks.end(), 0);
+      std::shuffle(blocks.begin(), blocks.end(), rng());
+    }
+    for (int64_t i = 0; i < std::min<int64_t>(kCandidateBlocks, n_blocks); ++i) {
+      m.bytes[static_cast<size_t>(t * pb.mask_stride + blocks[i])] = 1;
+      any[static_cast<size_t>(pb.req[t] * n_blocks + blocks[i])] = 1;
+    }
+  }
+  for (uint8_t a : any) m.kept_distinct += a ? kMaskBlock : 0;
+  m.d = to_device(m.bytes);
+  return m;
+}
+kn::IndexerScoresParams masked_scores_params(const Problem& pb, const HostMask& m, int group_rows, int tile) {
+  kn::IndexerScoresParams p = scores_params(pb, 0, group_rows);
+  p.candidate_mask = m.d.get();
+  p.mask_stride = pb.mask_stride;
+  p.mask_block = kMaskBlock;
+  p.mask_tile_blocks = tile;
+  return p;
+}
+
 // ---- validation ---------------------------------------------------------------------------------
-// Scores of rows 0 and the last real row against the reference (a two-row sub-batch).
-bool validate_scores(Problem& pb, cudaStream_t s, int group_rows = 1) {
+// Scores of rows 0 and the last real row against the reference (a two-row sub-batch); with a mask,
+// against the reference's scores with ref::apply_candidate_mask.
+bool validate_scores(Problem& pb, cudaStream_t s, int group_rows = 1, const HostMask* mask = nullptr, int tile = 0) {
   pb.d_scores.fill_bytes(0xAB, s);
-  kn::run_indexer_scores(scores_params(pb, 0, group_rows), s, false);
+  kn::run_indexer_scores(mask ? masked_scores_params(pb, *mask, group_rows, tile) : scores_params(pb, 0, group_rows), s,
+                         false);
   V4_CUDA_CHECK(cudaStreamSynchronize(s));
   const auto got = to_host(pb.d_scores, static_cast<size_t>(pb.T) * pb.stride);
   int last = pb.T - 1;
@@ -334,6 +375,12 @@ bool validate_scores(Problem& pb, cudaStream_t s, int group_rows = 1) {
   std::vector<float> want(rows.size() * static_cast<size_t>(pb.stride));
   ref::indexer_scores(q, w.data(), pb.cache.data(), pb.layout, pb.n_slots, req.data(), clen.data(), pb.table.data(),
                       pb.stride, want.data(), pb.stride);
+  if (mask != nullptr) {
+    std::vector<uint8_t> m;
+    for (int t : rows)
+      m.insert(m.end(), mask->bytes.begin() + int64_t{t} * pb.mask_stride, mask->bytes.begin() + int64_t{t + 1} * pb.mask_stride);
+    ref::apply_candidate_mask(want.data(), q.T, pb.stride, clen.data(), kMaskBlock, m.data(), pb.mask_stride);
+  }
   for (size_t i = 0; i < rows.size(); ++i)
     if (std::memcmp(got.data() + int64_t{rows[i]} * pb.stride, want.data() + i * pb.stride, pb.stride * sizeof(float)) != 0)
       return false;
@@ -499,6 +546,23 @@ int main(int argc, char** argv) {
             row_of("scores", "g6", scores_bytes(pb), ok,
                    cold_median_us([&](cudaStream_t s) { kn::run_indexer_scores(p, s, false); }));
           }
+          // Masked scores (an index source after the candidate source): only the kept blocks are
+          // read and scored. "masked" = each row its own random 2048 blocks (the union of a verify
+          // request's rows is then ~all blocks at small clen), "masked-sh" = the rows of a request
+          // share theirs; tiles automatic or "mN" = N blocks per CTA.
+          if (!select_only)
+            for (bool shared : verify ? std::vector<bool>{false, true} : std::vector<bool>{false}) {
+              const HostMask mask = make_mask(pb, shared);
+              const int g = verify ? 6 : 1;
+              for (int tile : {0, 16, 32, 64, 128}) {
+                const auto p = masked_scores_params(pb, mask, g, tile);
+                const bool ok = validate_scores(pb, stream, g, &mask, tile);
+                const int64_t bytes = mask.kept_distinct * (kn::kIndexerCodeBytes + kn::kIndexerScaleBytes + 4) +
+                                      int64_t{pb.T} * pb.stride * 4 + int64_t{pb.T} * (kHeads * (64 + 4 + 4) + pb.mask_stride);
+                row_of("scores", std::string(shared ? "masked-sh" : "masked") + (tile ? "-m" + std::to_string(tile) : ""),
+                       bytes, ok, cold_median_us([&](cudaStream_t s) { kn::run_indexer_scores(p, s, false); }));
+              }
+            }
           // Top-k and the candidate mask read the scores the scores kernel left in d_scores.
           const int64_t topk_bytes = pb.visible_positions * 4 + int64_t{pb.T} * kTopk * (4 + 4);
           const int64_t mask_bytes = pb.visible_positions * 4 + int64_t{pb.T} * pb.mask_stride;

@@ -227,6 +227,8 @@ struct BenchCliOptions {
   int scores_steps = 0;
   int scores_row_split = 0;
   int scores_min_blocks = 0;
+  bool no_scores_mask = false;
+  int scores_mask_tile = 0;
   int side_priority = 0;
   std::string select = "v3";
   std::string gemm_small = "auto";
@@ -369,6 +371,8 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
     j["scores_steps"] = c.knobs.scores_steps;
     j["scores_row_split"] = c.knobs.scores_row_split;
     j["scores_min_blocks"] = c.knobs.scores_min_blocks;
+    j["scores_masked"] = c.knobs.scores_masked;
+    j["scores_mask_tile"] = c.knobs.scores_mask_tile;
     j["side_priority"] = c.knobs.side_priority;
     j["select_version"] = c.knobs.select_version;
     j["gemm_small"] = kernels::gemm_version_name(c.knobs.gemm_small);
@@ -487,6 +491,14 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
                   "Indexer scores: CTAs per SM its registers are capped for, 3 or 4 (0: automatic; tuning knob)")
       ->check(CLI::IsMember({0, 3, 4}))
       ->capture_default_str();
+  sub->add_flag("--no-scores-mask", o->no_scores_mask,
+                "Indexer scores after the candidate source: score every position and let the top-k apply the mask "
+                "(default: score only the kept blocks; same bytes)");
+  sub->add_option("--scores-mask-tile", o->scores_mask_tile,
+                  "Indexer scores with the candidate mask: blocks of 8 positions per CTA tile, 16/32/64/128 (0: automatic; "
+                  "tuning knob)")
+      ->check(CLI::IsMember({0, 16, 32, 64, 128}))
+      ->capture_default_str();
   sub->add_option("--side-priority", o->side_priority,
                   "CUDA stream priority of the side lanes S and K (negative = higher than main; 0: default)")
       ->check(CLI::Range(-16, 0))
@@ -569,6 +581,8 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       c.knobs.scores_steps = o->scores_steps;
       c.knobs.scores_row_split = o->scores_row_split;
       c.knobs.scores_min_blocks = o->scores_min_blocks;
+      c.knobs.scores_masked = !o->no_scores_mask;
+      c.knobs.scores_mask_tile = o->scores_mask_tile;
       c.knobs.side_priority = o->side_priority;
       c.knobs.select_version = o->select == "v2" ? 2 : 3;
       // The lane-K placement of the indexer's GEMMs excludes the main-lane one.

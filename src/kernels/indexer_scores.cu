@@ -191,9 +191,10 @@ struct RowMeta {
 
 // Dynamic shared memory of a CTA with S steps per warp and G group rows (offsets, 16-aligned).
 struct SmemLayout {
-  size_t kscale = 0, terms = 0, qfrag = 0, rc = 0, meta = 0, total = 0;
+  size_t kscale = 0, terms = 0, qfrag = 0, rc = 0, meta = 0, list = 0, total = 0;
 };
-__host__ __device__ __forceinline__ SmemLayout smem_layout(int S, int G, int RS = 1) {
+// list_entries: masked kernel, the per-warp block list (entries per warp; 0 = none).
+__host__ __device__ __forceinline__ SmemLayout smem_layout(int S, int G, int RS = 1, int list_entries = 0) {
   SmemLayout L;
   const size_t warps = static_cast<size_t>(kWarps) * RS;
   L.kscale = warps * S * kStepPositions * 16 * 4;  // K codes: [warp][step][pos][16 words]
@@ -201,7 +202,8 @@ __host__ __device__ __forceinline__ SmemLayout smem_layout(int S, int G, int RS 
   L.qfrag = L.terms + warps * kStepPositions * kTransStride * 4;  // [warp][pos][36]
   L.rc = L.qfrag + static_cast<size_t>(G) * 4 * 32 * 32;  // B fragments: [row][n-tile][lane] 32 B
   L.meta = L.rc + static_cast<size_t>(G) * sizeof(RowConst);
-  L.total = L.meta + static_cast<size_t>(kMaxGroupRows) * sizeof(RowMeta);
+  L.list = L.meta + static_cast<size_t>(kMaxGroupRows) * sizeof(RowMeta);
+  L.total = L.list + warps * static_cast<size_t>(list_entries) * 4;
   return L;
 }
 
@@ -210,7 +212,32 @@ struct RunCtx {
   int r0, r1;
   int64_t cmax;        // the run's largest visible length
   uint32_t valid_bits;  // bit i: this lane's position of step i has a usable slot
+  int nsel;            // masked: blocks of the tile some row of the run keeps (the warp's list)
+  int round_base;      // masked: the first list entry of this round of steps
 };
+
+// Masked kernel (candidate mask): where a warp's step i of a round takes its positions. The warp's
+// list (shared memory) holds the tile's kept blocks in position order, entry = block index in the
+// tile | (bit r: row r of the group keeps it and sees part of it) << 8; step i of warp w takes
+// entries round_base + 4 * (4 * i + w) .. + 3, lane l the position 8 * block + l % 8 of entry l / 8.
+struct MaskedPos {
+  bool live;       // warp-uniform: the step has at least one entry
+  bool has;        // this lane's entry exists
+  int64_t j;       // this lane's position (when has)
+  uint32_t rows;   // this lane's entry's row bits (0 when !has)
+};
+__device__ __forceinline__ MaskedPos masked_pos(const uint32_t* list, int nsel, int round_base, int64_t tile_base, int i) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int rank0 = round_base + 4 * (4 * i + (static_cast<int>(threadIdx.x) / 32) % kWarps);
+  const int rk = rank0 + lane / 8;
+  MaskedPos m;
+  m.live = rank0 < nsel;
+  m.has = rk < nsel;
+  const uint32_t e = m.has ? list[rk] : 0u;
+  m.j = tile_base + 8 * static_cast<int64_t>(e & 0xffu) + lane % 8;
+  m.rows = e >> 8;
+  return m;
+}
 
 __device__ __forceinline__ int64_t run_step_base(int64_t tile_base, int i) {
   // Position warp = warp % kWarps (with a row split, warps w and w + kWarps share positions).
@@ -219,11 +246,13 @@ __device__ __forceinline__ int64_t run_step_base(int64_t tile_base, int i) {
 
 // Issue of one run, by this warp: the slot-table entries of all its steps (issued together), then
 // the K of all its steps (cp.async, one commit group per step, issued together).
-template <int S>
+// Masked: the positions come from the warp's list (entries round_base ..), not from the tile's order.
+template <int S, bool kMasked = false>
 __device__ RunCtx issue_run(const IndexerScoresParams& p, int page_shift, int r0, int r1, int64_t tile_base,
-                            const RowMeta* meta, uint32_t* kd_warp, uint32_t* ks_warp) {
+                            const RowMeta* meta, uint32_t* kd_warp, uint32_t* ks_warp, const uint32_t* list = nullptr,
+                            int nsel = 0, int round_base = 0) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
-  RunCtx run{r0, r1, 0, 0u};
+  RunCtx run{r0, r1, 0, 0u, nsel, round_base};
   const int32_t req = meta[r0].req;
   for (int r = r0; r < r1; ++r) run.cmax = max(run.cmax, static_cast<int64_t>(meta[r].c));
   const int64_t table_row = req >= 0 ? static_cast<int64_t>(req) * p.comp_table_stride : 0;
@@ -231,17 +260,32 @@ __device__ RunCtx issue_run(const IndexerScoresParams& p, int page_shift, int r0
   const int64_t page_mask = (int64_t{1} << page_shift) - 1;
   const int64_t scale_base = static_cast<int64_t>(p.layout.page_size) * kIndexerCodeBytes;
 
+  // This lane's position of step i and whether the step has any (warp-uniform).
+  auto lane_pos = [&](int i, bool& live, bool& has) -> int64_t {
+    if constexpr (kMasked) {
+      const MaskedPos m = masked_pos(list, nsel, round_base, tile_base, i);
+      live = m.live;
+      has = m.has && m.j < run.cmax;
+      return m.j;
+    } else {
+      const int64_t p0 = run_step_base(tile_base, i);
+      live = p0 < run.cmax;
+      has = p0 + lane < run.cmax;
+      return p0 + lane;
+    }
+  };
   int32_t slot[S];
 #pragma unroll
   for (int i = 0; i < S; ++i) {
-    const int64_t j = run_step_base(tile_base, i) + lane;
-    slot[i] = j < run.cmax ? p.comp_slot_table[table_row + j] : -1;
+    bool live, has;
+    const int64_t j = lane_pos(i, live, has);
+    slot[i] = has ? p.comp_slot_table[table_row + j] : -1;
   }
 #pragma unroll
   for (int i = 0; i < S; ++i) {
-    const int64_t p0 = run_step_base(tile_base, i);
-    if (p0 < run.cmax) {  // warp-uniform
-      const bool in_c = p0 + lane < run.cmax;
+    bool live, in_c;
+    lane_pos(i, live, in_c);
+    if (live) {  // warp-uniform
       const bool ok = in_c && slot[i] >= 0 && slot[i] < p.n_slots;
       // reference refuses it; here: score -inf. Counted by row set 0 only (row split: the other
       // set's warp reads the same positions).
@@ -267,12 +311,62 @@ __device__ RunCtx issue_run(const IndexerScoresParams& p, int page_shift, int r0
   return run;
 }
 
+// Masked kernel: this warp's list of the tile's blocks (8 positions each) that some row r of the
+// run [r0, r1) keeps (mask byte != 0) and sees part of (block * 8 < c_r), in position order, entry =
+// block index in the tile | (bit r: row r keeps it) << 8. Blocks that no row of the run keeps get
+// -inf in every row of the run here (positions < score_stride): with the list, every position of
+// the tile is written once per row. Every warp builds the same list into its own copy (no CTA
+// barrier); returns the entry count.
+template <int TBLK>
+__device__ int build_block_list(const IndexerScoresParams& p, int64_t row0, int r0, int r1, int64_t tile_base,
+                                const RowMeta* meta, uint32_t* list) {
+  constexpr int kChunks = (TBLK + 31) / 32;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int warp = (static_cast<int>(threadIdx.x) / 32) % kWarps;
+  const int64_t blk0 = tile_base / 8;
+  uint32_t bits[kChunks] = {};
+  for (int r = r0; r < r1; ++r) {
+    const int64_t c = meta[r].c;
+    const uint8_t* mrow = p.candidate_mask + (row0 + r) * p.mask_stride;
+#pragma unroll
+    for (int k = 0; k < kChunks; ++k) {
+      const int b = lane + 32 * k;
+      const int64_t blk = blk0 + b;
+      if (b < TBLK && blk * 8 < c && mrow[blk] != 0) bits[k] |= 1u << r;
+    }
+  }
+  int n = 0;
+  uint32_t keep[kChunks];
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) {
+    keep[k] = __ballot_sync(kFullMask, bits[k] != 0u);
+    if (bits[k] != 0u) list[n + __popc(keep[k] & ((1u << lane) - 1u))] = static_cast<uint32_t>(lane + 32 * k) | (bits[k] << 8);
+    n += __popc(keep[k]);
+  }
+  __syncwarp();
+  // -inf for the blocks no row keeps: warp w takes the 32-position chunks w, w + 4, ... (4 blocks each)
+  for (int q = warp; q < TBLK / 4; q += kWarps) {
+    const int b = 4 * q + lane / 8;
+    uint32_t word = keep[0];
+#pragma unroll
+    for (int k = 1; k < kChunks; ++k)
+      if (b >= 32 * k) word = keep[k];
+    const int64_t j = tile_base + 8 * b + lane % 8;
+    if (((word >> (b % 32)) & 1u) == 0u && j < p.score_stride)
+      for (int r = r0; r < r1; ++r) p.scores[(row0 + r) * p.score_stride + j] = -__int_as_float(0x7f800000);
+  }
+  return n;
+}
+
 // Compute of one issued run, by this warp: per step, the A fragments once, then per row the MMAs
 // and the epilogue. Leaves the warp's K buffers free (all its copies waited for).
-template <int S, int RS>
+// Masked (kMasked): the step's positions come from the warp's list (masked_pos); a lane without an
+// entry writes nothing, a row that keeps none of the step's blocks writes -inf and skips its MMAs,
+// and an m-tile (two blocks) that the row does not keep skips its MMAs (its positions get -inf).
+template <int S, int RS, bool kMasked = false>
 __device__ void compute_run(const IndexerScoresParams& p, const RunCtx& run, int64_t row0, int64_t tile_base,
                             const RowMeta* meta, const uint4* qfrag, const RowConst* rc, const uint32_t* kd_warp,
-                            const uint32_t* ks_warp, float* terms) {
+                            const uint32_t* ks_warp, float* terms, const uint32_t* list = nullptr) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int g = lane >> 2, tq = lane & 3;
   const int r0 = run.r0, r1 = run.r1;
@@ -283,13 +377,27 @@ __device__ void compute_run(const IndexerScoresParams& p, const RunCtx& run, int
 
 #pragma unroll
   for (int i = 0; i < S; ++i) {
-    const int64_t p0 = step_base(i);
-    if (p0 >= p.score_stride) break;  // warp-uniform; later steps are further out
-    cp_async_wait_pending(S - 1 - i);  // this lane's copies of step i have landed
-    __syncwarp();                      // ... and every other lane's
-    if (p0 >= cmax) {  // warp-uniform: no row of the run sees this step
-      for (int r = r0 + row_set; r < r1; r += RS) p.scores[(row0 + r) * p.score_stride + p0 + lane] = -__int_as_float(0x7f800000);
-      continue;
+    int64_t j;               // this lane's position
+    bool has = true;         // masked: the lane has an entry (it writes its position's scores)
+    uint32_t lane_rows = 0;  // masked: the rows that keep this lane's block
+    if constexpr (kMasked) {
+      const MaskedPos m = masked_pos(list, run.nsel, run.round_base, tile_base, i);
+      if (!m.live) break;  // warp-uniform; later steps have no entries either
+      j = m.j;
+      has = m.has;
+      lane_rows = m.rows;
+      cp_async_wait_pending(S - 1 - i);
+      __syncwarp();
+    } else {
+      const int64_t p0 = step_base(i);
+      if (p0 >= p.score_stride) break;  // warp-uniform; later steps are further out
+      cp_async_wait_pending(S - 1 - i);  // this lane's copies of step i have landed
+      __syncwarp();                      // ... and every other lane's
+      if (p0 >= cmax) {  // warp-uniform: no row of the run sees this step
+        for (int r = r0 + row_set; r < r1; r += RS) p.scores[(row0 + r) * p.score_stride + p0 + lane] = -__int_as_float(0x7f800000);
+        continue;
+      }
+      j = p0 + lane;
     }
     const uint32_t* kd = kd_warp + i * (kStepPositions * 16);
     const uint32_t* ks = ks_warp + i * kStepPositions;
@@ -337,8 +445,17 @@ __device__ void compute_run(const IndexerScoresParams& p, const RunCtx& run, int
     for (int r = r0 + row_set; r < r1; r += RS) {  // row split: row set k takes rows r0 + k, r0 + k + RS, ...
       float* out_row = p.scores + (row0 + r) * p.score_stride;
       const int64_t c_r = meta[r].c;
-      if (p0 >= c_r) {  // warp-uniform
-        out_row[p0 + lane] = -__int_as_float(0x7f800000);
+      uint32_t row_mt = 3u;  // bit mt: the row computes m-tile mt
+      if constexpr (kMasked) {
+        // m-tile mt = the lanes 16mt .. 16mt + 15 (blocks 2mt, 2mt + 1 of the step)
+        const uint32_t keeps = __ballot_sync(kFullMask, (lane_rows >> r) & 1u);
+        row_mt = (keeps & 0xffffu ? 1u : 0u) | (keeps >> 16 ? 2u : 0u);
+        if (row_mt == 0u) {  // warp-uniform: the row keeps none of the step's blocks
+          if (has) out_row[j] = -__int_as_float(0x7f800000);
+          continue;
+        }
+      } else if (step_base(i) >= c_r) {  // warp-uniform
+        out_row[j] = -__int_as_float(0x7f800000);
         continue;
       }
       const uint32_t head_ok = meta[r].head_ok;
@@ -364,6 +481,7 @@ __device__ void compute_run(const IndexerScoresParams& p, const RunCtx& run, int
       };
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
+        if (kMasked && ((row_mt >> mt) & 1u) == 0u) continue;  // warp-uniform; its positions get -inf
         float term[2][8];
         if (kf[mt] && head_ok == 0xffffffffu) {
           // Every head of the row and every usable slot of the m-tile take the fused path (below):
@@ -454,8 +572,8 @@ __device__ void compute_run(const IndexerScoresParams& p, const RunCtx& run, int
         const float4 v = trow[h4];
         score = num::add_rn(num::add_rn(num::add_rn(num::add_rn(score, v.x), v.y), v.z), v.w);
       }
-      const bool valid = ((valid_bits >> i) & 1u) != 0u && p0 + lane < c_r;
-      out_row[p0 + lane] = valid ? score : -__int_as_float(0x7f800000);
+      const bool valid = ((valid_bits >> i) & 1u) != 0u && j < c_r && (!kMasked || ((lane_rows >> r) & 1u) != 0u);
+      if (has) out_row[j] = valid ? score : -__int_as_float(0x7f800000);
       __syncwarp();  // the term buffer is rewritten by the next row
     }
   }
@@ -469,11 +587,16 @@ __device__ void compute_run(const IndexerScoresParams& p, const RunCtx& run, int
 // 1/RS of the rows serially (the per-row MMAs + epilogue + ordered head sum are the kernel's
 // critical path at small T: ~25 us for 6 rows at 64K in the stack, run 21). Measured slower than
 // RS = 1 (run 22), so it is a tuning knob only.
-template <int S, int RS, int MB = 3>
+// TBLK > 0: the masked kernel (candidate mask), tiles of TBLK blocks of 8 positions whose kept
+// blocks are compacted into each warp's list and taken in rounds of 16 * S blocks (S steps per
+// warp); RS must be 1.
+template <int S, int RS, int MB = 3, int TBLK = 0>
 __global__ void __launch_bounds__(kThreads * RS, RS == 1 ? MB : 1)
     indexer_scores_kernel(const __grid_constant__ IndexerScoresParams p, int group_rows, int page_shift) {
+  constexpr bool kMasked = TBLK > 0;
+  static_assert(!kMasked || RS == 1, "the masked kernel has one warp set");
   extern __shared__ __align__(16) uint8_t smem[];
-  const SmemLayout L = smem_layout(S, group_rows, RS);
+  const SmemLayout L = smem_layout(S, group_rows, RS, TBLK);
   const int warp = static_cast<int>(threadIdx.x) / 32;
   uint32_t* kd_warp = reinterpret_cast<uint32_t*>(smem) + warp * S * (kStepPositions * 16);
   uint32_t* ks_warp = reinterpret_cast<uint32_t*>(smem + L.kscale) + warp * S * kStepPositions;
@@ -481,10 +604,12 @@ __global__ void __launch_bounds__(kThreads * RS, RS == 1 ? MB : 1)
   uint4* qfrag = reinterpret_cast<uint4*>(smem + L.qfrag);
   RowConst* rc = reinterpret_cast<RowConst*>(smem + L.rc);
   RowMeta* meta = reinterpret_cast<RowMeta*>(smem + L.meta);
+  uint32_t* list = reinterpret_cast<uint32_t*>(smem + L.list) + warp * TBLK;
 
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * group_rows;
   const int n_rows = static_cast<int>(min(static_cast<int64_t>(group_rows), p.T - row0));
-  const int64_t tile_base = static_cast<int64_t>(blockIdx.y) * kWarps * kStepPositions * S;
+  const int64_t tile_base =
+      static_cast<int64_t>(blockIdx.y) * (kMasked ? 8 * TBLK : kWarps * kStepPositions * S);
 
   // ---- row metadata (step metadata: read before the PDL wait), contained like the reference refuses it
   if (static_cast<int>(threadIdx.x) < n_rows) {
@@ -555,7 +680,9 @@ __global__ void __launch_bounds__(kThreads * RS, RS == 1 ? MB : 1)
   // ---- the first run of consecutive rows with the same req: issued before the q decode ----
   int r1 = 1;
   while (r1 < n_rows && meta[r1].req == meta[0].req) ++r1;
-  RunCtx run = issue_run<S>(p, page_shift, 0, r1, tile_base, meta, kd_warp, ks_warp);
+  int nsel = 0;
+  if constexpr (kMasked) nsel = build_block_list<TBLK>(p, row0, 0, r1, tile_base, meta, list);
+  RunCtx run = issue_run<S, kMasked>(p, page_shift, 0, r1, tile_base, meta, kd_warp, ks_warp, list, nsel, 0);
 
   if (has_work) {
 #pragma unroll
@@ -597,12 +724,19 @@ __global__ void __launch_bounds__(kThreads * RS, RS == 1 ? MB : 1)
   __syncthreads();
 
   // ---- runs (one per group for verify rows; the next one is issued when this one is done) ----
+  // Masked: a run's list is taken in rounds of 16 * S entries (4 warps x S steps x 4 blocks).
   for (;;) {
-    compute_run<S, RS>(p, run, row0, tile_base, meta, qfrag, rc, kd_warp, ks_warp, terms);
+    compute_run<S, RS, kMasked>(p, run, row0, tile_base, meta, qfrag, rc, kd_warp, ks_warp, terms, list);
+    if (kMasked && run.round_base + 16 * S < run.nsel) {
+      run = issue_run<S, kMasked>(p, page_shift, run.r0, run.r1, tile_base, meta, kd_warp, ks_warp, list, run.nsel,
+                                  run.round_base + 16 * S);
+      continue;
+    }
     if (run.r1 >= n_rows) break;
     int e = run.r1 + 1;
     while (e < n_rows && meta[e].req == meta[run.r1].req) ++e;
-    run = issue_run<S>(p, page_shift, run.r1, e, tile_base, meta, kd_warp, ks_warp);
+    if constexpr (kMasked) nsel = build_block_list<TBLK>(p, row0, run.r1, e, tile_base, meta, list);
+    run = issue_run<S, kMasked>(p, page_shift, run.r1, e, tile_base, meta, kd_warp, ks_warp, list, nsel, 0);
   }
 
   dev::pdl_launch_dependents();  // after this thread's last store
@@ -646,10 +780,53 @@ void run_indexer_scores(const IndexerScoresParams& p, cudaStream_t stream, bool 
           "q_codes, q_scales and index_k_cache must be 16-byte aligned");
   require(p.n_slots < (int64_t{1} << 31), who, "n_slots must fit in int32 slots");
 
+  const bool masked = p.candidate_mask != nullptr;
+  if (masked) {
+    require(p.mask_block == 8, who, "mask_block " + std::to_string(p.mask_block) + " must be 8 (the masked kernel's block)");
+    require(p.mask_stride >= p.score_stride / 8, who,
+            "mask_stride " + std::to_string(p.mask_stride) + " is smaller than score_stride / 8 = " +
+                std::to_string(p.score_stride / 8));
+    require(p.row_split <= 1, who, "row_split 2 is not available with a candidate mask");
+    require(p.mask_tile_blocks == 0 || p.mask_tile_blocks == 16 || p.mask_tile_blocks == 32 || p.mask_tile_blocks == 64 ||
+                p.mask_tile_blocks == 128,
+            who, "mask_tile_blocks must be 0 (automatic), 16, 32, 64 or 128");
+  }
+
   int page_shift = 0;
   while ((1 << page_shift) < P) ++page_shift;
   const int G = p.group_rows;
   const int64_t groups = (p.T + G - 1) / G;
+  if (masked) {
+    // Tiles of TBLK blocks whose kept blocks are compacted: the largest tile that still gives
+    // >= 1024 CTAs (the kept fraction is unknown here: ~1/4 of the blocks for one row at 64K, the
+    // union of a verify request's rows more), at least 16 blocks (128 positions, one step per warp).
+    int tblk = p.mask_tile_blocks;
+    if (tblk == 0) {
+      tblk = 16;
+      for (int t : {128, 64, 32})
+        if (groups * ((p.score_stride + 8 * t - 1) / (8 * t)) >= 1024) {
+          tblk = t;
+          break;
+        }
+    }
+    const int64_t tiles = (p.score_stride + 8 * tblk - 1) / (8 * tblk);
+    require(tiles <= 65535, who, "score_stride too large for the tile grid");
+    const int steps = tblk == 16 ? 1 : 2;
+    LaunchConfig cfg;
+    cfg.grid = dim3(static_cast<unsigned>(groups), static_cast<unsigned>(tiles), 1);
+    cfg.block = dim3(static_cast<unsigned>(kThreads), 1, 1);
+    cfg.smem_bytes = smem_layout(steps, G, 1, tblk).total;
+    cfg.stream = stream;
+    cfg.pdl = pdl;
+    const auto go = [&](auto kernel) { launch_kernel("indexer_scores_masked", kernel, cfg, p, G, page_shift); };
+    switch (tblk) {
+      case 16: go(indexer_scores_kernel<1, 1, 4, 16>); break;
+      case 32: go(indexer_scores_kernel<2, 1, 3, 32>); break;
+      case 64: go(indexer_scores_kernel<2, 1, 3, 64>); break;
+      default: go(indexer_scores_kernel<2, 1, 3, 128>); break;
+    }
+    return;
+  }
   // Steps per warp: 2 (256 positions per CTA) unless that leaves fewer than ~4 CTAs per SM of an
   // H200 (132 SMs); then 1 step for more parallelism (the kernel is latency-bound at small T: in
   // the stack, verify bs 1 at 64K, 6 rows per CTA, 1 step (512 CTAs) beat 2 steps (256 CTAs) by

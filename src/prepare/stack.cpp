@@ -161,6 +161,9 @@ void validate_options(const ModelPlan& plan, const GpuStackOptions& o) {
     fail("aq_warps must be -1 (automatic) or 0..32 (got " + std::to_string(o.aq_warps) + ")");
   if (o.qb_prewait_pace_ns < -1 || o.qb_prewait_pace_ns > 100000)
     fail("qb_prewait_pace_ns must be -1 (automatic) or 0..100000 (got " + std::to_string(o.qb_prewait_pace_ns) + ")");
+  if (o.scores_mask_tile != 0 && o.scores_mask_tile != 16 && o.scores_mask_tile != 32 && o.scores_mask_tile != 64 &&
+      o.scores_mask_tile != 128)
+    fail("scores_mask_tile must be 0 (automatic), 16, 32, 64 or 128 (got " + std::to_string(o.scores_mask_tile) + ")");
   if (o.scores_min_blocks != 0 && o.scores_min_blocks != 3 && o.scores_min_blocks != 4)
     fail("scores_min_blocks must be 0, 3 or 4 (got " + std::to_string(o.scores_min_blocks) + ")");
   if (o.scores_row_split < 0 || o.scores_row_split > 2)
@@ -966,6 +969,15 @@ void GpuPrepareStack::Impl::issue_idx_score(int L, int T, cudaStream_t s, bool b
     p.steps_per_warp = o.scores_steps;
     p.row_split = o.scores_row_split;
     p.min_blocks = o.scores_min_blocks;
+    // Score only the kept blocks (the top-k still applies the mask); the masked kernel's block is 8
+    // positions (V4.1's candidate_block_size): another block size scores every position.
+    if (l.uses_candidates && o.scores_masked && c.candidate_block_size == 8) {
+      p.candidate_mask = cand_mask;
+      p.mask_stride = mask_stride;
+      p.mask_block = c.candidate_block_size;
+      p.mask_tile_blocks = o.scores_mask_tile;
+      p.row_split = 0;  // the masked kernel has one warp set
+    }
     // Before the wq_b GEMM (idx_scores_on_main): let it launch only after the last store, so that
     // its CTAs do not take the SMs while the scores run.
     p.trigger_at_wait = !before_qb;

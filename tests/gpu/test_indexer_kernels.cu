@@ -201,9 +201,16 @@ struct GpuScores {
 // Which scores input the late producer writes in Launch::kPdlLate.
 enum class LateScoresInput { kQCodes, kCache };
 
+// A candidate mask for the masked scores kernel: [T, stride] bytes, nonzero keeps a block of 8.
+struct ScoresMask {
+  std::vector<uint8_t> bytes;
+  int64_t stride = 0;
+  int tile_blocks = 0;  // mask_tile_blocks (0: automatic)
+};
+
 GpuScores gpu_scores(const ScoresProblem& pb, const std::vector<int32_t>& table_override = {}, int steps = 0,
                      Launch mode = Launch::kPlain, LateScoresInput late = LateScoresInput::kQCodes,
-                     int group_rows = 1, int row_split = 0, int min_blocks = 0) {
+                     int group_rows = 1, int row_split = 0, int min_blocks = 0, const ScoresMask* mask = nullptr) {
   const int64_t T = pb.T();
   auto d_codes = to_device(pb.q.codes);
   auto d_scales = to_device(pb.q.scales);
@@ -234,6 +241,13 @@ GpuScores gpu_scores(const ScoresProblem& pb, const std::vector<int32_t>& table_
   p.group_rows = group_rows;
   p.row_split = row_split;
   p.min_blocks = min_blocks;
+  DeviceBuffer<uint8_t> d_mask;
+  if (mask != nullptr) {
+    d_mask = to_device(mask->bytes);
+    p.candidate_mask = d_mask.get();
+    p.mask_stride = mask->stride;
+    p.mask_tile_blocks = mask->tile_blocks;
+  }
   {
     TestStream stream;
     DeviceBuffer<uint8_t> staging;
@@ -812,6 +826,141 @@ TEST(GpuIndexerScores, ExtremeWeightsKeepBothPathsExact) {
   }
 }
 
+// Masks of every kind for T rows: kept fraction `keep_pct` of the blocks per row (independent rows),
+// or runs of kept blocks ("clustered": the rows of a request share most of them, like real
+// neighbouring queries), or none / all.
+enum class MaskKind { kRandom, kClustered, kNone, kAll };
+ScoresMask make_mask(int64_t T, int64_t score_stride, MaskKind kind, int keep_pct, std::mt19937_64& rng) {
+  ScoresMask m;
+  m.stride = score_stride / 8 + 3;  // wider than needed: the kernel must use the stride
+  m.bytes.assign(static_cast<size_t>(T * m.stride), 0);
+  std::vector<uint8_t> shared(static_cast<size_t>(m.stride), 0);
+  for (auto& b : shared) b = rng() % 100 < static_cast<uint64_t>(keep_pct) ? 1 : 0;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t b = 0; b < m.stride; ++b) {
+      uint8_t v = 0;
+      switch (kind) {
+        case MaskKind::kRandom: v = rng() % 100 < static_cast<uint64_t>(keep_pct) ? static_cast<uint8_t>(1 + rng() % 255) : 0; break;
+        case MaskKind::kClustered: v = ((b / 16) % 4 == 0 || (shared[b] && rng() % 8 != 0)) ? 1 : 0; break;
+        case MaskKind::kNone: v = 0; break;
+        case MaskKind::kAll: v = 1; break;
+      }
+      m.bytes[t * m.stride + b] = v;
+    }
+  return m;
+}
+
+// The masked kernel's output must be ref::apply_candidate_mask of the reference scores, byte for byte.
+// `unmasked` = reference_scores(pb) (computed once per problem by the caller).
+void check_masked_scores(const ScoresProblem& pb, const std::vector<float>& unmasked, const ScoresMask& mask,
+                         const std::string& what, int group_rows, Launch mode = Launch::kPlain,
+                         LateScoresInput late = LateScoresInput::kQCodes) {
+  auto want = unmasked;
+  ref::apply_candidate_mask(want.data(), pb.T(), pb.score_stride, pb.clen.data(), 8, mask.bytes.data(), mask.stride);
+  const auto got = gpu_scores(pb, {}, 0, mode, late, group_rows, 0, 0, &mask);
+  EXPECT_EQ(got.errors, 0u) << what;
+  expect_same_bytes(got.scores, want, what, pb.score_stride);
+}
+
+TEST(GpuIndexerScoresMasked, DecodeRowsEqualApplyMaskOfReference) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5eed0111);
+  // Rows of distinct requests (one row per run), lengths across several tiles of every size and
+  // partial last blocks, a padded row and an empty one.
+  const std::vector<int32_t> req = {0, 1, 2, 3, -1, 4, 5};
+  const std::vector<int32_t> clen = {4099, 2053, 1, 64, 0, 0, 3333};
+  for (ScaleMix mix : {ScaleMix::kNarrow, ScaleMix::kMixed}) {
+    const auto pb = make_scores_problem(req, clen, 6, 4160, rng, mix);
+    const auto unmasked = reference_scores(pb);
+    for (MaskKind kind : {MaskKind::kRandom, MaskKind::kClustered, MaskKind::kNone, MaskKind::kAll})
+      for (int tile : {0, 16, 32, 64, 128}) {
+        auto mask = make_mask(pb.T(), pb.score_stride, kind, 25, rng);
+        mask.tile_blocks = tile;
+        check_masked_scores(pb, unmasked, mask,
+                            std::string("decode, ") + mix_name(mix) + " scales, mask kind " +
+                                std::to_string(static_cast<int>(kind)) + ", tile " + std::to_string(tile),
+                            1);
+      }
+  }
+}
+
+TEST(GpuIndexerScoresMasked, VerifyGroupsEqualApplyMaskOfReference) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5eed0112);
+  // 3 requests x 6 verify rows (each row its own mask: the run's list is their union, a row
+  // skips the m-tiles it does not keep), 2 padded rows; groups of 6 (one request per CTA), 4 and 8
+  // (groups straddle requests: several runs per CTA, each with its own list).
+  std::vector<int32_t> req, clen;
+  const int32_t base[3] = {5000, 1500, 77};
+  for (int r = 0; r < 3; ++r)
+    for (int v = 0; v < 6; ++v) {
+      req.push_back(r);
+      clen.push_back(base[r] + v);
+    }
+  req.insert(req.end(), {-1, -1});
+  clen.insert(clen.end(), {0, 9});
+  const auto pb = make_scores_problem(req, clen, 3, 5056, rng, ScaleMix::kHeadMixed);
+  const auto unmasked = reference_scores(pb);
+  for (MaskKind kind : {MaskKind::kRandom, MaskKind::kClustered})
+    for (int keep : {25, 80})
+      for (int group_rows : {6, 4, 8, 1})
+        for (int tile : {0, 16, 128}) {
+          auto mask = make_mask(pb.T(), pb.score_stride, kind, keep, rng);
+          mask.tile_blocks = tile;
+          check_masked_scores(pb, unmasked, mask,
+                              "verify, mask kind " + std::to_string(static_cast<int>(kind)) + " keep " +
+                                  std::to_string(keep) + " %, group_rows " + std::to_string(group_rows) + ", tile " +
+                                  std::to_string(tile),
+                              group_rows);
+        }
+  // PDL: q and the index-K cache are only read after the wait (late producers).
+  auto mask = make_mask(pb.T(), pb.score_stride, MaskKind::kRandom, 50, rng);
+  for (LateScoresInput late : {LateScoresInput::kQCodes, LateScoresInput::kCache})
+    check_masked_scores(pb, unmasked, mask, late == LateScoresInput::kQCodes ? "late q" : "late K", 6, Launch::kPdlLate, late);
+}
+
+TEST(GpuIndexerScoresMasked, FullContext65536WithTheRealBudget) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5eed0113);
+  // 2048 kept blocks of 8192 per row (the V4.1 candidate budget at 64K), two decode rows.
+  const auto pb = make_scores_problem({0, 1}, {65536, 65530}, 2, 65536, rng, ScaleMix::kMixed);
+  auto mask = make_mask(pb.T(), pb.score_stride, MaskKind::kNone, 0, rng);
+  for (int64_t t = 0; t < 2; ++t) {
+    std::vector<int64_t> blocks(8192);
+    std::iota(blocks.begin(), blocks.end(), 0);
+    std::shuffle(blocks.begin(), blocks.end(), rng);
+    for (int i = 0; i < 2048; ++i) mask.bytes[t * mask.stride + blocks[i]] = 1;
+  }
+  check_masked_scores(pb, reference_scores(pb), mask, "65536 positions, 2048 kept blocks", 1);
+}
+
+TEST(GpuIndexerScoresMasked, BadSlotsCountOnlyWhereRead) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5eed0114);
+  const auto pb = make_scores_problem({0, 0}, {300, 301}, 1, 320, rng);
+  auto mask = make_mask(pb.T(), pb.score_stride, MaskKind::kNone, 0, rng);
+  // Row 0 keeps blocks 2 and 10, row 1 block 10 and 30.
+  mask.bytes[0 * mask.stride + 2] = 1;
+  mask.bytes[0 * mask.stride + 10] = 1;
+  mask.bytes[1 * mask.stride + 10] = 1;
+  mask.bytes[1 * mask.stride + 30] = 1;
+  auto bad = pb.table.v;
+  bad[17] = -2;                                          // block 2: kept by row 0, read: counted once
+  bad[85] = static_cast<int32_t>(pb.pool.n_slots);       // block 10: kept by both rows (one read): once
+  bad[100] = -2;                                         // block 12: no row keeps it: not read, not counted
+  auto want = reference_scores(pb);
+  ref::apply_candidate_mask(want.data(), pb.T(), pb.score_stride, pb.clen.data(), 8, mask.bytes.data(), mask.stride);
+  want[0 * pb.score_stride + 17] = -kInf;
+  want[0 * pb.score_stride + 85] = -kInf;
+  want[1 * pb.score_stride + 85] = -kInf;
+  for (int group_rows : {2, 1}) {
+    const auto got = gpu_scores(pb, bad, 0, Launch::kPlain, LateScoresInput::kQCodes, group_rows, 0, 0, &mask);
+    // group_rows 1: each row is its own run and reads its kept blocks (block 10 twice)
+    EXPECT_EQ(got.errors, group_rows == 2 ? 2u : 3u) << "group_rows " << group_rows;
+    expect_same_bytes(got.scores, want, "bad slots, group_rows " + std::to_string(group_rows), pb.score_stride);
+  }
+}
+
 // =================================================================================================
 // top-k
 // =================================================================================================
@@ -1338,6 +1487,21 @@ TEST(GpuIndexerHostChecks, BadShapesAreRefusedBeforeLaunch) {
     }
     p = valid_scores_params();
     p.T = -1;
+    EXPECT_THROW(kernels::run_indexer_scores(p, nullptr, false), std::invalid_argument);
+    // candidate mask: block 8 only, a stride covering score_stride / 8, one warp set, a known tile
+    p = valid_scores_params();
+    p.candidate_mask = fake_ptr<uint8_t>();
+    p.mask_stride = 16;
+    p.mask_block = 4;
+    EXPECT_THROW(kernels::run_indexer_scores(p, nullptr, false), std::invalid_argument);
+    p.mask_block = 8;
+    p.mask_stride = 15;
+    EXPECT_THROW(kernels::run_indexer_scores(p, nullptr, false), std::invalid_argument);
+    p.mask_stride = 16;
+    p.row_split = 2;
+    EXPECT_THROW(kernels::run_indexer_scores(p, nullptr, false), std::invalid_argument);
+    p.row_split = 0;
+    p.mask_tile_blocks = 48;
     EXPECT_THROW(kernels::run_indexer_scores(p, nullptr, false), std::invalid_argument);
   }
   {

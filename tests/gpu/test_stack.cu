@@ -150,6 +150,7 @@ TEST(GpuStackHost, ValidateOptionsRefusesWhatTheStackCannotRun) {
   refused([](GpuStackOptions& o) { o.qb_overlap = 3; }, "qb_overlap");
   refused([](GpuStackOptions& o) { o.qb_prewait_pace_ns = -2; }, "qb_prewait_pace_ns");
   refused([](GpuStackOptions& o) { o.aq_warps = 33; }, "aq_warps");
+  refused([](GpuStackOptions& o) { o.scores_mask_tile = 48; }, "scores_mask_tile");
   refused(
       [](GpuStackOptions& o) {
         o.idx_scores_on_main = true;
@@ -446,6 +447,8 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
     int qb_overlap = -1;
     int qb_prewait_pace_ns = -1;
     int aq_warps = -1;
+    bool scores_masked = true;
+    int scores_mask_tile = 0;
   };
   using SF = LayerIssue::SFork;
   std::vector<Config> configs;
@@ -499,6 +502,12 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
   with([](Config& c) { c.aq_warps = 32; });
   with([](Config& c) { c.aq_warps = 0; });
   with([](Config& c) { c.aq_warps = 7; }, Schedule::kSerial, false);
+  // Session 6: the reindex layers' scores over the kept blocks only, against scoring every position
+  // (the top-k applies the mask in both), and the masked kernel's tile sizes.
+  with([](Config& c) { c.scores_masked = false; });
+  with([](Config& c) { c.scores_masked = false; }, Schedule::kSerial, false);
+  with([](Config& c) { c.scores_mask_tile = 16; });
+  with([](Config& c) { c.scores_mask_tile = 128, c.scores_group_rows = 1; });
 
   std::vector<Snapshot> first;  // per step, of the first configuration
   std::string first_name;
@@ -512,7 +521,8 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
         std::to_string(c.scores_group_rows) + " s" + std::to_string(c.scores_steps) + " rs" +
         std::to_string(c.scores_row_split) + " mb" + std::to_string(c.scores_min_blocks) + " side-priority " +
         std::to_string(c.side_priority) + (c.qnorm_trigger_late ? " qnorm-late" : "") +
-        (c.idx_scores_on_main ? " idx-scores-main" : "") + " qb-prewait " + std::to_string(c.qb_prewait_stages) + " qb-overlap " + std::to_string(c.qb_overlap) + " qb-pace " + std::to_string(c.qb_prewait_pace_ns) + " aq-warps " + std::to_string(c.aq_warps);
+        (c.idx_scores_on_main ? " idx-scores-main" : "") + " qb-prewait " + std::to_string(c.qb_prewait_stages) + " qb-overlap " + std::to_string(c.qb_overlap) + " qb-pace " + std::to_string(c.qb_prewait_pace_ns) + " aq-warps " + std::to_string(c.aq_warps) +
+        (c.scores_masked ? "" : " scores-unmasked") + " mask-tile " + std::to_string(c.scores_mask_tile);
     SCOPED_TRACE(name);
     // A fresh stack per configuration: the device inputs of padded rows depend on the step count.
     go.schedule = c.schedule;
@@ -531,6 +541,8 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
     go.qb_overlap = c.qb_overlap;
     go.qb_prewait_pace_ns = c.qb_prewait_pace_ns;
     go.aq_warps = c.aq_warps;
+    go.scores_masked = c.scores_masked;
+    go.scores_mask_tile = c.scores_mask_tile;
     go.idx_scores_on_main = c.idx_scores_on_main;
     go.scores_min_blocks = c.scores_min_blocks;
     go.select_cluster = c.select_cluster;

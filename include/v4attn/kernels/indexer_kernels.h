@@ -123,6 +123,16 @@ struct IndexerScoresParams {
                                           // the last store; see dev::pdl_wait_no_trigger)
   int row_split = 0;                      // tuning: warp sets per CTA that split a run's rows (1 or 2;
                                           // 0 = automatic: 1, measured faster). Same bytes.
+  // Candidate mask (index sources after the candidate source): with candidate_mask set, the output
+  // is ref::apply_candidate_mask of the scores (score -inf at j < clen where mask[t, j / 8] == 0)
+  // and only kept blocks are read and scored: each CTA compacts the blocks its rows keep, so the
+  // work follows the kept fraction (2048 of 8192 blocks per row at 64K), not the context. Slots of
+  // positions no row keeps are not read (nor checked). steps_per_warp and min_blocks do not apply.
+  const uint8_t* candidate_mask = nullptr;  // optional [T, mask_stride], any nonzero byte keeps the block
+  int64_t mask_stride = 0;                  // >= score_stride / 8
+  int mask_block = 8;                       // positions per mask byte: must be 8
+  int mask_tile_blocks = 0;                 // tuning: blocks per CTA tile, 16 / 32 / 64 / 128 (0 = automatic:
+                                            // the largest that gives >= 1024 CTAs, at least 16). Same bytes.
 };
 void run_indexer_scores(const IndexerScoresParams& p, cudaStream_t stream, bool pdl);
 

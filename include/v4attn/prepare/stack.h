@@ -130,6 +130,14 @@ struct GpuStackOptions {
   int scores_steps = 0;       // 0..4
   int scores_row_split = 0;   // warp sets splitting a CTA's rows, 1..2 (0: automatic)
   int scores_min_blocks = 0;  // register cap of the scores kernel: CTAs per SM, 3 or 4 (0: automatic)
+  // Index sources after the candidate source (24..36 in V4.1): the scores kernel takes the
+  // candidate mask and scores only the kept blocks (IndexerScoresParams::candidate_mask; the
+  // top-k then sees exactly apply_candidate_mask's scores, as before). false: every position is
+  // scored and the top-k applies the mask (the earlier path; same bytes). scores_mask_tile: the
+  // masked kernel's blocks per CTA tile, 16 / 32 / 64 / 128 (0: automatic). With the mask the
+  // scores_steps / scores_min_blocks / scores_row_split knobs do not apply to those layers.
+  bool scores_masked = true;
+  int scores_mask_tile = 0;
   // CUDA stream priority of the side lanes S and K (lower = higher; 0 = default; clamped into
   // the device's range). Experiment knob: side-lane CTAs are scheduled before main-lane CTAs that
   // wait for the same SMs (e.g. GEMM CTAs launched early under PDL).
