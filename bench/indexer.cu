@@ -468,7 +468,15 @@ int main(int argc, char** argv) {
   app.add_option("--reps", reps, "timed launches per case (>= 50)")->check(CLI::Range(50, 100000));
   app.add_flag("--select-only", select_only, "only top-k, the candidate mask and the chains (skip scores / q pack rows)");
   app.add_option("--json", json_path, "also write the rows to this JSON file");
+  std::vector<std::string> only;
+  app.add_option("--only", only,
+                 "time only these rows, as kernel:version (e.g. scores:g6,scores:masked); the others are skipped "
+                 "(for profilers: one kernel's launches)")
+      ->delimiter(',');
   CLI11_PARSE(app, argc, argv);
+  const auto want = [&](const std::string& kernel, const std::string& version) {
+    return only.empty() || std::find(only.begin(), only.end(), kernel + ":" + version) != only.end();
+  };
 
   try {
     if (!bench::gpu_present("bench_indexer")) return 2;
@@ -520,10 +528,11 @@ int main(int argc, char** argv) {
             return pb.distinct_positions * (kn::kIndexerCodeBytes + kn::kIndexerScaleBytes) +
                    pb.distinct_positions * 4 + int64_t{pb.T} * pb.stride * 4 + int64_t{pb.T} * kHeads * (64 + 4 + 4);
           };
-          if (!select_only) {  // wide scales: the per-block path (auto tiles), one row per CTA and (verify) 6
+          if (!select_only && (want("scores", "wide") || want("scores", "g6-wide"))) {  // wide scales: the per-block path (auto tiles), one row per CTA and (verify) 6
             Problem wide = make_problem(shape, T, clen, /*wide=*/true);
             V4_CUDA_CHECK(cudaDeviceSynchronize());
             for (int g : verify ? std::vector<int>{1, 6} : std::vector<int>{1}) {
+              if (!want("scores", g == 1 ? "wide" : "g6-wide")) continue;
               const auto p = scores_params(wide, 0, g);
               const bool ok = validate_scores(wide, stream, g);
               row_of("scores", g == 1 ? "wide" : "g6-wide", scores_bytes(wide), ok,
@@ -536,11 +545,12 @@ int main(int argc, char** argv) {
           for (int steps : {0, 1, 2, 4}) {  // narrow scales: the fused path
             if (select_only) break;
             static const char* const kStepNames[] = {"auto", "s1", "s2", "s3", "s4"};
+            if (!want("scores", kStepNames[steps])) continue;
             const auto p = scores_params(pb, steps);
             row_of("scores", kStepNames[steps], scores_bytes(pb), scores_ok,
                    cold_median_us([&](cudaStream_t s) { kn::run_indexer_scores(p, s, false); }));
           }
-          if (verify && !select_only) {
+          if (verify && !select_only && want("scores", "g6")) {
             const auto p = scores_params(pb, 0, 6);
             const bool ok = validate_scores(pb, stream, 6);
             row_of("scores", "g6", scores_bytes(pb), ok,
@@ -555,18 +565,20 @@ int main(int argc, char** argv) {
               const HostMask mask = make_mask(pb, shared);
               const int g = verify ? 6 : 1;
               for (int tile : {0, 16, 32, 64, 128}) {
+                const std::string name = std::string(shared ? "masked-sh" : "masked") + (tile ? "-m" + std::to_string(tile) : "");
+                if (!want("scores", name)) continue;
                 const auto p = masked_scores_params(pb, mask, g, tile);
                 const bool ok = validate_scores(pb, stream, g, &mask, tile);
                 const int64_t bytes = mask.kept_distinct * (kn::kIndexerCodeBytes + kn::kIndexerScaleBytes + 4) +
                                       int64_t{pb.T} * pb.stride * 4 + int64_t{pb.T} * (kHeads * (64 + 4 + 4) + pb.mask_stride);
-                row_of("scores", std::string(shared ? "masked-sh" : "masked") + (tile ? "-m" + std::to_string(tile) : ""),
-                       bytes, ok, cold_median_us([&](cudaStream_t s) { kn::run_indexer_scores(p, s, false); }));
+                row_of("scores", name, bytes, ok, cold_median_us([&](cudaStream_t s) { kn::run_indexer_scores(p, s, false); }));
               }
             }
           // Top-k and the candidate mask read the scores the scores kernel left in d_scores.
           const int64_t topk_bytes = pb.visible_positions * 4 + int64_t{pb.T} * kTopk * (4 + 4);
           const int64_t mask_bytes = pb.visible_positions * 4 + int64_t{pb.T} * pb.mask_stride;
           for (const SelVersion& v : kSelVersions) {
+            if (!want("topk", v.name) && !want("candidate_mask", v.name)) continue;
             bool mask_ok = false;
             const bool topk_ok = validate_topk_and_mask(pb, stream, v, mask_ok);
             kn::run_indexer_scores(scores_params(pb, 0), stream, false);
@@ -579,7 +591,7 @@ int main(int argc, char** argv) {
           }
           // q pack, then the chains (q pack overwrites the random q of d_codes: done last).
           const int64_t qpack_bytes = int64_t{pb.T} * (kHeads * 128 * 2 + kHeads * 2 + kHeads * (64 + 4 + 4) + 4);
-          if (!select_only) {
+          if (!select_only && want("qpack", "v2")) {
             const auto qp = qpack_params(pb);
             const bool ok = validate_chain(pb, stream, false);  // checks the q pack bytes too
             row_of("qpack", "v2", qpack_bytes, ok,
@@ -588,6 +600,7 @@ int main(int argc, char** argv) {
           for (int chain = 0; chain < 4; ++chain) {
             const bool with_mask = chain % 2 == 1;
             const SelVersion& sel = chain < 2 ? kChainV2 : kChainV3;
+            if (!want("chain", std::string(with_mask ? "idx+mask" : "idx") + (chain < 2 ? "" : "-v3"))) continue;
             const bool ok = validate_chain(pb, stream, with_mask, sel);
             cudaGraph_t graph;
             cudaGraphExec_t exec;
