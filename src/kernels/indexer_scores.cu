@@ -20,10 +20,12 @@
 // fragments decoded from it; each row then runs its own MMAs (its q = the B operand) and epilogue.
 //
 // Per CTA: the group's q (2 KB of codes per row) is decoded once into shared memory as the MMA's
-// B operand (n = head, 4 n-tiles of 8 heads, k = the block's 32 elements); head and k are
-// permuted so that lane (g, tq) accumulates heads 8tq..8tq+7 and its k-slots hold elements
-// 8tq..8tq+7 of the block, which are one 32-bit word of the packed codes (any permutation of k is
-// fine: the block sum is an exact integer). Per warp and run: the slot-table entries of all S
+// B operand (n = head, 4 n-tiles of 8 heads, 4 k-steps of 32); head and k are permuted so that
+// lane (g, tq) accumulates heads 8tq..8tq+7 and, in k-step s, its k-slots hold elements
+// 32tq + 8s .. + 7 (word s of block tq), for A and B alike: over the 4 k-steps a lane holds
+// exactly block tq, so its A words for a position are one 16-byte chunk (one LDS.128) decoded
+// with one block shift (session 6: the per-block mapping, one word per block and a shift per
+// block, made the A decode ~45 % of the kernel's instructions at decode shapes). Per warp and run: the slot-table entries of all S
 // steps are loaded at once, then the K slots of all S steps (64 B codes + 4 B scales each) are
 // copied with cp.async (16-byte chunks), one commit group per step, so a warp waits for one
 // table latency and one K latency per run rather than per step (the old per-step ring paid a
@@ -34,8 +36,9 @@
 // order and stores the score (one coalesced 128-byte store).
 //
 // Two exact ways to form dot, chosen per (m-tile, row, n-tile):
-//  - per-block path (any scales): one MMA per block into a fresh accumulator, each block sum
-//    scaled by its own power of two, ((b0 + b1) + b2) + b3 in fp32 exactly like the reference.
+//  - per-block path (any scales): block b's sum = the 4 k-steps' MMAs with the A of the lanes
+//    tq != b zeroed, into a fresh accumulator (16 MMAs per n-tile), each block sum scaled by its
+//    own power of two, ((b0 + b1) + b2) + b3 in fp32 exactly like the reference.
 //    ~16 fp32 ops per (position, head).
 //  - fused path, when the 8 q heads of the n-tile and all usable K slots of the m-tile have their
 //    4 block scale exponents within 3 of their minimum (and within [-60, 50]), and sq_min * w of
@@ -151,9 +154,6 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-// Swizzle of the four 16-byte chunks of a position's codes in shared memory: the A-operand reads
-// (lanes g = 0..7 -> positions base+g, word 4*block + tq) then hit 32 distinct banks.
-__device__ __forceinline__ int chunk_swizzle(int p) { return (p >> 1) & 3; }
 
 // cp.async.wait_group with a run-time count (0..3); folds to one instruction in unrolled loops.
 __device__ __forceinline__ void cp_async_wait_pending(int n) {
@@ -299,7 +299,7 @@ __device__ RunCtx issue_run(const IndexerScoresParams& p, int page_shift, int r0
         const int pp = ci >> 2, ch = ci & 3;
         const int32_t s = __shfl_sync(kFullMask, use, pp);
         const int64_t off = (static_cast<int64_t>(s) >> page_shift) * page_bytes + (s & page_mask) * kIndexerCodeBytes;
-        cp_async_16(&kd[pp * 16 + ((ch ^ chunk_swizzle(pp)) * 4)], s >= 0 ? p.index_k_cache + off + 16 * ch : p.index_k_cache,
+        cp_async_16(&kd[pp * 16 + ch * 4], s >= 0 ? p.index_k_cache + off + 16 * ch : p.index_k_cache,
                     s >= 0 ? 16 : 0);
       }
       const int64_t soff = (static_cast<int64_t>(use) >> page_shift) * page_bytes + scale_base +
@@ -406,39 +406,44 @@ __device__ void compute_run(const IndexerScoresParams& p, const RunCtx& run, int
     // ---- A fragments (positions 16mt + g + 8r), decoded once for all rows of the run ----
     // kf[mt]: every usable position of the m-tile has its 4 K block scales within 2^3 (fused_ok);
     // then A carries 2^(ek_b - ek_min) and the K scale of every block is sk_min (for both paths).
-    uint32_t A[2][kBlocks][4];
+    // k-slot mapping (A and B alike): in k-step s, lane (g, tq)'s 8 k-slots hold the elements
+    // 32tq + 8s .. 32tq + 8s + 7, i.e. word s of block tq: over the 4 k-steps a lane holds exactly
+    // block tq, so its A words are one 16-byte chunk of the position's codes and one block shift
+    // serves them all. A k-step then mixes the 4 blocks: the fused path (one accumulator for all
+    // four) does not care; the per-block path separates block b by zeroing the other lanes' A.
+    uint32_t A[2][kBlocks][4];  // [mt][k-step s][a0..a3]
     uint32_t sc[2][2];
     bool kf[2];
     float s4[2][2], c4[2][2];  // sk_min / 4 and -1.5 * 2^23 * sk_min / 4 per (mt, r)
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
-      uint32_t kw[2][kBlocks];
+      uint4 kw[2];
       bool pos_ok = true;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int pp = 16 * mt + g + 8 * r;
-#pragma unroll
-        for (int b = 0; b < kBlocks; ++b) kw[r][b] = kd[pp * 16 + ((b ^ chunk_swizzle(pp)) * 4) + tq];
+        kw[r] = *reinterpret_cast<const uint4*>(&kd[pp * 16 + tq * 4]);  // block tq of position pp
         sc[mt][r] = ks[pp];
         pos_ok = pos_ok && (((vmask >> pp) & 1u) == 0u || fused_ok(sc[mt][r]));  // unusable: zeros, any path
       }
       kf[mt] = __all_sync(kFullMask, pos_ok);
-      uint32_t kmin[2];
+      uint32_t lo[2], hi[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        kmin[r] = kf[mt] ? min_byte(sc[mt][r]) : 0u;
-        s4[mt][r] = num::mul_rn(num::f32_from_ue8m0(static_cast<uint8_t>(kmin[r])), 0.25f);
+        const uint32_t kmin = kf[mt] ? min_byte(sc[mt][r]) : 0u;
+        s4[mt][r] = num::mul_rn(num::f32_from_ue8m0(static_cast<uint8_t>(kmin)), 0.25f);
         c4[mt][r] = num::mul_rn(-kMagicFloat, s4[mt][r]);
+        const uint32_t shift = kf[mt] ? byte_of(sc[mt][r], tq) - kmin : 0u;  // 2^(ek_tq - ek_min), <= 2^3
+        lo[r] = kTwiceLo << shift;
+        hi[r] = kTwiceHi << shift;
       }
+      const uint32_t w0[4] = {kw[0].x, kw[0].y, kw[0].z, kw[0].w}, w1[4] = {kw[1].x, kw[1].y, kw[1].z, kw[1].w};
 #pragma unroll
-      for (int b = 0; b < kBlocks; ++b) {
-        const uint32_t s0 = kf[mt] ? byte_of(sc[mt][0], b) - kmin[0] : 0u;
-        const uint32_t s1 = kf[mt] ? byte_of(sc[mt][1], b) - kmin[1] : 0u;
-        const uint32_t lo0 = kTwiceLo << s0, hi0 = kTwiceHi << s0, lo1 = kTwiceLo << s1, hi1 = kTwiceHi << s1;
-        A[mt][b][0] = e2m1x4_to_s8(kw[0][b], lo0, hi0);
-        A[mt][b][1] = e2m1x4_to_s8(kw[1][b], lo1, hi1);
-        A[mt][b][2] = e2m1x4_to_s8(kw[0][b] >> 16, lo0, hi0);
-        A[mt][b][3] = e2m1x4_to_s8(kw[1][b] >> 16, lo1, hi1);
+      for (int s = 0; s < kBlocks; ++s) {
+        A[mt][s][0] = e2m1x4_to_s8(w0[s], lo[0], hi[0]);
+        A[mt][s][1] = e2m1x4_to_s8(w1[s], lo[1], hi[1]);
+        A[mt][s][2] = e2m1x4_to_s8(w0[s] >> 16, lo[0], hi[0]);
+        A[mt][s][3] = e2m1x4_to_s8(w1[s] >> 16, lo[1], hi[1]);
       }
     }
 
@@ -530,11 +535,19 @@ __device__ void compute_run(const IndexerScoresParams& p, const RunCtx& run, int
             fused_terms(acc, mt, nt, term);
           } else {
             // Per-block path (any scales): four exact block sums, combined like the reference.
+            // Block b = the k-slots of the lanes tq == b in all 4 k-steps: the others' A zeroed.
+            // (not unrolled: the rare path's code and registers stay small)
             float dot[2][2];
-#pragma unroll
+#pragma unroll 1
             for (int b = 0; b < kBlocks; ++b) {
+              const uint32_t keep = tq == b ? ~0u : 0u;
               int acc[4];
-              mma_s8_m16n8k32(acc, A[mt][b], B[b], kMagicBits);
+#pragma unroll
+              for (int s = 0; s < kBlocks; ++s) {
+                const uint32_t Ab[4] = {A[mt][s][0] & keep, A[mt][s][1] & keep, A[mt][s][2] & keep, A[mt][s][3] & keep};
+                if (s == 0) mma_s8_m16n8k32(acc, Ab, B[s], kMagicBits);
+                else mma_s8_m16n8k32_acc(acc, Ab, B[s]);
+              }
 #pragma unroll
               for (int rr = 0; rr < 2; ++rr)
 #pragma unroll
@@ -640,11 +653,12 @@ __global__ void __launch_bounds__(kThreads * RS, RS == 1 ? MB : 1)
   else dev::pdl_wait_no_trigger();
 
   // ---- q of the group's rows, when some row sees a position of this tile (CTA-uniform) ----
-  // B fragments (n = head, 4 n-tiles of 8 heads, k = a block's 32 elements), head and k permuted
-  // so that lane (g, tq) accumulates heads 8tq..8tq+7 and its k-slots hold elements 8tq..8tq+7
-  // of the block, one 32-bit word of the packed codes (any permutation of k is fine: the block
-  // sum is an exact integer). A head whose 4 block scales fit the fused path (fused_ok) carries
-  // 2^(eq_b - eq_min) in its int8 values, and its scale is sq_min for every block (both paths).
+  // B fragments (n = head, 4 n-tiles of 8 heads, 4 k-steps of 32), head and k permuted so that
+  // lane (g, tq) accumulates heads 8tq..8tq+7 and, in k-step s, its k-slots hold the elements
+  // 32tq + 8s .. + 7 (word s of block tq; the same mapping as the A operand: any common
+  // permutation of k is fine, the sums being exact integers). A head whose 4 block scales fit the
+  // fused path (fused_ok) carries 2^(eq_tq - eq_min) in this lane's int8 values, and its scale is
+  // sq_min for every block (both paths).
   // Thread i owns item (row r, n-tile i / 32, lane i % 32) of every row r, and the head constants
   // of items i and i + 128 of (row, head). The loads are issued first, then the first run's
   // slot-table loads and K copies, and only then are the q words decoded: one latency for all.
@@ -653,7 +667,8 @@ __global__ void __launch_bounds__(kThreads * RS, RS == 1 ? MB : 1)
   const int n_item = static_cast<int>(threadIdx.x) >> 5, l_item = static_cast<int>(threadIdx.x) & 31;
   const int head_item = 8 * ((l_item >> 2) >> 1) + 2 * n_item + ((l_item >> 2) & 1);  // MMA column g of n-tile n
   const int tq_item = l_item & 3;
-  uint32_t q_hs[kMaxGroupRows] = {}, q_words[kMaxGroupRows][kBlocks] = {};
+  uint32_t q_hs[kMaxGroupRows] = {};
+  uint4 q_words[kMaxGroupRows] = {};  // block tq_item of the item's head
   uint32_t c_hs[2] = {};
   float c_w[2] = {};
   if (has_work) {
@@ -662,9 +677,7 @@ __global__ void __launch_bounds__(kThreads * RS, RS == 1 ? MB : 1)
       if (r < n_rows) {
         const int64_t hrow = (row0 + r) * kIndexerHeads + head_item;
         q_hs[r] = *reinterpret_cast<const uint32_t*>(p.q_scales + hrow * kIndexerScaleBytes);
-#pragma unroll
-        for (int b = 0; b < kBlocks; ++b)
-          q_words[r][b] = *reinterpret_cast<const uint32_t*>(p.q_codes + hrow * kIndexerCodeBytes + 16 * b + 4 * tq_item);
+        q_words[r] = *reinterpret_cast<const uint4*>(p.q_codes + hrow * kIndexerCodeBytes + 16 * tq_item);
       }
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
@@ -691,13 +704,14 @@ __global__ void __launch_bounds__(kThreads * RS, RS == 1 ? MB : 1)
         const uint32_t hs = q_hs[r];
         const bool shifted = fused_ok(hs);
         const uint32_t hmin = min_byte(hs);
-        uint32_t f[kBlocks][2];
+        const uint32_t shift = shifted ? byte_of(hs, tq_item) - hmin : 0u;
+        const uint32_t lo = kTwiceLo << shift, hi = kTwiceHi << shift;
+        const uint32_t w[4] = {q_words[r].x, q_words[r].y, q_words[r].z, q_words[r].w};
+        uint32_t f[kBlocks][2];  // [k-step s]
 #pragma unroll
-        for (int b = 0; b < kBlocks; ++b) {
-          const uint32_t shift = shifted ? byte_of(hs, b) - hmin : 0u;
-          const uint32_t lo = kTwiceLo << shift, hi = kTwiceHi << shift;
-          f[b][0] = e2m1x4_to_s8(q_words[r][b], lo, hi);        // elements 8tq..8tq+3 -> k-slots 4tq..4tq+3
-          f[b][1] = e2m1x4_to_s8(q_words[r][b] >> 16, lo, hi);  // elements 8tq+4..8tq+7 -> k-slots 16+4tq..
+        for (int s = 0; s < kBlocks; ++s) {
+          f[s][0] = e2m1x4_to_s8(w[s], lo, hi);        // elements 32tq + 8s .. +3 -> k-slots 4tq..4tq+3
+          f[s][1] = e2m1x4_to_s8(w[s] >> 16, lo, hi);  // elements 32tq + 8s + 4 .. +7 -> k-slots 16+4tq..
         }
         uint4* dst = qfrag + ((r * 4 + n_item) * 32 + l_item) * 2;
         dst[0] = make_uint4(f[0][0], f[0][1], f[1][0], f[1][1]);
