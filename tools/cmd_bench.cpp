@@ -480,8 +480,8 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       ->check(CLI::Range(0, 8))
       ->capture_default_str();
   sub->add_option("--scores-steps", o->scores_steps,
-                  "Indexer scores: 32-position steps per warp, 1..4 (0: automatic; tuning knob)")
-      ->check(CLI::Range(0, 4))
+                  "Indexer scores: 32-position steps per warp per CTA, 1..64 (0: automatic; tuning knob)")
+      ->check(CLI::Range(0, 64))
       ->capture_default_str();
   sub->add_option("--scores-row-split", o->scores_row_split,
                   "Indexer scores: warp sets per CTA that split its rows, 1..2 (0: automatic; tuning knob)")

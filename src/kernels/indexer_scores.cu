@@ -76,7 +76,7 @@ constexpr int kStepPositions = 32;  // positions per warp step
 constexpr int kMaxGroupRows = 8;    // rows per CTA (their B fragments live in shared memory)
 constexpr int kTransStride = 36;    // floats per position row of the term buffer (conflict-free)
 constexpr int kBlocks = kIndexerHeadDim / num::kIndexerQuantBlock;  // 4
-constexpr int kMaxSteps = 4;
+constexpr int kMaxSteps = 64;  // steps per warp per CTA (the tile: 128 * steps positions)
 constexpr uint32_t kFullMask = 0xffffffffu;
 constexpr int kMagicBits = 0x4B400000;   // 1.5 * 2^23
 constexpr float kMagicFloat = 12582912.0f;
@@ -155,16 +155,6 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 
-// cp.async.wait_group with a run-time count (0..3); folds to one instruction in unrolled loops.
-__device__ __forceinline__ void cp_async_wait_pending(int n) {
-  switch (n) {
-    case 0: cp_async_wait<0>(); break;
-    case 1: cp_async_wait<1>(); break;
-    case 2: cp_async_wait<2>(); break;
-    default: cp_async_wait<3>(); break;
-  }
-}
-
 // sq_min * w is exact (so the fused path may fold the q scale into the head weight): w is +-0,
 // or w is normal and the product with the power of two 2^(hmin - 127) is normal too.
 __device__ __forceinline__ bool qw_exact(uint32_t hmin_byte, float w) {
@@ -207,107 +197,113 @@ __host__ __device__ __forceinline__ SmemLayout smem_layout(int S, int G, int RS 
   return L;
 }
 
-// Context of one run of equal-req rows [r0, r1) of the CTA's group over the CTA's tile.
+// Context of one run of equal-req rows [r0, r1) of the CTA's group over the CTA's tile, streamed
+// by each warp through a ring of S K buffers (one cp.async commit group per step).
 struct RunCtx {
   int r0, r1;
-  int64_t cmax;        // the run's largest visible length
-  uint32_t valid_bits;  // bit i: this lane's position of step i has a usable slot
-  int nsel;            // masked: blocks of the tile some row of the run keeps (the warp's list)
-  int round_base;      // masked: the first list entry of this round of steps
+  int64_t cmax;         // the run's largest visible length
+  uint32_t valid_bits;  // bit b: this lane's position of the step in ring buffer b has a usable slot
+  int nsel;             // masked: blocks of the tile some row of the run keeps (the warp's list)
+  int64_t tile_end;     // unmasked: end of the CTA's positions (<= score_stride)
+  int64_t table_row;    // slot-table row of the run's request
+  int32_t next_slot;    // this lane's slot for the next step to issue (loaded one step ahead)
 };
 
-// Masked kernel (candidate mask): where a warp's step i of a round takes its positions. The warp's
-// list (shared memory) holds the tile's kept blocks in position order, entry = block index in the
-// tile | (bit r: row r of the group keeps it and sees part of it) << 8; step i of warp w takes
-// entries round_base + 4 * (4 * i + w) .. + 3, lane l the position 8 * block + l % 8 of entry l / 8.
-struct MaskedPos {
-  bool live;       // warp-uniform: the step has at least one entry
-  bool has;        // this lane's entry exists
-  int64_t j;       // this lane's position (when has)
-  uint32_t rows;   // this lane's entry's row bits (0 when !has)
+// Step k of this warp. Unmasked: the 32 positions tile_base + (4k + w) * 32 + lane. Masked
+// (candidate mask): the warp's list (shared memory) holds the tile's kept blocks in position
+// order, entry = block index in the tile | (bit r: row r of the group keeps it and sees part of
+// it) << 8; step k of warp w takes entries 4 * (4k + w) .. + 3, lane l the position
+// 8 * block + l % 8 of entry l / 8.
+struct StepPos {
+  bool live;      // warp-uniform: the step exists (unmasked: inside the tile; masked: has entries)
+  bool has;       // this lane writes position j (masked: its entry exists)
+  int64_t j;      // this lane's position
+  uint32_t rows;  // masked: this lane's entry's row bits (0 when !has)
 };
-__device__ __forceinline__ MaskedPos masked_pos(const uint32_t* list, int nsel, int round_base, int64_t tile_base, int i) {
+template <bool kMasked>
+__device__ __forceinline__ StepPos step_pos(const RunCtx& run, const uint32_t* list, int64_t tile_base, int k) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
-  const int rank0 = round_base + 4 * (4 * i + (static_cast<int>(threadIdx.x) / 32) % kWarps);
-  const int rk = rank0 + lane / 8;
-  MaskedPos m;
-  m.live = rank0 < nsel;
-  m.has = rk < nsel;
-  const uint32_t e = m.has ? list[rk] : 0u;
-  m.j = tile_base + 8 * static_cast<int64_t>(e & 0xffu) + lane % 8;
-  m.rows = e >> 8;
-  return m;
+  const int w = (static_cast<int>(threadIdx.x) / 32) % kWarps;  // row split: warps w and w + 4 share positions
+  StepPos sp;
+  if constexpr (kMasked) {
+    const int rank0 = 4 * (4 * k + w);
+    const int rk = rank0 + lane / 8;
+    sp.live = rank0 < run.nsel;
+    sp.has = rk < run.nsel;
+    const uint32_t e = sp.has ? list[rk] : 0u;
+    sp.j = tile_base + 8 * static_cast<int64_t>(e & 0xffu) + lane % 8;
+    sp.rows = e >> 8;
+  } else {
+    const int64_t p0 = tile_base + (static_cast<int64_t>(k) * kWarps + w) * kStepPositions;
+    sp.live = p0 < run.tile_end;
+    sp.has = true;
+    sp.j = p0 + lane;
+    sp.rows = 0u;
+  }
+  return sp;
 }
 
-__device__ __forceinline__ int64_t run_step_base(int64_t tile_base, int i) {
-  // Position warp = warp % kWarps (with a row split, warps w and w + kWarps share positions).
-  return tile_base + (static_cast<int64_t>(i) * kWarps + (static_cast<int>(threadIdx.x) / 32) % kWarps) * kStepPositions;
+// This lane's slot of step k (-1: no position to read).
+template <bool kMasked>
+__device__ __forceinline__ int32_t load_slot(const IndexerScoresParams& p, const RunCtx& run, const uint32_t* list,
+                                             int64_t tile_base, int k) {
+  const StepPos sp = step_pos<kMasked>(run, list, tile_base, k);
+  return sp.live && sp.has && sp.j < run.cmax ? p.comp_slot_table[run.table_row + sp.j] : -1;
 }
 
-// Issue of one run, by this warp: the slot-table entries of all its steps (issued together), then
-// the K of all its steps (cp.async, one commit group per step, issued together).
-// Masked: the positions come from the warp's list (entries round_base ..), not from the tile's order.
-template <int S, bool kMasked = false>
+// K of step k (its slots loaded: `slot`) into ring buffer `buf` with cp.async, then one commit
+// group (empty when the step has nothing to read). Sets the buffer's valid bit.
+template <bool kMasked>
+__device__ __forceinline__ void issue_step(const IndexerScoresParams& p, int page_shift, RunCtx& run,
+                                           const uint32_t* list, int64_t tile_base, int k, int32_t slot, int buf,
+                                           uint32_t* kd_warp, uint32_t* ks_warp) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const StepPos sp = step_pos<kMasked>(run, list, tile_base, k);
+  const bool in_c = sp.live && sp.has && sp.j < run.cmax;
+  const bool ok = in_c && slot >= 0 && slot < p.n_slots;
+  // reference refuses it; here: score -inf. Counted by row set 0 only (row split: the other
+  // set's warp reads the same positions).
+  if (in_c && !ok && static_cast<int>(threadIdx.x) < kThreads) dev::count_error(p.err_count);
+  run.valid_bits = (run.valid_bits & ~(1u << buf)) | (static_cast<uint32_t>(ok) << buf);
+  if (__any_sync(kFullMask, in_c)) {  // warp-uniform
+    const int64_t page_bytes = p.layout.page_bytes();
+    const int64_t page_mask = (int64_t{1} << page_shift) - 1;
+    const int64_t scale_base = static_cast<int64_t>(p.layout.page_size) * kIndexerCodeBytes;
+    const int32_t use = ok ? slot : -1;
+    uint32_t* kd = kd_warp + buf * (kStepPositions * 16);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int ci = lane + 32 * q;
+      const int pp = ci >> 2, ch = ci & 3;
+      const int32_t s = __shfl_sync(kFullMask, use, pp);
+      const int64_t off = (static_cast<int64_t>(s) >> page_shift) * page_bytes + (s & page_mask) * kIndexerCodeBytes;
+      cp_async_16(&kd[pp * 16 + ch * 4], s >= 0 ? p.index_k_cache + off + 16 * ch : p.index_k_cache, s >= 0 ? 16 : 0);
+    }
+    const int64_t soff =
+        (static_cast<int64_t>(use) >> page_shift) * page_bytes + scale_base + (use & page_mask) * kIndexerScaleBytes;
+    cp_async_4(&ks_warp[buf * kStepPositions + lane], ok ? p.index_k_cache + soff : p.index_k_cache, ok ? 4 : 0);
+  }
+  cp_async_commit();
+}
+
+// Start of one run, by this warp: the slot-table entries of its first S steps (issued together),
+// their K (one commit group each), and the slot of step S (used when step 0 is done); a warp then
+// waits for one table latency and one K latency per run, and the later steps' loads overlap the
+// computing of the earlier ones.
+template <int S, bool kMasked>
 __device__ RunCtx issue_run(const IndexerScoresParams& p, int page_shift, int r0, int r1, int64_t tile_base,
-                            const RowMeta* meta, uint32_t* kd_warp, uint32_t* ks_warp, const uint32_t* list = nullptr,
-                            int nsel = 0, int round_base = 0) {
-  const int lane = static_cast<int>(threadIdx.x) % 32;
-  RunCtx run{r0, r1, 0, 0u, nsel, round_base};
+                            int64_t tile_end, const RowMeta* meta, uint32_t* kd_warp, uint32_t* ks_warp,
+                            const uint32_t* list, int nsel) {
+  RunCtx run{r0, r1, 0, 0u, nsel, tile_end, 0, -1};
   const int32_t req = meta[r0].req;
   for (int r = r0; r < r1; ++r) run.cmax = max(run.cmax, static_cast<int64_t>(meta[r].c));
-  const int64_t table_row = req >= 0 ? static_cast<int64_t>(req) * p.comp_table_stride : 0;
-  const int64_t page_bytes = p.layout.page_bytes();
-  const int64_t page_mask = (int64_t{1} << page_shift) - 1;
-  const int64_t scale_base = static_cast<int64_t>(p.layout.page_size) * kIndexerCodeBytes;
-
-  // This lane's position of step i and whether the step has any (warp-uniform).
-  auto lane_pos = [&](int i, bool& live, bool& has) -> int64_t {
-    if constexpr (kMasked) {
-      const MaskedPos m = masked_pos(list, nsel, round_base, tile_base, i);
-      live = m.live;
-      has = m.has && m.j < run.cmax;
-      return m.j;
-    } else {
-      const int64_t p0 = run_step_base(tile_base, i);
-      live = p0 < run.cmax;
-      has = p0 + lane < run.cmax;
-      return p0 + lane;
-    }
-  };
+  run.table_row = req >= 0 ? static_cast<int64_t>(req) * p.comp_table_stride : 0;
   int32_t slot[S];
 #pragma unroll
-  for (int i = 0; i < S; ++i) {
-    bool live, has;
-    const int64_t j = lane_pos(i, live, has);
-    slot[i] = has ? p.comp_slot_table[table_row + j] : -1;
-  }
+  for (int k = 0; k < S; ++k) slot[k] = load_slot<kMasked>(p, run, list, tile_base, k);
 #pragma unroll
-  for (int i = 0; i < S; ++i) {
-    bool live, in_c;
-    lane_pos(i, live, in_c);
-    if (live) {  // warp-uniform
-      const bool ok = in_c && slot[i] >= 0 && slot[i] < p.n_slots;
-      // reference refuses it; here: score -inf. Counted by row set 0 only (row split: the other
-      // set's warp reads the same positions).
-      if (in_c && !ok && static_cast<int>(threadIdx.x) < kThreads) dev::count_error(p.err_count);
-      run.valid_bits |= static_cast<uint32_t>(ok) << i;
-      const int32_t use = ok ? slot[i] : -1;
-      uint32_t* kd = kd_warp + i * (kStepPositions * 16);
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int ci = lane + 32 * q;
-        const int pp = ci >> 2, ch = ci & 3;
-        const int32_t s = __shfl_sync(kFullMask, use, pp);
-        const int64_t off = (static_cast<int64_t>(s) >> page_shift) * page_bytes + (s & page_mask) * kIndexerCodeBytes;
-        cp_async_16(&kd[pp * 16 + ch * 4], s >= 0 ? p.index_k_cache + off + 16 * ch : p.index_k_cache,
-                    s >= 0 ? 16 : 0);
-      }
-      const int64_t soff = (static_cast<int64_t>(use) >> page_shift) * page_bytes + scale_base +
-                           (use & page_mask) * kIndexerScaleBytes;
-      cp_async_4(&ks_warp[i * kStepPositions + lane], ok ? p.index_k_cache + soff : p.index_k_cache, ok ? 4 : 0);
-    }
-    cp_async_commit();  // one group per step, empty or not
-  }
+  for (int k = 0; k < S; ++k) issue_step<kMasked>(p, page_shift, run, list, tile_base, k, slot[k], k, kd_warp, ks_warp);
+  run.next_slot = load_slot<kMasked>(p, run, list, tile_base, S);
   return run;
 }
 
@@ -358,50 +354,40 @@ __device__ int build_block_list(const IndexerScoresParams& p, int64_t row0, int 
   return n;
 }
 
-// Compute of one issued run, by this warp: per step, the A fragments once, then per row the MMAs
-// and the epilogue. Leaves the warp's K buffers free (all its copies waited for).
-// Masked (kMasked): the step's positions come from the warp's list (masked_pos); a lane without an
+// Compute of one run, by this warp: per step, the A fragments once, then per row the MMAs and the
+// epilogue; after each step its ring buffer takes the K of step k + S (slot loaded a step ahead),
+// and the slot of step k + S + 1 is loaded. Leaves the warp's K buffers free (all copies waited).
+// Masked (kMasked): the step's positions come from the warp's list (step_pos); a lane without an
 // entry writes nothing, a row that keeps none of the step's blocks writes -inf and skips its MMAs,
 // and an m-tile (two blocks) that the row does not keep skips its MMAs (its positions get -inf).
 template <int S, int RS, bool kMasked = false>
-__device__ void compute_run(const IndexerScoresParams& p, const RunCtx& run, int64_t row0, int64_t tile_base,
-                            const RowMeta* meta, const uint4* qfrag, const RowConst* rc, const uint32_t* kd_warp,
-                            const uint32_t* ks_warp, float* terms, const uint32_t* list = nullptr) {
+__device__ void compute_run(const IndexerScoresParams& p, int page_shift, RunCtx& run, int64_t row0, int64_t tile_base,
+                            const RowMeta* meta, const uint4* qfrag, const RowConst* rc, uint32_t* kd_warp,
+                            uint32_t* ks_warp, float* terms, const uint32_t* list = nullptr) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int g = lane >> 2, tq = lane & 3;
   const int r0 = run.r0, r1 = run.r1;
   const int row_set = static_cast<int>(threadIdx.x) / kThreads;  // 0..RS-1
   const int64_t cmax = run.cmax;
-  const uint32_t valid_bits = run.valid_bits;
-  auto step_base = [&](int i) { return run_step_base(tile_base, i); };
 
-#pragma unroll
-  for (int i = 0; i < S; ++i) {
-    int64_t j;               // this lane's position
-    bool has = true;         // masked: the lane has an entry (it writes its position's scores)
-    uint32_t lane_rows = 0;  // masked: the rows that keep this lane's block
-    if constexpr (kMasked) {
-      const MaskedPos m = masked_pos(list, run.nsel, run.round_base, tile_base, i);
-      if (!m.live) break;  // warp-uniform; later steps have no entries either
-      j = m.j;
-      has = m.has;
-      lane_rows = m.rows;
-      cp_async_wait_pending(S - 1 - i);
-      __syncwarp();
+#pragma unroll 1
+  for (int k = 0;; ++k) {
+    const StepPos sp = step_pos<kMasked>(run, list, tile_base, k);
+    if (!sp.live) break;  // warp-uniform; later steps do not exist either
+    const int buf = k % S;
+    cp_async_wait<S - 1>();  // this lane's copies of step k have landed (one group per step issued)
+    __syncwarp();            // ... and every other lane's
+    const int64_t j = sp.j;           // this lane's position
+    const bool has = sp.has;          // masked: the lane has an entry (it writes its position's scores)
+    const uint32_t lane_rows = sp.rows;  // masked: the rows that keep this lane's block
+    const int64_t p0 = j - lane;      // unmasked: the step's first position
+    if (!kMasked && p0 >= cmax) {  // warp-uniform: no row of the run sees this step
+      for (int r = r0 + row_set; r < r1; r += RS) p.scores[(row0 + r) * p.score_stride + j] = -__int_as_float(0x7f800000);
     } else {
-      const int64_t p0 = step_base(i);
-      if (p0 >= p.score_stride) break;  // warp-uniform; later steps are further out
-      cp_async_wait_pending(S - 1 - i);  // this lane's copies of step i have landed
-      __syncwarp();                      // ... and every other lane's
-      if (p0 >= cmax) {  // warp-uniform: no row of the run sees this step
-        for (int r = r0 + row_set; r < r1; r += RS) p.scores[(row0 + r) * p.score_stride + p0 + lane] = -__int_as_float(0x7f800000);
-        continue;
-      }
-      j = p0 + lane;
-    }
-    const uint32_t* kd = kd_warp + i * (kStepPositions * 16);
-    const uint32_t* ks = ks_warp + i * kStepPositions;
-    const uint32_t vmask = __ballot_sync(kFullMask, (valid_bits >> i) & 1u);
+    const uint32_t* kd = kd_warp + buf * (kStepPositions * 16);
+    const uint32_t* ks = ks_warp + buf * kStepPositions;
+    const uint32_t valid_bits = run.valid_bits >> buf;  // bit 0: this step
+    const uint32_t vmask = __ballot_sync(kFullMask, valid_bits & 1u);
 
     // ---- A fragments (positions 16mt + g + 8r), decoded once for all rows of the run ----
     // kf[mt]: every usable position of the m-tile has its 4 K block scales within 2^3 (fused_ok);
@@ -459,7 +445,7 @@ __device__ void compute_run(const IndexerScoresParams& p, const RunCtx& run, int
           if (has) out_row[j] = -__int_as_float(0x7f800000);
           continue;
         }
-      } else if (step_base(i) >= c_r) {  // warp-uniform
+      } else if (p0 >= c_r) {  // warp-uniform
         out_row[j] = -__int_as_float(0x7f800000);
         continue;
       }
@@ -585,10 +571,14 @@ __device__ void compute_run(const IndexerScoresParams& p, const RunCtx& run, int
         const float4 v = trow[h4];
         score = num::add_rn(num::add_rn(num::add_rn(num::add_rn(score, v.x), v.y), v.z), v.w);
       }
-      const bool valid = ((valid_bits >> i) & 1u) != 0u && j < c_r && (!kMasked || ((lane_rows >> r) & 1u) != 0u);
+      const bool valid = (valid_bits & 1u) != 0u && j < c_r && (!kMasked || ((lane_rows >> r) & 1u) != 0u);
       if (has) out_row[j] = valid ? score : -__int_as_float(0x7f800000);
       __syncwarp();  // the term buffer is rewritten by the next row
     }
+    }
+    __syncwarp();  // every lane is done with ring buffer buf: it takes step k + S
+    issue_step<kMasked>(p, page_shift, run, list, tile_base, k + S, run.next_slot, buf, kd_warp, ks_warp);
+    run.next_slot = load_slot<kMasked>(p, run, list, tile_base, k + S + 1);
   }
   cp_async_wait<0>();
   __syncwarp();  // this warp's K buffers are free for the next run
@@ -600,12 +590,14 @@ __device__ void compute_run(const IndexerScoresParams& p, const RunCtx& run, int
 // 1/RS of the rows serially (the per-row MMAs + epilogue + ordered head sum are the kernel's
 // critical path at small T: ~25 us for 6 rows at 64K in the stack, run 21). Measured slower than
 // RS = 1 (run 22), so it is a tuning knob only.
-// TBLK > 0: the masked kernel (candidate mask), tiles of TBLK blocks of 8 positions whose kept
-// blocks are compacted into each warp's list and taken in rounds of 16 * S blocks (S steps per
-// warp); RS must be 1.
+// S: K buffers per warp (the ring a warp streams its steps through). Unmasked: a CTA's tile is
+// span_steps steps per warp (128 * span_steps positions). TBLK > 0: the masked kernel (candidate
+// mask), tiles of TBLK blocks of 8 positions whose kept blocks are compacted into each warp's
+// list, 4 per step; RS must be 1.
 template <int S, int RS, int MB = 3, int TBLK = 0>
 __global__ void __launch_bounds__(kThreads * RS, RS == 1 ? MB : 1)
-    indexer_scores_kernel(const __grid_constant__ IndexerScoresParams p, int group_rows, int page_shift) {
+    indexer_scores_kernel(const __grid_constant__ IndexerScoresParams p, int group_rows, int page_shift,
+                          int span_steps) {
   constexpr bool kMasked = TBLK > 0;
   static_assert(!kMasked || RS == 1, "the masked kernel has one warp set");
   extern __shared__ __align__(16) uint8_t smem[];
@@ -621,8 +613,9 @@ __global__ void __launch_bounds__(kThreads * RS, RS == 1 ? MB : 1)
 
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * group_rows;
   const int n_rows = static_cast<int>(min(static_cast<int64_t>(group_rows), p.T - row0));
-  const int64_t tile_base =
-      static_cast<int64_t>(blockIdx.y) * (kMasked ? 8 * TBLK : kWarps * kStepPositions * S);
+  const int64_t tile_span = kMasked ? 8 * TBLK : static_cast<int64_t>(kWarps) * kStepPositions * span_steps;
+  const int64_t tile_base = static_cast<int64_t>(blockIdx.y) * tile_span;
+  const int64_t tile_end = min(tile_base + tile_span, p.score_stride);
 
   // ---- row metadata (step metadata: read before the PDL wait), contained like the reference refuses it
   if (static_cast<int>(threadIdx.x) < n_rows) {
@@ -695,7 +688,7 @@ __global__ void __launch_bounds__(kThreads * RS, RS == 1 ? MB : 1)
   while (r1 < n_rows && meta[r1].req == meta[0].req) ++r1;
   int nsel = 0;
   if constexpr (kMasked) nsel = build_block_list<TBLK>(p, row0, 0, r1, tile_base, meta, list);
-  RunCtx run = issue_run<S, kMasked>(p, page_shift, 0, r1, tile_base, meta, kd_warp, ks_warp, list, nsel, 0);
+  RunCtx run = issue_run<S, kMasked>(p, page_shift, 0, r1, tile_base, tile_end, meta, kd_warp, ks_warp, list, nsel);
 
   if (has_work) {
 #pragma unroll
@@ -738,19 +731,13 @@ __global__ void __launch_bounds__(kThreads * RS, RS == 1 ? MB : 1)
   __syncthreads();
 
   // ---- runs (one per group for verify rows; the next one is issued when this one is done) ----
-  // Masked: a run's list is taken in rounds of 16 * S entries (4 warps x S steps x 4 blocks).
   for (;;) {
-    compute_run<S, RS, kMasked>(p, run, row0, tile_base, meta, qfrag, rc, kd_warp, ks_warp, terms, list);
-    if (kMasked && run.round_base + 16 * S < run.nsel) {
-      run = issue_run<S, kMasked>(p, page_shift, run.r0, run.r1, tile_base, meta, kd_warp, ks_warp, list, run.nsel,
-                                  run.round_base + 16 * S);
-      continue;
-    }
+    compute_run<S, RS, kMasked>(p, page_shift, run, row0, tile_base, meta, qfrag, rc, kd_warp, ks_warp, terms, list);
     if (run.r1 >= n_rows) break;
     int e = run.r1 + 1;
     while (e < n_rows && meta[e].req == meta[run.r1].req) ++e;
     if constexpr (kMasked) nsel = build_block_list<TBLK>(p, row0, run.r1, e, tile_base, meta, list);
-    run = issue_run<S, kMasked>(p, page_shift, run.r1, e, tile_base, meta, kd_warp, ks_warp, list, nsel, 0);
+    run = issue_run<S, kMasked>(p, page_shift, run.r1, e, tile_base, tile_end, meta, kd_warp, ks_warp, list, nsel);
   }
 
   dev::pdl_launch_dependents();  // after this thread's last store
@@ -777,7 +764,7 @@ void run_indexer_scores(const IndexerScoresParams& p, cudaStream_t stream, bool 
           "index-K page size " + std::to_string(P) + " must be a power of two >= 4 (16-byte aligned slots)");
   require(p.n_slots >= 0, who, "negative n_slots");
   require(p.comp_table_stride >= 0 && p.comp_table_rows >= 0, who, "negative slot table shape");
-  require(p.steps_per_warp >= 0 && p.steps_per_warp <= kMaxSteps, who, "steps_per_warp must be in [0, 4]");
+  require(p.steps_per_warp >= 0 && p.steps_per_warp <= kMaxSteps, who, "steps_per_warp must be in [0, 64]");
   require(p.row_split >= 0 && p.row_split <= 2, who, "row_split must be 0 (automatic), 1 or 2");
   require(p.min_blocks == 0 || p.min_blocks == 3 || p.min_blocks == 4, who,
           "min_blocks must be 0 (automatic), 3 or 4");
@@ -832,7 +819,7 @@ void run_indexer_scores(const IndexerScoresParams& p, cudaStream_t stream, bool 
     cfg.smem_bytes = smem_layout(steps, G, 1, tblk).total;
     cfg.stream = stream;
     cfg.pdl = pdl;
-    const auto go = [&](auto kernel) { launch_kernel("indexer_scores_masked", kernel, cfg, p, G, page_shift); };
+    const auto go = [&](auto kernel) { launch_kernel("indexer_scores_masked", kernel, cfg, p, G, page_shift, 0); };
     switch (tblk) {
       case 16: go(indexer_scores_kernel<1, 1, 4, 16>); break;
       case 32: go(indexer_scores_kernel<2, 1, 3, 32>); break;
@@ -841,18 +828,23 @@ void run_indexer_scores(const IndexerScoresParams& p, cudaStream_t stream, bool 
     }
     return;
   }
-  // Steps per warp: 2 (256 positions per CTA) unless that leaves fewer than ~4 CTAs per SM of an
-  // H200 (132 SMs); then 1 step for more parallelism (the kernel is latency-bound at small T: in
-  // the stack, verify bs 1 at 64K, 6 rows per CTA, 1 step (512 CTAs) beat 2 steps (256 CTAs) by
-  // 37 us per 40-layer cycle; docs/perf.md session 2 run 2). Since the MMA chains are interleaved,
-  // 2 steps also beat 4 at large batches: verify bs 4 2437.8 -> 2339.2 us per cycle, decode bs 32
-  // 3306.4 -> 3273.8 (docs/perf.md session 4, run 9); 4 stays available as a knob.
+  // Steps per warp per CTA (the tile = 128 * steps positions, streamed through a ring of 2 K
+  // buffers per warp; 1 buffer for one-step tiles): the largest of 16, 8, 4, 2 that still gives
+  // >= 1024 CTAs, else 1. Small grids take one step per warp for parallelism (verify bs 1 at 64K,
+  // 6 rows per CTA: 1 step (512 CTAs) beat 2 (256) by 37 us per 40-layer cycle, docs/perf.md
+  // session 2); large ones amortise the CTA's prologue (meta, q decode, first table and K
+  // latencies) over more steps whose loads overlap the compute (session 6).
   int steps = p.steps_per_warp;
   if (steps == 0) {
-    steps = 2;
     auto ctas = [&](int s) { return groups * ((p.score_stride + kThreads * s - 1) / (kThreads * s)); };
-    while (steps > 1 && ctas(steps) < 512) steps /= 2;
+    steps = 1;
+    for (int s : {16, 8, 4, 2})
+      if (ctas(s) >= 1024) {
+        steps = s;
+        break;
+      }
   }
+  const int ring = steps == 1 ? 1 : 2;
   const int64_t tile = static_cast<int64_t>(kWarps) * kStepPositions * steps;
   const int64_t tiles = (p.score_stride + tile - 1) / tile;
   require(tiles <= 65535, who, "score_stride too large for the tile grid");
@@ -861,39 +853,26 @@ void run_indexer_scores(const IndexerScoresParams& p, cudaStream_t stream, bool 
   // 1752.8 / 1755.7 vs 1689.9 / 1680.5 us per cycle; bs 4: 2887.0 vs 2708.4; docs/perf.md run 22):
   // twice the threads per CTA and a second read of the tile's K cost more than the halved row walk.
   const int RS = p.row_split != 0 ? p.row_split : 1;
-  // Register cap: 4 CTAs per SM (128 registers, ~72 B of spills at 1 step) pays with 1-step tiles,
-  // 3 (168 registers, <= 16 B of spills) with longer ones (more spills at 128): measured in the
-  // stack, docs/perf.md run 26 (verify bs 1 and decode bs 1: -1.6 / -0.6 %; verify bs 4 and decode
-  // bs 32, 4-step tiles: +1.4 / +4 %).
-  const int min_blocks = p.min_blocks != 0 ? p.min_blocks : (steps == 1 ? 4 : 3);
+  // Register cap: 4 CTAs per SM (128 registers, a few spills) pays with one-buffer tiles, 3 (168
+  // registers, no spill) with the ring: measured in the stack, docs/perf.md run 26 (verify bs 1 and
+  // decode bs 1: -1.6 / -0.6 %; larger tiles: +1.4 / +4 %).
+  const int min_blocks = p.min_blocks != 0 ? p.min_blocks : (ring == 1 ? 4 : 3);
   LaunchConfig cfg;
   cfg.grid = dim3(static_cast<unsigned>(groups), static_cast<unsigned>(tiles), 1);
   cfg.block = dim3(static_cast<unsigned>(kThreads * RS), 1, 1);
-  cfg.smem_bytes = smem_layout(steps, G, RS).total;
+  cfg.smem_bytes = smem_layout(ring, G, RS).total;
   cfg.stream = stream;
   cfg.pdl = pdl;
-  const auto go = [&](auto kernel) { launch_kernel("indexer_scores", kernel, cfg, p, G, page_shift); };
+  const auto go = [&](auto kernel) { launch_kernel("indexer_scores", kernel, cfg, p, G, page_shift, steps); };
   if (RS == 2) {
-    switch (steps) {
-      case 1: go(indexer_scores_kernel<1, 2>); break;
-      case 2: go(indexer_scores_kernel<2, 2>); break;
-      case 3: go(indexer_scores_kernel<3, 2>); break;
-      default: go(indexer_scores_kernel<4, 2>); break;
-    }
+    if (ring == 1) go(indexer_scores_kernel<1, 2>);
+    else go(indexer_scores_kernel<2, 2>);
   } else if (min_blocks == 4) {  // registers capped at 128 (a few spills) for 4 CTAs per SM
-    switch (steps) {
-      case 1: go(indexer_scores_kernel<1, 1, 4>); break;
-      case 2: go(indexer_scores_kernel<2, 1, 4>); break;
-      case 3: go(indexer_scores_kernel<3, 1, 4>); break;
-      default: go(indexer_scores_kernel<4, 1, 4>); break;
-    }
+    if (ring == 1) go(indexer_scores_kernel<1, 1, 4>);
+    else go(indexer_scores_kernel<2, 1, 4>);
   } else {
-    switch (steps) {
-      case 1: go(indexer_scores_kernel<1, 1>); break;
-      case 2: go(indexer_scores_kernel<2, 1>); break;
-      case 3: go(indexer_scores_kernel<3, 1>); break;
-      default: go(indexer_scores_kernel<4, 1>); break;
-    }
+    if (ring == 1) go(indexer_scores_kernel<1, 1>);
+    else go(indexer_scores_kernel<2, 1>);
   }
 }
 

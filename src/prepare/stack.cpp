@@ -168,8 +168,8 @@ void validate_options(const ModelPlan& plan, const GpuStackOptions& o) {
     fail("scores_min_blocks must be 0, 3 or 4 (got " + std::to_string(o.scores_min_blocks) + ")");
   if (o.scores_row_split < 0 || o.scores_row_split > 2)
     fail("scores_row_split must be 0 (automatic), 1 or 2 (got " + std::to_string(o.scores_row_split) + ")");
-  if (o.scores_steps < 0 || o.scores_steps > 4)
-    fail("scores_steps must be in [0, 4] (got " + std::to_string(o.scores_steps) + ")");
+  if (o.scores_steps < 0 || o.scores_steps > 64)
+    fail("scores_steps must be in [0, 64] (got " + std::to_string(o.scores_steps) + ")");
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -647,7 +647,7 @@ TEST(GpuIndexerScores, TileSizesAndPdlGiveTheSameBits) {
   const auto want = reference_scores(pb);
   // group_rows 3: the three rows in one CTA as three runs (req 1, 0, 1).
   for (int group_rows : {1, 3})
-    for (int steps : {1, 2, 3, 4}) {
+    for (int steps : {1, 2, 3, 4, 7, 13}) {  // 7, 13: odd step counts through the 2-buffer ring
       const auto got = gpu_scores(pb, {}, steps, steps == 3 ? Launch::kPdl : Launch::kPlain, LateScoresInput::kQCodes,
                                   group_rows);
       EXPECT_EQ(got.errors, 0u);
@@ -771,7 +771,7 @@ TEST(GpuIndexerScores, GroupedVerifyRowsMatchReferenceAndSharedReadsCountOnce) {
   const auto pb = make_scores_problem(req, clen, 2, 6016, rng, ScaleMix::kHeadMixed);
   // row_split 1 and 2 (two warp sets splitting the rows of a run; 0 = automatic) give the same bits.
   for (int group_rows : {6, 1, 7})
-    for (int steps : {0, 1, 3})
+    for (int steps : {0, 1, 3, 16})
       for (int row_split : {0, 1, 2})
         check_scores(pb,
                      "grouped verify, group_rows " + std::to_string(group_rows) + " steps " + std::to_string(steps) +
@@ -1478,7 +1478,7 @@ TEST(GpuIndexerHostChecks, BadShapesAreRefusedBeforeLaunch) {
     p.scores = nullptr;
     EXPECT_THROW(kernels::run_indexer_scores(p, nullptr, false), std::invalid_argument);
     p = valid_scores_params();
-    p.steps_per_warp = 5;
+    p.steps_per_warp = 65;
     EXPECT_THROW(kernels::run_indexer_scores(p, nullptr, false), std::invalid_argument);
     for (int g : {0, 9}) {
       p = valid_scores_params();

@@ -144,7 +144,7 @@ TEST(GpuStackHost, ValidateOptionsRefusesWhatTheStackCannotRun) {
   refused([](GpuStackOptions& o) { o.decode_buckets = {1, 0}; }, "decode bucket 0");
   refused([](GpuStackOptions& o) { o.verify_buckets = {6, 65}; }, "verify bucket 65");
   refused([](GpuStackOptions& o) { o.scores_group_rows = 9; }, "scores_group_rows");
-  refused([](GpuStackOptions& o) { o.scores_steps = 5; }, "scores_steps");
+  refused([](GpuStackOptions& o) { o.scores_steps = 65; }, "scores_steps");
   refused([](GpuStackOptions& o) { o.select_version = 1; }, "select_version");
   refused([](GpuStackOptions& o) { o.qb_prewait_stages = -2; }, "qb_prewait_stages");
   refused([](GpuStackOptions& o) { o.qb_overlap = 3; }, "qb_overlap");
@@ -486,6 +486,7 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
   with([](Config& c) { c.select_cluster = 4; });
   with([](Config& c) { c.scores_group_rows = 2, c.scores_steps = 1; });
   with([](Config& c) { c.scores_group_rows = 1, c.scores_steps = 4, c.side_priority = -5; });
+  with([](Config& c) { c.scores_steps = 16; });  // session 6: a 2048-position tile streamed through the ring
   with([](Config& c) { c.scores_row_split = 1; });
   with([](Config& c) { c.scores_min_blocks = 4; });
   with([](Config& c) { c.idx_gemm_on_main = true, c.qnorm_trigger_late = true; });

@@ -111,8 +111,10 @@ struct IndexerScoresParams {
   int64_t score_stride = 0;               // multiple of 64
   int64_t T = 0;
   unsigned long long* err_count = nullptr;    // device counter (nullable)
-  int steps_per_warp = 0;                 // tuning: 32-position steps per warp per CTA (1..4);
-                                          // 0 = automatic (4, fewer when the grid is small)
+  int steps_per_warp = 0;                 // tuning: 32-position steps per warp per CTA (1..64: the
+                                          // CTA's tile is 128 * steps positions, streamed through a
+                                          // ring of 2 K buffers per warp); 0 = automatic (the
+                                          // largest of 16 / 8 / 4 / 2 giving >= 1024 CTAs, else 1)
   int group_rows = 1;                     // rows per CTA, 1..8: consecutive rows of one request
                                           // share the K reads (verify: the rows per request;
                                           // decode: 1). Any value is correct for any batch.

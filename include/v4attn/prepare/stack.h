@@ -127,7 +127,7 @@ struct GpuStackOptions {
   // Indexer scores launch shape (outputs do not depend on it): rows per CTA (0: the rows of one
   // request in verify, 1 in decode) and 32-position steps per warp (0: the launcher's choice).
   int scores_group_rows = 0;  // 0..8
-  int scores_steps = 0;       // 0..4
+  int scores_steps = 0;       // 0..64
   int scores_row_split = 0;   // warp sets splitting a CTA's rows, 1..2 (0: automatic)
   int scores_min_blocks = 0;  // register cap of the scores kernel: CTAs per SM, 3 or 4 (0: automatic)
   // Index sources after the candidate source (24..36 in V4.1): the scores kernel takes the
