@@ -136,6 +136,11 @@ __device__ __forceinline__ bool fused_ok(uint32_t w) {
   return hi - lo <= kFusedSpan && lo >= kFusedMinByte && hi <= kFusedMaxByte;
 }
 
+// Swizzle of the four 16-byte chunks of a position's codes in shared memory: a quarter-warp's
+// chunk copies (8 positions, one chunk each) and its A reads (2 positions, 4 chunks) both hit 32
+// distinct banks.
+__device__ __forceinline__ int chunk_swizzle(int p) { return (p >> 1) & 3; }
+
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -269,19 +274,17 @@ __device__ __forceinline__ void issue_step(const IndexerScoresParams& p, int pag
     const int64_t page_bytes = p.layout.page_bytes();
     const int64_t page_mask = (int64_t{1} << page_shift) - 1;
     const int64_t scale_base = static_cast<int64_t>(p.layout.page_size) * kIndexerCodeBytes;
-    const int32_t use = ok ? slot : -1;
-    uint32_t* kd = kd_warp + buf * (kStepPositions * 16);
+    // Each lane copies its own position's 64 code bytes (4 chunks, swizzled: conflict-free both for
+    // these writes and for the A reads) and its 4 scale bytes; zero-filled when unusable.
+    const int32_t use = ok ? slot : 0;
+    const uint8_t* page = p.index_k_cache + (static_cast<int64_t>(use) >> page_shift) * page_bytes;
+    const int64_t in_page = use & page_mask;
+    const uint8_t* codes = page + in_page * kIndexerCodeBytes;
+    uint32_t* kd = kd_warp + buf * (kStepPositions * 16) + lane * 16;
+    const int n = ok ? 16 : 0;
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int ci = lane + 32 * q;
-      const int pp = ci >> 2, ch = ci & 3;
-      const int32_t s = __shfl_sync(kFullMask, use, pp);
-      const int64_t off = (static_cast<int64_t>(s) >> page_shift) * page_bytes + (s & page_mask) * kIndexerCodeBytes;
-      cp_async_16(&kd[pp * 16 + ch * 4], s >= 0 ? p.index_k_cache + off + 16 * ch : p.index_k_cache, s >= 0 ? 16 : 0);
-    }
-    const int64_t soff =
-        (static_cast<int64_t>(use) >> page_shift) * page_bytes + scale_base + (use & page_mask) * kIndexerScaleBytes;
-    cp_async_4(&ks_warp[buf * kStepPositions + lane], ok ? p.index_k_cache + soff : p.index_k_cache, ok ? 4 : 0);
+    for (int ch = 0; ch < 4; ++ch) cp_async_16(&kd[(ch ^ chunk_swizzle(lane)) * 4], codes + 16 * ch, n);
+    cp_async_4(&ks_warp[buf * kStepPositions + lane], page + scale_base + in_page * kIndexerScaleBytes, ok ? 4 : 0);
   }
   cp_async_commit();
 }
@@ -401,22 +404,28 @@ __device__ void compute_run(const IndexerScoresParams& p, int page_shift, RunCtx
     uint32_t sc[2][2];
     bool kf[2];
     float s4[2][2], c4[2][2];  // sk_min / 4 and -1.5 * 2^23 * sk_min / 4 per (mt, r)
+    // The scale checks once per position: lane l for position l (unusable positions: zeros, any
+    // path); m-tile mt = positions 16mt .. 16mt + 15.
+    const uint32_t own_sc = ks[lane];
+    const uint32_t own_min = min_byte(own_sc);
+    const uint32_t fused_bits = __ballot_sync(kFullMask, ((vmask >> lane) & 1u) == 0u || fused_ok(own_sc));
+    kf[0] = (fused_bits & 0xffffu) == 0xffffu;
+    kf[1] = (fused_bits >> 16) == 0xffffu;
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
       uint4 kw[2];
-      bool pos_ok = true;
+      uint32_t pmin[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int pp = 16 * mt + g + 8 * r;
-        kw[r] = *reinterpret_cast<const uint4*>(&kd[pp * 16 + tq * 4]);  // block tq of position pp
-        sc[mt][r] = ks[pp];
-        pos_ok = pos_ok && (((vmask >> pp) & 1u) == 0u || fused_ok(sc[mt][r]));  // unusable: zeros, any path
+        kw[r] = *reinterpret_cast<const uint4*>(&kd[pp * 16 + (tq ^ chunk_swizzle(pp)) * 4]);  // block tq of pp
+        sc[mt][r] = __shfl_sync(kFullMask, own_sc, pp);
+        pmin[r] = __shfl_sync(kFullMask, own_min, pp);
       }
-      kf[mt] = __all_sync(kFullMask, pos_ok);
       uint32_t lo[2], hi[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const uint32_t kmin = kf[mt] ? min_byte(sc[mt][r]) : 0u;
+        const uint32_t kmin = kf[mt] ? pmin[r] : 0u;
         s4[mt][r] = num::mul_rn(num::f32_from_ue8m0(static_cast<uint8_t>(kmin)), 0.25f);
         c4[mt][r] = num::mul_rn(-kMagicFloat, s4[mt][r]);
         const uint32_t shift = kf[mt] ? byte_of(sc[mt][r], tq) - kmin : 0u;  // 2^(ek_tq - ek_min), <= 2^3
