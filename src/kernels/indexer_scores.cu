@@ -479,6 +479,45 @@ __device__ void compute_run(const IndexerScoresParams& p, int page_shift, RunCtx
             term[rr][hl] = num::mul_rn(y > 0.0f ? y : 0.0f, qw[hl]);
           }
       };
+      auto store_terms = [&](int mt, const float (&term)[2][8]) {
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+          float4* dst = reinterpret_cast<float4*>(terms + (16 * mt + g + 8 * rr) * kTransStride + 8 * tq);
+          dst[0] = make_float4(term[rr][0], term[rr][1], term[rr][2], term[rr][3]);
+          dst[1] = make_float4(term[rr][4], term[rr][5], term[rr][6], term[rr][7]);
+        }
+      };
+      if (kf[0] && kf[1] && head_ok == 0xffffffffu && row_mt == 3u) {
+        // Both m-tiles and every head fused (the common case): the m-tiles' 32 MMAs as eight
+        // independent chains, each B fragment loaded once per row and step for both m-tiles (8
+        // LDS.128 instead of 16; shared-memory loads were the verify shape's top stall, session 6).
+        int acc[2][4][4];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {  // k-steps 0-1, then 2-3: 16 fragment registers live at a time
+          uint4 f[4];
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt) f[nt] = qf[(nt * 32 + lane) * 2 + half];
+#pragma unroll
+          for (int bb = 0; bb < 2; ++bb) {
+            const int b = 2 * half + bb;
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+              for (int nt = 0; nt < 4; ++nt) {
+                const uint32_t B[2] = {bb == 0 ? f[nt].x : f[nt].z, bb == 0 ? f[nt].y : f[nt].w};
+                if (b == 0) mma_s8_m16n8k32(acc[mt][nt], A[mt][0], B, kMagicBits);
+                else mma_s8_m16n8k32_acc(acc[mt][nt], A[mt][b], B);
+              }
+          }
+        }
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          float term[2][8];
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt) fused_terms(acc[mt][nt], mt, nt, term);
+          store_terms(mt, term);
+        }
+      } else
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
         if (kMasked && ((row_mt >> mt) & 1u) == 0u) continue;  // warp-uniform; its positions get -inf
@@ -565,12 +604,7 @@ __device__ void compute_run(const IndexerScoresParams& p, int page_shift, RunCtx
           }
         }
         }
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-          float4* dst = reinterpret_cast<float4*>(terms + (16 * mt + g + 8 * rr) * kTransStride + 8 * tq);
-          dst[0] = make_float4(term[rr][0], term[rr][1], term[rr][2], term[rr][3]);
-          dst[1] = make_float4(term[rr][4], term[rr][5], term[rr][6], term[rr][7]);
-        }
+        store_terms(mt, term);
       }
       __syncwarp();
       float score = 0.0f;
