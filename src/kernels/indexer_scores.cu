@@ -896,10 +896,11 @@ void run_indexer_scores(const IndexerScoresParams& p, cudaStream_t stream, bool 
   // 1752.8 / 1755.7 vs 1689.9 / 1680.5 us per cycle; bs 4: 2887.0 vs 2708.4; docs/perf.md run 22):
   // twice the threads per CTA and a second read of the tile's K cost more than the halved row walk.
   const int RS = p.row_split != 0 ? p.row_split : 1;
-  // Register cap: 4 CTAs per SM (128 registers, a few spills) pays with one-buffer tiles, 3 (168
-  // registers, no spill) with the ring: measured in the stack, docs/perf.md run 26 (verify bs 1 and
-  // decode bs 1: -1.6 / -0.6 %; larger tiles: +1.4 / +4 %).
-  const int min_blocks = p.min_blocks != 0 ? p.min_blocks : (ring == 1 ? 4 : 3);
+  // Register cap: 3 CTAs per SM (168 registers, no spill). 4 (128 registers) paid with one-step
+  // tiles while its spills were small (docs/perf.md run 26: verify bs 1 -1.6 %); since the m-tiles
+  // share their B fragments (session 6) it spills ~180 B and 3 measured faster at verify bs 1
+  // (run 8: -0.6 / -1.0 % on two binaries; decode bs 1 in run 9). 4 stays a knob.
+  const int min_blocks = p.min_blocks != 0 ? p.min_blocks : 3;
   LaunchConfig cfg;
   cfg.grid = dim3(static_cast<unsigned>(groups), static_cast<unsigned>(tiles), 1);
   cfg.block = dim3(static_cast<unsigned>(kThreads * RS), 1, 1);

@@ -119,8 +119,8 @@ struct IndexerScoresParams {
                                           // share the K reads (verify: the rows per request;
                                           // decode: 1). Any value is correct for any batch.
   int min_blocks = 0;                     // tuning: CTAs per SM the registers are capped for, 3 (168
-                                          // registers, no spill) or 4 (128, small spills); 0 =
-                                          // automatic: 4 with 1-step tiles, else 3 (measured)
+                                          // registers, no spill) or 4 (128, some spills); 0 =
+                                          // automatic: 3 (measured, docs/perf.md session 6)
   bool trigger_at_wait = true;            // PDL: let the successor launch at the wait (false: after
                                           // the last store; see dev::pdl_wait_no_trigger)
   int row_split = 0;                      // tuning: warp sets per CTA that split a run's rows (1 or 2;
