@@ -357,6 +357,35 @@ __device__ int build_block_list(const IndexerScoresParams& p, int64_t row0, int 
   return n;
 }
 
+// The fused path's MMAs of m-tiles [mt0, mt0 + nmt) (constants once inlined into unrolled code):
+// 4 * nmt independent chains (one per m-tile and n-tile) issued k-step by k-step, so that the
+// tensor core's latency is paid per k-step rather than per MMA, each B fragment loaded once for
+// all the m-tiles; 16 fragment registers live at a time. The accumulators start at the magic
+// 1.5 * 2^23 (see the fused path's proof in compute_run).
+__device__ __forceinline__ void fused_mma_chains(int (&acc)[2][4][4], const uint32_t (&A)[2][kBlocks][4], const uint4* qf,
+                                                 int lane, int mt0, int nmt) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {  // k-steps 0-1, then 2-3
+    uint4 f[4];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) f[nt] = qf[(nt * 32 + lane) * 2 + half];
+#pragma unroll
+    for (int bb = 0; bb < 2; ++bb) {
+      const int b = 2 * half + bb;
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        if (mt < mt0 || mt >= mt0 + nmt) continue;
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          const uint32_t B[2] = {bb == 0 ? f[nt].x : f[nt].z, bb == 0 ? f[nt].y : f[nt].w};
+          if (b == 0) mma_s8_m16n8k32(acc[mt][nt], A[mt][0], B, kMagicBits);
+          else mma_s8_m16n8k32_acc(acc[mt][nt], A[mt][b], B);
+        }
+      }
+    }
+  }
+}
+
 // Compute of one run, by this warp: per step, the A fragments once, then per row the MMAs and the
 // epilogue; after each step its ring buffer takes the K of step k + S (slot loaded a step ahead),
 // and the slot of step k + S + 1 is loaded. Leaves the warp's K buffers free (all copies waited).
@@ -492,24 +521,7 @@ __device__ void compute_run(const IndexerScoresParams& p, int page_shift, RunCtx
         // independent chains, each B fragment loaded once per row and step for both m-tiles (8
         // LDS.128 instead of 16; shared-memory loads were the verify shape's top stall, session 6).
         int acc[2][4][4];
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {  // k-steps 0-1, then 2-3: 16 fragment registers live at a time
-          uint4 f[4];
-#pragma unroll
-          for (int nt = 0; nt < 4; ++nt) f[nt] = qf[(nt * 32 + lane) * 2 + half];
-#pragma unroll
-          for (int bb = 0; bb < 2; ++bb) {
-            const int b = 2 * half + bb;
-#pragma unroll
-            for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-              for (int nt = 0; nt < 4; ++nt) {
-                const uint32_t B[2] = {bb == 0 ? f[nt].x : f[nt].z, bb == 0 ? f[nt].y : f[nt].w};
-                if (b == 0) mma_s8_m16n8k32(acc[mt][nt], A[mt][0], B, kMagicBits);
-                else mma_s8_m16n8k32_acc(acc[mt][nt], A[mt][b], B);
-              }
-          }
-        }
+        fused_mma_chains(acc, A, qf, lane, 0, 2);
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
           float term[2][8];
@@ -528,25 +540,10 @@ __device__ void compute_run(const IndexerScoresParams& p, int page_shift, RunCtx
           // block, so that the tensor core's latency is paid once per block rather than once per
           // MMA (the per-n-tile branch of the general loop keeps the chains apart; Nsight: the
           // IMMA chains' fixed-latency waits were the kernel's top stall, docs/perf.md session 4).
-          int acc[4][4];
+          int acc[2][4][4];
+          fused_mma_chains(acc, A, qf, lane, mt, 1);
 #pragma unroll
-          for (int half = 0; half < 2; ++half) {  // blocks 0-1, then 2-3: 16 fragment registers live at a time
-            uint4 f[4];
-#pragma unroll
-            for (int nt = 0; nt < 4; ++nt) f[nt] = qf[(nt * 32 + lane) * 2 + half];
-#pragma unroll
-            for (int bb = 0; bb < 2; ++bb) {
-              const int b = 2 * half + bb;
-#pragma unroll
-              for (int nt = 0; nt < 4; ++nt) {
-                const uint32_t B[2] = {bb == 0 ? f[nt].x : f[nt].z, bb == 0 ? f[nt].y : f[nt].w};
-                if (b == 0) mma_s8_m16n8k32(acc[nt], A[mt][0], B, kMagicBits);
-                else mma_s8_m16n8k32_acc(acc[nt], A[mt][b], B);
-              }
-            }
-          }
-#pragma unroll
-          for (int nt = 0; nt < 4; ++nt) fused_terms(acc[nt], mt, nt, term);
+          for (int nt = 0; nt < 4; ++nt) fused_terms(acc[mt][nt], mt, nt, term);
         } else {
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
