@@ -6,18 +6,19 @@
 //
 // Exactness. Twice an e2m1 value is an integer in [-12, 12], so each product of two codes times 4
 // is an integer and a 32-term block sum times 4 (|.| <= 32 * 144 = 4608) is an exact int32: the
-// int8 tensor-core MMA (mma.sync m16n8k32 s8.s8.s32, one k-step = one quant block) computes it
-// exactly, in any internal order. The block sum is then isum * 2^(eq + ek - 2): converted exactly
+// int8 tensor-core MMA (mma.sync m16n8k32 s8.s8.s32) computes it exactly, in any internal order
+// (the per-block path sums one block over the 4 k-steps, see below). The block sum is then isum * 2^(eq + ek - 2): converted exactly
 // (magic-number conversion: the accumulator starts at the bits of 1.5 * 2^23, so the result's
 // bits are the float 1.5 * 2^23 + isum, and subtracting 1.5 * 2^23 is exact) and scaled by the
 // power of two sq * (sk * 1/4), which is exact whenever the block sum is a normal fp32 number, as
 // is the reference's ldexp. Everything after that rounds, in exactly the reference's order.
 //
 // Grid: (ceil(T / group_rows), position tiles). One CTA = 4 warps = a group of consecutive rows
-// and a tile of 4 * 32 * S positions (S = steps per warp); warp w takes the 32 positions
-// [tile + (i*4 + w) * 32, +32) at step i. The group's rows are processed as runs of equal req: the
-// rows of a run (the verify rows of one request) share the K of the tile, read once, and the A
-// fragments decoded from it; each row then runs its own MMAs (its q = the B operand) and epilogue.
+// and a tile of 128 * n positions (n = steps per warp, 1..64); warp w takes the 32 positions
+// [tile + (k*4 + w) * 32, +32) at step k (the masked kernel: the tile's kept blocks, compacted).
+// The group's rows are processed as runs of equal req: the rows of a run (the verify rows of one
+// request) share the K of the tile, read once, and the A fragments decoded from it; each row then
+// runs its own MMAs (its q = the B operand) and epilogue.
 //
 // Per CTA: the group's q (2 KB of codes per row) is decoded once into shared memory as the MMA's
 // B operand (n = head, 4 n-tiles of 8 heads, 4 k-steps of 32); head and k are permuted so that
@@ -25,11 +26,13 @@
 // 32tq + 8s .. + 7 (word s of block tq), for A and B alike: over the 4 k-steps a lane holds
 // exactly block tq, so its A words for a position are one 16-byte chunk (one LDS.128) decoded
 // with one block shift (session 6: the per-block mapping, one word per block and a shift per
-// block, made the A decode ~45 % of the kernel's instructions at decode shapes). Per warp and run: the slot-table entries of all S
-// steps are loaded at once, then the K slots of all S steps (64 B codes + 4 B scales each) are
-// copied with cp.async (16-byte chunks), one commit group per step, so a warp waits for one
-// table latency and one K latency per run rather than per step (the old per-step ring paid a
-// dependent table load every step: ~1 us per 32 positions). Per step: the A operand (m = position,
+// block, made the A decode ~45 % of the kernel's instructions at decode shapes). Per warp and
+// run: the slot-table entries of the first S steps are loaded at once, then their K (64 B codes +
+// 4 B scales per position, each lane its own position's, cp.async) into a ring of S buffers, one
+// commit group per step; after each step its buffer takes the K of step k + S, whose slot was
+// loaded a step ahead, so a warp waits for one table and one K latency per run and the later
+// loads overlap the compute (a dependent table load per step cost ~1 us per 32 positions in an
+// earlier form). Per step: the A operand (m = position,
 // two m-tiles of 16) is decoded from shared memory once (e2m1 nibbles -> int8 with two PRMTs);
 // per row, each lane forms relu(dot) * w for its (position, head) pairs and writes the 8 head
 // terms of a position to a shared buffer; lane l finally adds the 32 terms of position l in head
