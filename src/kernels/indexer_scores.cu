@@ -7,11 +7,11 @@
 // Exactness. Twice an e2m1 value is an integer in [-12, 12], so each product of two codes times 4
 // is an integer and a 32-term block sum times 4 (|.| <= 32 * 144 = 4608) is an exact int32: the
 // int8 tensor-core MMA (mma.sync m16n8k32 s8.s8.s32) computes it exactly, in any internal order
-// (the per-block path sums one block over the 4 k-steps, see below). The block sum is then isum * 2^(eq + ek - 2): converted exactly
-// (magic-number conversion: the accumulator starts at the bits of 1.5 * 2^23, so the result's
-// bits are the float 1.5 * 2^23 + isum, and subtracting 1.5 * 2^23 is exact) and scaled by the
-// power of two sq * (sk * 1/4), which is exact whenever the block sum is a normal fp32 number, as
-// is the reference's ldexp. Everything after that rounds, in exactly the reference's order.
+// (the per-block path sums one block over the 4 k-steps, see below). The block sum is then
+// isum * 2^(eq + ek - 2): converted exactly (magic-number conversion: the accumulator starts at
+// the bits of 1.5 * 2^23, so the result's bits are the float 1.5 * 2^23 + isum, and subtracting
+// 1.5 * 2^23 is exact) and scaled by the power of two sq * (sk * 1/4), which is exact whenever the
+// block sum is a normal fp32 number, as is the reference's ldexp. Everything after that rounds, in exactly the reference's order.
 //
 // Grid: (ceil(T / group_rows), position tiles). One CTA = 4 warps = a group of consecutive rows
 // and a tile of 128 * n positions (n = steps per warp, 1..64); warp w takes the 32 positions
@@ -419,205 +419,205 @@ __device__ void compute_run(const IndexerScoresParams& p, int page_shift, RunCtx
     if (!kMasked && p0 >= cmax) {  // warp-uniform: no row of the run sees this step
       for (int r = r0 + row_set; r < r1; r += RS) p.scores[(row0 + r) * p.score_stride + j] = -__int_as_float(0x7f800000);
     } else {
-    const uint32_t* kd = kd_warp + buf * (kStepPositions * 16);
-    const uint32_t* ks = ks_warp + buf * kStepPositions;
-    const uint32_t valid_bits = run.valid_bits >> buf;  // bit 0: this step
-    const uint32_t vmask = __ballot_sync(kFullMask, valid_bits & 1u);
+      const uint32_t* kd = kd_warp + buf * (kStepPositions * 16);
+      const uint32_t* ks = ks_warp + buf * kStepPositions;
+      const uint32_t valid_bits = run.valid_bits >> buf;  // bit 0: this step
+      const uint32_t vmask = __ballot_sync(kFullMask, valid_bits & 1u);
 
-    // ---- A fragments (positions 16mt + g + 8r), decoded once for all rows of the run ----
-    // kf[mt]: every usable position of the m-tile has its 4 K block scales within 2^3 (fused_ok);
-    // then A carries 2^(ek_b - ek_min) and the K scale of every block is sk_min (for both paths).
-    // k-slot mapping (A and B alike): in k-step s, lane (g, tq)'s 8 k-slots hold the elements
-    // 32tq + 8s .. 32tq + 8s + 7, i.e. word s of block tq: over the 4 k-steps a lane holds exactly
-    // block tq, so its A words are one 16-byte chunk of the position's codes and one block shift
-    // serves them all. A k-step then mixes the 4 blocks: the fused path (one accumulator for all
-    // four) does not care; the per-block path separates block b by zeroing the other lanes' A.
-    uint32_t A[2][kBlocks][4];  // [mt][k-step s][a0..a3]
-    uint32_t sc[2][2];
-    bool kf[2];
-    float s4[2][2], c4[2][2];  // sk_min / 4 and -1.5 * 2^23 * sk_min / 4 per (mt, r)
-    // The scale checks once per position: lane l for position l (unusable positions: zeros, any
-    // path); m-tile mt = positions 16mt .. 16mt + 15.
-    const uint32_t own_sc = ks[lane];
-    const uint32_t own_min = min_byte(own_sc);
-    const uint32_t fused_bits = __ballot_sync(kFullMask, ((vmask >> lane) & 1u) == 0u || fused_ok(own_sc));
-    kf[0] = (fused_bits & 0xffffu) == 0xffffu;
-    kf[1] = (fused_bits >> 16) == 0xffffu;
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
-      uint4 kw[2];
-      uint32_t pmin[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int pp = 16 * mt + g + 8 * r;
-        kw[r] = *reinterpret_cast<const uint4*>(&kd[pp * 16 + (tq ^ chunk_swizzle(pp)) * 4]);  // block tq of pp
-        sc[mt][r] = __shfl_sync(kFullMask, own_sc, pp);
-        pmin[r] = __shfl_sync(kFullMask, own_min, pp);
+      // ---- A fragments (positions 16mt + g + 8r), decoded once for all rows of the run ----
+      // kf[mt]: every usable position of the m-tile has its 4 K block scales within 2^3 (fused_ok);
+      // then A carries 2^(ek_b - ek_min) and the K scale of every block is sk_min (for both paths).
+      // k-slot mapping (A and B alike): in k-step s, lane (g, tq)'s 8 k-slots hold the elements
+      // 32tq + 8s .. 32tq + 8s + 7, i.e. word s of block tq: over the 4 k-steps a lane holds exactly
+      // block tq, so its A words are one 16-byte chunk of the position's codes and one block shift
+      // serves them all. A k-step then mixes the 4 blocks: the fused path (one accumulator for all
+      // four) does not care; the per-block path separates block b by zeroing the other lanes' A.
+      uint32_t A[2][kBlocks][4];  // [mt][k-step s][a0..a3]
+      uint32_t sc[2][2];
+      bool kf[2];
+      float s4[2][2], c4[2][2];  // sk_min / 4 and -1.5 * 2^23 * sk_min / 4 per (mt, r)
+      // The scale checks once per position: lane l for position l (unusable positions: zeros, any
+      // path); m-tile mt = positions 16mt .. 16mt + 15.
+      const uint32_t own_sc = ks[lane];
+      const uint32_t own_min = min_byte(own_sc);
+      const uint32_t fused_bits = __ballot_sync(kFullMask, ((vmask >> lane) & 1u) == 0u || fused_ok(own_sc));
+      kf[0] = (fused_bits & 0xffffu) == 0xffffu;
+      kf[1] = (fused_bits >> 16) == 0xffffu;
+  #pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        uint4 kw[2];
+        uint32_t pmin[2];
+  #pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int pp = 16 * mt + g + 8 * r;
+          kw[r] = *reinterpret_cast<const uint4*>(&kd[pp * 16 + (tq ^ chunk_swizzle(pp)) * 4]);  // block tq of pp
+          sc[mt][r] = __shfl_sync(kFullMask, own_sc, pp);
+          pmin[r] = __shfl_sync(kFullMask, own_min, pp);
+        }
+        uint32_t lo[2], hi[2];
+  #pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const uint32_t kmin = kf[mt] ? pmin[r] : 0u;
+          s4[mt][r] = num::mul_rn(num::f32_from_ue8m0(static_cast<uint8_t>(kmin)), 0.25f);
+          c4[mt][r] = num::mul_rn(-kMagicFloat, s4[mt][r]);
+          const uint32_t shift = kf[mt] ? byte_of(sc[mt][r], tq) - kmin : 0u;  // 2^(ek_tq - ek_min), <= 2^3
+          lo[r] = kTwiceLo << shift;
+          hi[r] = kTwiceHi << shift;
+        }
+        const uint32_t w0[4] = {kw[0].x, kw[0].y, kw[0].z, kw[0].w}, w1[4] = {kw[1].x, kw[1].y, kw[1].z, kw[1].w};
+  #pragma unroll
+        for (int s = 0; s < kBlocks; ++s) {
+          A[mt][s][0] = e2m1x4_to_s8(w0[s], lo[0], hi[0]);
+          A[mt][s][1] = e2m1x4_to_s8(w1[s], lo[1], hi[1]);
+          A[mt][s][2] = e2m1x4_to_s8(w0[s] >> 16, lo[0], hi[0]);
+          A[mt][s][3] = e2m1x4_to_s8(w1[s] >> 16, lo[1], hi[1]);
+        }
       }
-      uint32_t lo[2], hi[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const uint32_t kmin = kf[mt] ? pmin[r] : 0u;
-        s4[mt][r] = num::mul_rn(num::f32_from_ue8m0(static_cast<uint8_t>(kmin)), 0.25f);
-        c4[mt][r] = num::mul_rn(-kMagicFloat, s4[mt][r]);
-        const uint32_t shift = kf[mt] ? byte_of(sc[mt][r], tq) - kmin : 0u;  // 2^(ek_tq - ek_min), <= 2^3
-        lo[r] = kTwiceLo << shift;
-        hi[r] = kTwiceHi << shift;
-      }
-      const uint32_t w0[4] = {kw[0].x, kw[0].y, kw[0].z, kw[0].w}, w1[4] = {kw[1].x, kw[1].y, kw[1].z, kw[1].w};
-#pragma unroll
-      for (int s = 0; s < kBlocks; ++s) {
-        A[mt][s][0] = e2m1x4_to_s8(w0[s], lo[0], hi[0]);
-        A[mt][s][1] = e2m1x4_to_s8(w1[s], lo[1], hi[1]);
-        A[mt][s][2] = e2m1x4_to_s8(w0[s] >> 16, lo[0], hi[0]);
-        A[mt][s][3] = e2m1x4_to_s8(w1[s] >> 16, lo[1], hi[1]);
-      }
-    }
 
-    for (int r = r0 + row_set; r < r1; r += RS) {  // row split: row set k takes rows r0 + k, r0 + k + RS, ...
-      float* out_row = p.scores + (row0 + r) * p.score_stride;
-      const int64_t c_r = meta[r].c;
-      uint32_t row_mt = 3u;  // bit mt: the row computes m-tile mt
-      if constexpr (kMasked) {
-        // m-tile mt = the lanes 16mt .. 16mt + 15 (blocks 2mt, 2mt + 1 of the step)
-        const uint32_t keeps = __ballot_sync(kFullMask, (lane_rows >> r) & 1u);
-        row_mt = (keeps & 0xffffu ? 1u : 0u) | (keeps >> 16 ? 2u : 0u);
-        if (row_mt == 0u) {  // warp-uniform: the row keeps none of the step's blocks
-          if (has) out_row[j] = -__int_as_float(0x7f800000);
+      for (int r = r0 + row_set; r < r1; r += RS) {  // row split: row set k takes rows r0 + k, r0 + k + RS, ...
+        float* out_row = p.scores + (row0 + r) * p.score_stride;
+        const int64_t c_r = meta[r].c;
+        uint32_t row_mt = 3u;  // bit mt: the row computes m-tile mt
+        if constexpr (kMasked) {
+          // m-tile mt = the lanes 16mt .. 16mt + 15 (blocks 2mt, 2mt + 1 of the step)
+          const uint32_t keeps = __ballot_sync(kFullMask, (lane_rows >> r) & 1u);
+          row_mt = (keeps & 0xffffu ? 1u : 0u) | (keeps >> 16 ? 2u : 0u);
+          if (row_mt == 0u) {  // warp-uniform: the row keeps none of the step's blocks
+            if (has) out_row[j] = -__int_as_float(0x7f800000);
+            continue;
+          }
+        } else if (p0 >= c_r) {  // warp-uniform
+          out_row[j] = -__int_as_float(0x7f800000);
           continue;
         }
-      } else if (p0 >= c_r) {  // warp-uniform
-        out_row[j] = -__int_as_float(0x7f800000);
-        continue;
-      }
-      const uint32_t head_ok = meta[r].head_ok;
-      const RowConst& rcr = rc[r];
-      const uint4* qf = qfrag + static_cast<size_t>(r) * 4 * 32 * 2;
-      float qw[8];
-      {
-        const float4 a = *reinterpret_cast<const float4*>(&rcr.qw[8 * tq]);
-        const float4 b = *reinterpret_cast<const float4*>(&rcr.qw[8 * tq + 4]);
-        qw[0] = a.x, qw[1] = a.y, qw[2] = a.z, qw[3] = a.w, qw[4] = b.x, qw[5] = b.y, qw[6] = b.z, qw[7] = b.w;
-      }
-      // Fused-path epilogue of one n-tile's accumulator (see the proof at the general loop's fused
-      // path): I * sk_min / 4 by one exact FMA, relu, one rounded product with sq_min * w.
-      auto fused_terms = [&](const int (&acc)[4], int mt, int nt, float (&term)[2][8]) {
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int hl = 2 * nt + e;
-            const float y = __fmaf_rn(__int_as_float(acc[2 * rr + e]), s4[mt][rr], c4[mt][rr]);  // exact
-            term[rr][hl] = num::mul_rn(y > 0.0f ? y : 0.0f, qw[hl]);
+        const uint32_t head_ok = meta[r].head_ok;
+        const RowConst& rcr = rc[r];
+        const uint4* qf = qfrag + static_cast<size_t>(r) * 4 * 32 * 2;
+        float qw[8];
+        {
+          const float4 a = *reinterpret_cast<const float4*>(&rcr.qw[8 * tq]);
+          const float4 b = *reinterpret_cast<const float4*>(&rcr.qw[8 * tq + 4]);
+          qw[0] = a.x, qw[1] = a.y, qw[2] = a.z, qw[3] = a.w, qw[4] = b.x, qw[5] = b.y, qw[6] = b.z, qw[7] = b.w;
+        }
+        // Fused-path epilogue of one n-tile's accumulator (see the proof at the general loop's fused
+        // path): I * sk_min / 4 by one exact FMA, relu, one rounded product with sq_min * w.
+        auto fused_terms = [&](const int (&acc)[4], int mt, int nt, float (&term)[2][8]) {
+  #pragma unroll
+          for (int rr = 0; rr < 2; ++rr)
+  #pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int hl = 2 * nt + e;
+              const float y = __fmaf_rn(__int_as_float(acc[2 * rr + e]), s4[mt][rr], c4[mt][rr]);  // exact
+              term[rr][hl] = num::mul_rn(y > 0.0f ? y : 0.0f, qw[hl]);
+            }
+        };
+        auto store_terms = [&](int mt, const float (&term)[2][8]) {
+  #pragma unroll
+          for (int rr = 0; rr < 2; ++rr) {
+            float4* dst = reinterpret_cast<float4*>(terms + (16 * mt + g + 8 * rr) * kTransStride + 8 * tq);
+            dst[0] = make_float4(term[rr][0], term[rr][1], term[rr][2], term[rr][3]);
+            dst[1] = make_float4(term[rr][4], term[rr][5], term[rr][6], term[rr][7]);
           }
-      };
-      auto store_terms = [&](int mt, const float (&term)[2][8]) {
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-          float4* dst = reinterpret_cast<float4*>(terms + (16 * mt + g + 8 * rr) * kTransStride + 8 * tq);
-          dst[0] = make_float4(term[rr][0], term[rr][1], term[rr][2], term[rr][3]);
-          dst[1] = make_float4(term[rr][4], term[rr][5], term[rr][6], term[rr][7]);
-        }
-      };
-      if (kf[0] && kf[1] && head_ok == 0xffffffffu && row_mt == 3u) {
-        // Both m-tiles and every head fused (the common case): the m-tiles' 32 MMAs as eight
-        // independent chains, each B fragment loaded once per row and step for both m-tiles (8
-        // LDS.128 instead of 16; shared-memory loads were the verify shape's top stall, session 6).
-        int acc[2][4][4];
-        fused_mma_chains(acc, A, qf, lane, 0, 2);
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          float term[2][8];
-#pragma unroll
-          for (int nt = 0; nt < 4; ++nt) fused_terms(acc[mt][nt], mt, nt, term);
-          store_terms(mt, term);
-        }
-      } else
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
-        if (kMasked && ((row_mt >> mt) & 1u) == 0u) continue;  // warp-uniform; its positions get -inf
-        float term[2][8];
-        if (kf[mt] && head_ok == 0xffffffffu) {
-          // Every head of the row and every usable slot of the m-tile take the fused path (below):
-          // the same MMAs and epilogue, issued as four independent chains (one per n-tile) block by
-          // block, so that the tensor core's latency is paid once per block rather than once per
-          // MMA (the per-n-tile branch of the general loop keeps the chains apart; Nsight: the
-          // IMMA chains' fixed-latency waits were the kernel's top stall, docs/perf.md session 4).
+        };
+        if (kf[0] && kf[1] && head_ok == 0xffffffffu && row_mt == 3u) {
+          // Both m-tiles and every head fused (the common case): the m-tiles' 32 MMAs as eight
+          // independent chains, each B fragment loaded once per row and step for both m-tiles (8
+          // LDS.128 instead of 16; shared-memory loads were the verify shape's top stall, session 6).
           int acc[2][4][4];
-          fused_mma_chains(acc, A, qf, lane, mt, 1);
-#pragma unroll
-          for (int nt = 0; nt < 4; ++nt) fused_terms(acc[mt][nt], mt, nt, term);
-        } else {
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-          const uint4 f01 = qf[(nt * 32 + lane) * 2], f23 = qf[(nt * 32 + lane) * 2 + 1];
-          const uint32_t B[kBlocks][2] = {{f01.x, f01.y}, {f01.z, f01.w}, {f23.x, f23.y}, {f23.z, f23.w}};
-          const uint32_t nt_heads = 0x03030303u << (2 * nt);  // heads 8tq' + 2nt + e of n-tile nt
-          if (kf[mt] && (head_ok & nt_heads) == nt_heads) {
-            // Fused path: the four k-steps accumulate I = sum_b isum_b * 2^(eq_b + ek_b - eq_min -
-            // ek_min) in one int32. Each block sum and every partial sum of ((b0 + b1) + b2) + b3 is
-            // an integer multiple of 2^Emin (Emin = eq_min + ek_min - 2) below 2^21 * 2^Emin
-            // (|isum_b| <= 4608, shifts <= 6), hence an exact fp32 number: the reference's rounded
-            // sums are exact here and its dot is D = I * 2^Emin. One FMA forms I * sk_min / 4
-            // exactly (the accumulator's float is 1.5 * 2^23 + I), relu keeps its sign, and one
-            // product with the exact sq_min * w rounds D * w once, like the reference.
-            int acc[4];
-            mma_s8_m16n8k32(acc, A[mt][0], B[0], kMagicBits);
-            mma_s8_m16n8k32_acc(acc, A[mt][1], B[1]);
-            mma_s8_m16n8k32_acc(acc, A[mt][2], B[2]);
-            mma_s8_m16n8k32_acc(acc, A[mt][3], B[3]);
-            fused_terms(acc, mt, nt, term);
+          fused_mma_chains(acc, A, qf, lane, 0, 2);
+  #pragma unroll
+          for (int mt = 0; mt < 2; ++mt) {
+            float term[2][8];
+  #pragma unroll
+            for (int nt = 0; nt < 4; ++nt) fused_terms(acc[mt][nt], mt, nt, term);
+            store_terms(mt, term);
+          }
+        } else
+  #pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          if (kMasked && ((row_mt >> mt) & 1u) == 0u) continue;  // warp-uniform; its positions get -inf
+          float term[2][8];
+          if (kf[mt] && head_ok == 0xffffffffu) {
+            // Every head of the row and every usable slot of the m-tile take the fused path (below):
+            // the same MMAs and epilogue, issued as four independent chains (one per n-tile) block by
+            // block, so that the tensor core's latency is paid once per block rather than once per
+            // MMA (the per-n-tile branch of the general loop keeps the chains apart; Nsight: the
+            // IMMA chains' fixed-latency waits were the kernel's top stall, docs/perf.md session 4).
+            int acc[2][4][4];
+            fused_mma_chains(acc, A, qf, lane, mt, 1);
+  #pragma unroll
+            for (int nt = 0; nt < 4; ++nt) fused_terms(acc[mt][nt], mt, nt, term);
           } else {
-            // Per-block path (any scales): four exact block sums, combined like the reference.
-            // Block b = the k-slots of the lanes tq == b in all 4 k-steps: the others' A zeroed.
-            // (not unrolled: the rare path's code and registers stay small)
-            float dot[2][2];
-#pragma unroll 1
-            for (int b = 0; b < kBlocks; ++b) {
-              const uint32_t keep = tq == b ? ~0u : 0u;
+  #pragma unroll
+          for (int nt = 0; nt < 4; ++nt) {
+            const uint4 f01 = qf[(nt * 32 + lane) * 2], f23 = qf[(nt * 32 + lane) * 2 + 1];
+            const uint32_t B[kBlocks][2] = {{f01.x, f01.y}, {f01.z, f01.w}, {f23.x, f23.y}, {f23.z, f23.w}};
+            const uint32_t nt_heads = 0x03030303u << (2 * nt);  // heads 8tq' + 2nt + e of n-tile nt
+            if (kf[mt] && (head_ok & nt_heads) == nt_heads) {
+              // Fused path: the four k-steps accumulate I = sum_b isum_b * 2^(eq_b + ek_b - eq_min -
+              // ek_min) in one int32. Each block sum and every partial sum of ((b0 + b1) + b2) + b3 is
+              // an integer multiple of 2^Emin (Emin = eq_min + ek_min - 2) below 2^21 * 2^Emin
+              // (|isum_b| <= 4608, shifts <= 6), hence an exact fp32 number: the reference's rounded
+              // sums are exact here and its dot is D = I * 2^Emin. One FMA forms I * sk_min / 4
+              // exactly (the accumulator's float is 1.5 * 2^23 + I), relu keeps its sign, and one
+              // product with the exact sq_min * w rounds D * w once, like the reference.
               int acc[4];
-#pragma unroll
-              for (int s = 0; s < kBlocks; ++s) {
-                const uint32_t Ab[4] = {A[mt][s][0] & keep, A[mt][s][1] & keep, A[mt][s][2] & keep, A[mt][s][3] & keep};
-                if (s == 0) mma_s8_m16n8k32(acc, Ab, B[s], kMagicBits);
-                else mma_s8_m16n8k32_acc(acc, Ab, B[s]);
+              mma_s8_m16n8k32(acc, A[mt][0], B[0], kMagicBits);
+              mma_s8_m16n8k32_acc(acc, A[mt][1], B[1]);
+              mma_s8_m16n8k32_acc(acc, A[mt][2], B[2]);
+              mma_s8_m16n8k32_acc(acc, A[mt][3], B[3]);
+              fused_terms(acc, mt, nt, term);
+            } else {
+              // Per-block path (any scales): four exact block sums, combined like the reference.
+              // Block b = the k-slots of the lanes tq == b in all 4 k-steps: the others' A zeroed.
+              // (not unrolled: the rare path's code and registers stay small)
+              float dot[2][2];
+  #pragma unroll 1
+              for (int b = 0; b < kBlocks; ++b) {
+                const uint32_t keep = tq == b ? ~0u : 0u;
+                int acc[4];
+  #pragma unroll
+                for (int s = 0; s < kBlocks; ++s) {
+                  const uint32_t Ab[4] = {A[mt][s][0] & keep, A[mt][s][1] & keep, A[mt][s][2] & keep, A[mt][s][3] & keep};
+                  if (s == 0) mma_s8_m16n8k32(acc, Ab, B[s], kMagicBits);
+                  else mma_s8_m16n8k32_acc(acc, Ab, B[s]);
+                }
+  #pragma unroll
+                for (int rr = 0; rr < 2; ++rr)
+  #pragma unroll
+                  for (int e = 0; e < 2; ++e) {
+                    const int head = 8 * tq + 2 * nt + e;
+                    const float sk4 = kf[mt] ? s4[mt][rr]
+                                             : num::mul_rn(num::f32_from_ue8m0(static_cast<uint8_t>(byte_of(sc[mt][rr], b))), 0.25f);
+                    const float isum = num::sub_rn(__int_as_float(acc[2 * rr + e]), kMagicFloat);  // exact
+                    const float block_sum = num::mul_rn(isum, num::mul_rn(rcr.sq[head][b], sk4));
+                    dot[rr][e] = b == 0 ? block_sum : num::add_rn(dot[rr][e], block_sum);
+                  }
               }
-#pragma unroll
+  #pragma unroll
               for (int rr = 0; rr < 2; ++rr)
-#pragma unroll
+  #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                  const int head = 8 * tq + 2 * nt + e;
-                  const float sk4 = kf[mt] ? s4[mt][rr]
-                                           : num::mul_rn(num::f32_from_ue8m0(static_cast<uint8_t>(byte_of(sc[mt][rr], b))), 0.25f);
-                  const float isum = num::sub_rn(__int_as_float(acc[2 * rr + e]), kMagicFloat);  // exact
-                  const float block_sum = num::mul_rn(isum, num::mul_rn(rcr.sq[head][b], sk4));
-                  dot[rr][e] = b == 0 ? block_sum : num::add_rn(dot[rr][e], block_sum);
+                  const float d = dot[rr][e];
+                  term[rr][2 * nt + e] = num::mul_rn(d > 0.0f ? d : 0.0f, rcr.wt[8 * tq + 2 * nt + e]);
                 }
             }
-#pragma unroll
-            for (int rr = 0; rr < 2; ++rr)
-#pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                const float d = dot[rr][e];
-                term[rr][2 * nt + e] = num::mul_rn(d > 0.0f ? d : 0.0f, rcr.wt[8 * tq + 2 * nt + e]);
-              }
           }
+          }
+          store_terms(mt, term);
         }
+        __syncwarp();
+        float score = 0.0f;
+        const float4* trow = reinterpret_cast<const float4*>(terms + lane * kTransStride);
+  #pragma unroll
+        for (int h4 = 0; h4 < kIndexerHeads / 4; ++h4) {
+          const float4 v = trow[h4];
+          score = num::add_rn(num::add_rn(num::add_rn(num::add_rn(score, v.x), v.y), v.z), v.w);
         }
-        store_terms(mt, term);
+        const bool valid = (valid_bits & 1u) != 0u && j < c_r && (!kMasked || ((lane_rows >> r) & 1u) != 0u);
+        if (has) out_row[j] = valid ? score : -__int_as_float(0x7f800000);
+        __syncwarp();  // the term buffer is rewritten by the next row
       }
-      __syncwarp();
-      float score = 0.0f;
-      const float4* trow = reinterpret_cast<const float4*>(terms + lane * kTransStride);
-#pragma unroll
-      for (int h4 = 0; h4 < kIndexerHeads / 4; ++h4) {
-        const float4 v = trow[h4];
-        score = num::add_rn(num::add_rn(num::add_rn(num::add_rn(score, v.x), v.y), v.z), v.w);
-      }
-      const bool valid = (valid_bits & 1u) != 0u && j < c_r && (!kMasked || ((lane_rows >> r) & 1u) != 0u);
-      if (has) out_row[j] = valid ? score : -__int_as_float(0x7f800000);
-      __syncwarp();  // the term buffer is rewritten by the next row
-    }
     }
     __syncwarp();  // every lane is done with ring buffer buf: it takes step k + S
     issue_step<kMasked>(p, page_shift, run, list, tile_base, k + S, run.next_slot, buf, kd_warp, ks_warp);
