@@ -41,6 +41,17 @@ if(V4ATTN_PYTHON3)
     -- plan --json)
   v4attn_cli_test(plan_json_tp4 --exit 0 --stderr-lines 0
     --stdout-json "d['local_heads'] == 16 and d['tp'] == 4" -- plan --json --tp 4)
+  # scripts/trace_layers.py on a two-layer fixture trace: per-layer time, the side-lane tail past
+  # q_rope_store, the detail listing; a trace without layers is refused with exit 2.
+  add_test(NAME scripts.trace_layers
+           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/trace_layers.py"
+                   "${CMAKE_SOURCE_DIR}/tests/data/trace_two_layers.json" --detail 1)
+  set_tests_properties(scripts.trace_layers PROPERTIES PASS_REGULAR_EXPRESSION
+    "1 +25\\.0 +12\\.0 +25\\.0 +13\\.0  indexer_topk_v3_kernel.*2 layers, 45\\.0 us; side lanes past q_rope_store: 13\\.0 us.*stream +28 +4\\.0 \\.\\. +10\\.0  indexer_scores_kernel<1, 1, 3, 0>")
+  add_test(NAME scripts.trace_layers_no_layers
+           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/trace_layers.py"
+                   "${CMAKE_SOURCE_DIR}/tests/configs/missing_key.json")
+  set_tests_properties(scripts.trace_layers_no_layers PROPERTIES WILL_FAIL TRUE)
 else()
   message(STATUS "python3 not found: cli.plan_json* tests (JSON validation) not added")
 endif()

@@ -1,0 +1,106 @@
+#!/usr/bin/env python3
+"""Per-layer view of one prepare cycle from the Chrome / Perfetto trace of `v4attn bench --trace F`.
+
+A layer starts where its QA act-quant kernel starts (the first kernel of each layer's Q chain) and
+ends where the next layer's starts (the last layer: at the last kernel's end). Per layer it prints
+the time, when the main lane's q_rope_store ends, when the layer's last kernel ends and which one
+that is, and the "tail": how long the side lanes run past the q_rope_store (the index-source
+layers' selection, typically). `--detail 20,24` lists every kernel of those layers (stream, start,
+end, relative to the layer's start); `--json F` writes the table. Times are those of the traced
+cycle (CUPTI tracing inflates them: compare layers with each other, not with event-timed cycles).
+
+    v4attn bench --mode verify --bs 1 --schedule three-lane --cycles 5 --trace-cycles 2 --trace t.json
+    scripts/trace_layers.py t.json --detail 20,24
+"""
+import argparse
+import gzip
+import json
+import re
+import sys
+
+
+def load_kernels(path):
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        doc = json.load(f)
+    events = doc["traceEvents"] if isinstance(doc, dict) else doc
+    return sorted((e for e in events if e.get("ph") == "X" and e.get("args", {}).get("kind", "kernel") == "kernel"),
+                  key=lambda e: e["ts"])
+
+
+def short_name(name):
+    """'void v4attn::kernels::(anonymous namespace)::gemm_kernel<1, 8>(Params)' -> 'gemm_kernel<1, 8>'."""
+    name = re.sub(r"^void ", "", name)
+    name = name.replace("(anonymous namespace)::", "")
+    depth, cut = 0, len(name)
+    for i, ch in enumerate(name):  # drop the parameter list: the first '(' outside template brackets
+        if ch == "<":
+            depth += 1
+        elif ch == ">":
+            depth -= 1
+        elif ch == "(" and depth == 0:
+            cut = i
+            break
+    return name[:cut].split("::")[-1]
+
+
+def layers_of(kernels):
+    starts = [e["ts"] for e in kernels if "act_quant" in e["name"]]
+    if not starts:
+        raise ValueError("no act_quant kernel in the trace: cannot find the layers")
+    end_all = max(e["ts"] + e["dur"] for e in kernels)
+    rows = []
+    for i, s in enumerate(starts):
+        nxt = starts[i + 1] if i + 1 < len(starts) else end_all
+        ks = [e for e in kernels if s <= e["ts"] < nxt]
+        last = max(ks, key=lambda e: e["ts"] + e["dur"])
+        rope = [e["ts"] + e["dur"] - s for e in ks if "q_rope_store" in e["name"]]
+        rope_end = max(rope) if rope else None
+        last_end = last["ts"] + last["dur"] - s
+        rows.append({
+            "layer": i,
+            "us": nxt - s,
+            "q_rope_store_end": rope_end,
+            "last_end": last_end,
+            "last_kernel": short_name(last["name"]),
+            "tail": None if rope_end is None else max(0.0, last_end - rope_end),
+            "kernels": [{"name": short_name(e["name"]), "stream": e.get("tid"), "start": e["ts"] - s,
+                         "end": e["ts"] + e["dur"] - s} for e in ks],
+        })
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace", help="the JSON written by `v4attn bench --trace` (optionally .gz)")
+    ap.add_argument("--detail", default="", help="comma-separated layers whose kernels to list")
+    ap.add_argument("--json", dest="json_out", help="also write the per-layer rows to this JSON file")
+    args = ap.parse_args(argv)
+    try:
+        rows = layers_of(load_kernels(args.trace))
+        detail = {int(x) for x in args.detail.split(",") if x.strip()}
+    except (OSError, ValueError, KeyError) as err:
+        print(f"trace_layers: {err}", file=sys.stderr)
+        return 2
+    fmt = lambda v: "-" if v is None else f"{v:.1f}"
+    print(f"{'layer':>5} {'us':>8} {'q_rope_store end':>17} {'last end':>9} {'tail':>7}  last kernel")
+    for r in rows:
+        print(f"{r['layer']:>5} {r['us']:>8.1f} {fmt(r['q_rope_store_end']):>17} {r['last_end']:>9.1f} "
+              f"{fmt(r['tail']):>7}  {r['last_kernel']}")
+    total = sum(r["us"] for r in rows)
+    tails = sum(r["tail"] or 0.0 for r in rows)
+    print(f"{len(rows)} layers, {total:.1f} us; side lanes past q_rope_store: {tails:.1f} us in all")
+    for r in rows:
+        if r["layer"] not in detail:
+            continue
+        print(f"layer {r['layer']}:")
+        for k in r["kernels"]:
+            print(f"  stream {k['stream']!s:>4} {k['start']:8.1f} .. {k['end']:8.1f}  {k['name']}")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
