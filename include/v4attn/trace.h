@@ -85,6 +85,11 @@ struct LayerLanes {
 struct CycleStats {
   uint64_t start_ns = 0;  // first record start
   uint64_t end_ns = 0;    // last record end
+  // First kernel start / last kernel end (0 without kernels). The cycle's anchor memset can be
+  // recorded well before the first kernel in traced cycles (~460 us in docs/perf.md session 6, run
+  // 11, where the CUDA-event cycles show no such gap), so the report's cycle time is this span.
+  uint64_t kernel_start_ns = 0;
+  uint64_t kernel_end_ns = 0;
   int kernels = 0;        // kernel records (memcpy / memset not counted)
   int memcpys = 0;
   int memsets = 0;
@@ -107,6 +112,9 @@ struct CycleStats {
   double window_k_lead_us = 0;  // median of LayerLanes::window_k_lead_ns (NaN without layers)
   std::map<std::string, int> kernel_counts;  // by kernel_function_name
   double duration_us() const { return end_ns > start_ns ? static_cast<double>(end_ns - start_ns) / 1000.0 : 0.0; }
+  double kernel_span_us() const {
+    return kernel_end_ns > kernel_start_ns ? static_cast<double>(kernel_end_ns - kernel_start_ns) / 1000.0 : 0.0;
+  }
 };
 CycleStats analyze_cycle(const std::vector<TraceRecord>& cycle, const KernelClassifier& classify);
 

@@ -142,6 +142,8 @@ CycleStats analyze_cycle(const std::vector<TraceRecord>& cycle, const KernelClas
     if (r.kind == TraceKind::kMemcpy) ++s.memcpys;
     if (r.kind == TraceKind::kMemset) ++s.memsets;
     if (r.kind != TraceKind::kKernel) continue;
+    if (s.kernels == 0) s.kernel_start_ns = r.start_ns;  // records are sorted by start
+    s.kernel_end_ns = std::max(s.kernel_end_ns, r.end_ns);
     ++s.kernels;
     ++s.kernels_per_stream[r.stream_id];
     ++s.kernel_counts[kernel_function_name(r.name)];
@@ -219,7 +221,7 @@ struct ColumnSummary {
   int streams_min = 0, streams_max = 0;
   double streams = kNaN, kernels = kNaN, main_lane_kernels = kNaN, layers = kNaN;
   double window_k_on_q_rope_lane = kNaN, layer_time_us = kNaN, gap_us = kNaN, early_launches = kNaN;
-  double window_k_lead_us = kNaN, cycle_us = kNaN, q_rope = kNaN, wqb = kNaN, window_k = kNaN;
+  double window_k_lead_us = kNaN, cycle_us = kNaN, span_us = kNaN, q_rope = kNaN, wqb = kNaN, window_k = kNaN;
   std::map<std::string, double> kernel_counts;
 };
 
@@ -249,7 +251,8 @@ ColumnSummary summarize(const ReportColumn& col) {
   s.gap_us = median_of(cs, [](const CycleStats& c) { return c.gemm_to_q_rope_gap_us; });
   s.early_launches = median_of(cs, [](const CycleStats& c) { return c.early_launches; });
   s.window_k_lead_us = median_of(cs, [](const CycleStats& c) { return c.window_k_lead_us; });
-  s.cycle_us = median_of(cs, [](const CycleStats& c) { return c.duration_us(); });
+  s.cycle_us = median_of(cs, [](const CycleStats& c) { return c.kernel_span_us(); });
+  s.span_us = median_of(cs, [](const CycleStats& c) { return c.duration_us(); });
   s.q_rope = median_of(cs, [](const CycleStats& c) { return c.q_rope_count; });
   s.wqb = median_of(cs, [](const CycleStats& c) { return c.wqb_gemm_count; });
   s.window_k = median_of(cs, [](const CycleStats& c) { return c.window_k_count; });
@@ -281,6 +284,9 @@ nlohmann::json cycle_json(const CycleStats& c) {
   j["start_ns"] = c.start_ns;
   j["end_ns"] = c.end_ns;
   j["duration_us"] = num(c.duration_us());
+  j["kernel_start_ns"] = c.kernel_start_ns;
+  j["kernel_end_ns"] = c.kernel_end_ns;
+  j["kernel_span_us"] = num(c.kernel_span_us());
   j["kernels"] = c.kernels;
   j["memcpys"] = c.memcpys;
   j["memsets"] = c.memsets;
@@ -360,7 +366,8 @@ std::string format_report_table(const std::vector<ReportColumn>& columns, bool w
   row("gap wq_b GEMM end -> q_rope_store start (us)", [](const ColumnSummary& s) { return fmt(s.gap_us); });
   row("q_rope_store launched early (gap < 0)", [](const ColumnSummary& s) { return fmt(s.early_launches); });
   row("window-K done before q_rope_store (us)", [](const ColumnSummary& s) { return fmt(s.window_k_lead_us); });
-  row("cycle time (us)", [](const ColumnSummary& s) { return fmt(s.cycle_us); });
+  row("cycle time: first kernel start to last kernel end (us)", [](const ColumnSummary& s) { return fmt(s.cycle_us); });
+  row("record span incl. memcpy / memset (us)", [](const ColumnSummary& s) { return fmt(s.span_us); });
   row("q_rope_store / wq_b GEMM / window-K kernels", [](const ColumnSummary& s) {
     return fmt(s.q_rope) + " / " + fmt(s.wqb) + " / " + fmt(s.window_k);
   });

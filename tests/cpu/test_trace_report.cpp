@@ -205,6 +205,44 @@ TEST(TraceReport, NegativeGapWhenEveryQRopeStoreLaunchesEarly) {
   EXPECT_TRUE(std::isnan(s.window_k_lead_us));
 }
 
+// The cycle time is the kernels' span: an anchor memset recorded long before the first kernel
+// (traced cycles, docs/perf.md session 6) stays out of it, but not out of the record span.
+TEST(TraceReport, CycleTimeIsTheKernelSpan) {
+  std::vector<TraceRecord> r;
+  TraceRecord anchor;
+  anchor.kind = TraceKind::kMemset;
+  anchor.name = "memset";
+  anchor.stream_id = kMainStream;
+  anchor.start_ns = 1'000;
+  anchor.end_ns = 1'500;
+  r.push_back(anchor);
+  r.push_back(kernel("wq_b", kMainStream, 460'000, 470'000));
+  r.push_back(kernel("q_rope_store", kMainStream, 469'000, 471'000));
+  r.push_back(kernel("compressor", kSideS, 465'000, 480'000));  // a side lane ends last
+  const CycleStats s = analyze_cycle(r, syn_classifier());
+  EXPECT_EQ(s.memsets, 1);
+  EXPECT_EQ(s.kernel_start_ns, 460'000u);
+  EXPECT_EQ(s.kernel_end_ns, 480'000u);
+  EXPECT_DOUBLE_EQ(s.kernel_span_us(), 20.0);
+  EXPECT_DOUBLE_EQ(s.duration_us(), 479.0);
+  ReportColumn col;
+  col.label = "three-lane";
+  col.cycles = {s};
+  const std::string table = format_report_table({col}, false);
+  const auto row_value = [&](const std::string& label) {  // the cell right of the row's label
+    const size_t at = table.find(label);
+    if (at == std::string::npos) return std::string("(no row)");
+    const size_t bar = table.find('|', at), eol = table.find('\n', at);
+    std::string v = table.substr(bar + 1, eol - bar - 1);
+    v.erase(0, v.find_first_not_of(' '));
+    return v;
+  };
+  EXPECT_EQ(row_value("cycle time: first kernel start to last kernel end (us)"), "20") << table;
+  EXPECT_EQ(row_value("record span incl. memcpy / memset (us)"), "479") << table;
+  const CycleStats none = analyze_cycle({anchor}, syn_classifier());  // no kernel: no span
+  EXPECT_DOUBLE_EQ(none.kernel_span_us(), 0.0);
+}
+
 // A layer whose wq_b GEMM record is missing gives no gap sample (not a gap to an older GEMM).
 TEST(TraceReport, GapNeedsTheGemmOfTheSameLayer) {
   std::vector<TraceRecord> r;
