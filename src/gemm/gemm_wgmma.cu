@@ -215,15 +215,11 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
                 (kb_begin + it * kBlocksPerStage) * kGemmBlock, row0, grp);
   };
   if (tid == 0) {
-    uint64_t t_start = 0;
-    if (p.prewait_pace_ns > 0) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_start));
+    const uint64_t t_start = p.prewait_pace_ns > 0 ? dev::globaltimer_ns() : 0;
     for (int it = 0; it < early; ++it) {
-      if (p.prewait_pace_ns > 0 && it > 0) {  // paced: stage it at t_start + it * pace
-        uint64_t now;
-        do {
-          asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-        } while (now < t_start + static_cast<uint64_t>(it) * static_cast<uint64_t>(p.prewait_pace_ns));
-      }
+      if (p.prewait_pace_ns > 0 && it > 0)  // paced: stage it at t_start + it * pace
+        while (dev::globaltimer_ns() < t_start + static_cast<uint64_t>(it) * static_cast<uint64_t>(p.prewait_pace_ns)) {
+        }
       issue_weight_stage(it);
     }
   }

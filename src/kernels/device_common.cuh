@@ -27,6 +27,14 @@ namespace v4attn::dev {
 #ifndef V4ATTN_PDL_TRIGGER_AT_WAIT
 #define V4ATTN_PDL_TRIGGER_AT_WAIT 1
 #endif
+// The SM's nanosecond global timer (%globaltimer): the wq_b GEMM's paced weight stages and the
+// phase stamps of measurement builds.
+__device__ __forceinline__ uint64_t globaltimer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #if V4ATTN_PDL_TRIGGER_AT_WAIT

@@ -63,6 +63,8 @@
 // The trigger follows the CTA's last store.
 #include "v4attn/kernels/indexer_kernels.h"
 
+#include <algorithm>
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
 
@@ -187,7 +189,7 @@ struct RowMeta {
   int32_t unused;
 };
 
-// Dynamic shared memory of a CTA with S steps per warp and G group rows (offsets, 16-aligned).
+// Dynamic shared memory of a CTA with S K buffers per warp and G group rows (offsets, 16-aligned).
 struct SmemLayout {
   size_t kscale = 0, terms = 0, qfrag = 0, rc = 0, meta = 0, list = 0, total = 0;
 };
@@ -195,8 +197,8 @@ struct SmemLayout {
 __host__ __device__ __forceinline__ SmemLayout smem_layout(int S, int G, int RS = 1, int list_entries = 0) {
   SmemLayout L;
   const size_t warps = static_cast<size_t>(kWarps) * RS;
-  L.kscale = warps * S * kStepPositions * 16 * 4;  // K codes: [warp][step][pos][16 words]
-  L.terms = L.kscale + warps * S * kStepPositions * 4;  // K scales: [warp][step][pos]
+  L.kscale = warps * S * kStepPositions * 16 * 4;  // K codes: [warp][buffer][pos][16 words]
+  L.terms = L.kscale + warps * S * kStepPositions * 4;  // K scales: [warp][buffer][pos]
   L.qfrag = L.terms + warps * kStepPositions * kTransStride * 4;  // [warp][pos][36]
   L.rc = L.qfrag + static_cast<size_t>(G) * 4 * 32 * 32;  // B fragments: [row][n-tile][lane] 32 B
   L.meta = L.rc + static_cast<size_t>(G) * sizeof(RowConst);
@@ -443,11 +445,11 @@ __device__ void compute_run(const IndexerScoresParams& p, int page_shift, RunCtx
       const uint32_t fused_bits = __ballot_sync(kFullMask, ((vmask >> lane) & 1u) == 0u || fused_ok(own_sc));
       kf[0] = (fused_bits & 0xffffu) == 0xffffu;
       kf[1] = (fused_bits >> 16) == 0xffffu;
-  #pragma unroll
+#pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
         uint4 kw[2];
         uint32_t pmin[2];
-  #pragma unroll
+#pragma unroll
         for (int r = 0; r < 2; ++r) {
           const int pp = 16 * mt + g + 8 * r;
           kw[r] = *reinterpret_cast<const uint4*>(&kd[pp * 16 + (tq ^ chunk_swizzle(pp)) * 4]);  // block tq of pp
@@ -455,7 +457,7 @@ __device__ void compute_run(const IndexerScoresParams& p, int page_shift, RunCtx
           pmin[r] = __shfl_sync(kFullMask, own_min, pp);
         }
         uint32_t lo[2], hi[2];
-  #pragma unroll
+#pragma unroll
         for (int r = 0; r < 2; ++r) {
           const uint32_t kmin = kf[mt] ? pmin[r] : 0u;
           s4[mt][r] = num::mul_rn(num::f32_from_ue8m0(static_cast<uint8_t>(kmin)), 0.25f);
@@ -465,7 +467,7 @@ __device__ void compute_run(const IndexerScoresParams& p, int page_shift, RunCtx
           hi[r] = kTwiceHi << shift;
         }
         const uint32_t w0[4] = {kw[0].x, kw[0].y, kw[0].z, kw[0].w}, w1[4] = {kw[1].x, kw[1].y, kw[1].z, kw[1].w};
-  #pragma unroll
+#pragma unroll
         for (int s = 0; s < kBlocks; ++s) {
           A[mt][s][0] = e2m1x4_to_s8(w0[s], lo[0], hi[0]);
           A[mt][s][1] = e2m1x4_to_s8(w1[s], lo[1], hi[1]);
@@ -502,9 +504,9 @@ __device__ void compute_run(const IndexerScoresParams& p, int page_shift, RunCtx
         // Fused-path epilogue of one n-tile's accumulator (see the proof at the general loop's fused
         // path): I * sk_min / 4 by one exact FMA, relu, one rounded product with sq_min * w.
         auto fused_terms = [&](const int (&acc)[4], int mt, int nt, float (&term)[2][8]) {
-  #pragma unroll
+#pragma unroll
           for (int rr = 0; rr < 2; ++rr)
-  #pragma unroll
+#pragma unroll
             for (int e = 0; e < 2; ++e) {
               const int hl = 2 * nt + e;
               const float y = __fmaf_rn(__int_as_float(acc[2 * rr + e]), s4[mt][rr], c4[mt][rr]);  // exact
@@ -512,7 +514,7 @@ __device__ void compute_run(const IndexerScoresParams& p, int page_shift, RunCtx
             }
         };
         auto store_terms = [&](int mt, const float (&term)[2][8]) {
-  #pragma unroll
+#pragma unroll
           for (int rr = 0; rr < 2; ++rr) {
             float4* dst = reinterpret_cast<float4*>(terms + (16 * mt + g + 8 * rr) * kTransStride + 8 * tq);
             dst[0] = make_float4(term[rr][0], term[rr][1], term[rr][2], term[rr][3]);
@@ -525,15 +527,15 @@ __device__ void compute_run(const IndexerScoresParams& p, int page_shift, RunCtx
           // LDS.128 instead of 16; shared-memory loads were the verify shape's top stall, session 6).
           int acc[2][4][4];
           fused_mma_chains(acc, A, qf, lane, 0, 2);
-  #pragma unroll
+#pragma unroll
           for (int mt = 0; mt < 2; ++mt) {
             float term[2][8];
-  #pragma unroll
+#pragma unroll
             for (int nt = 0; nt < 4; ++nt) fused_terms(acc[mt][nt], mt, nt, term);
             store_terms(mt, term);
           }
         } else
-  #pragma unroll
+#pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
           if (kMasked && ((row_mt >> mt) & 1u) == 0u) continue;  // warp-uniform; its positions get -inf
           float term[2][8];
@@ -545,10 +547,10 @@ __device__ void compute_run(const IndexerScoresParams& p, int page_shift, RunCtx
             // IMMA chains' fixed-latency waits were the kernel's top stall, docs/perf.md session 4).
             int acc[2][4][4];
             fused_mma_chains(acc, A, qf, lane, mt, 1);
-  #pragma unroll
+#pragma unroll
             for (int nt = 0; nt < 4; ++nt) fused_terms(acc[mt][nt], mt, nt, term);
           } else {
-  #pragma unroll
+#pragma unroll
           for (int nt = 0; nt < 4; ++nt) {
             const uint4 f01 = qf[(nt * 32 + lane) * 2], f23 = qf[(nt * 32 + lane) * 2 + 1];
             const uint32_t B[kBlocks][2] = {{f01.x, f01.y}, {f01.z, f01.w}, {f23.x, f23.y}, {f23.z, f23.w}};
@@ -572,19 +574,19 @@ __device__ void compute_run(const IndexerScoresParams& p, int page_shift, RunCtx
               // Block b = the k-slots of the lanes tq == b in all 4 k-steps: the others' A zeroed.
               // (not unrolled: the rare path's code and registers stay small)
               float dot[2][2];
-  #pragma unroll 1
+#pragma unroll 1
               for (int b = 0; b < kBlocks; ++b) {
                 const uint32_t keep = tq == b ? ~0u : 0u;
                 int acc[4];
-  #pragma unroll
+#pragma unroll
                 for (int s = 0; s < kBlocks; ++s) {
                   const uint32_t Ab[4] = {A[mt][s][0] & keep, A[mt][s][1] & keep, A[mt][s][2] & keep, A[mt][s][3] & keep};
                   if (s == 0) mma_s8_m16n8k32(acc, Ab, B[s], kMagicBits);
                   else mma_s8_m16n8k32_acc(acc, Ab, B[s]);
                 }
-  #pragma unroll
+#pragma unroll
                 for (int rr = 0; rr < 2; ++rr)
-  #pragma unroll
+#pragma unroll
                   for (int e = 0; e < 2; ++e) {
                     const int head = 8 * tq + 2 * nt + e;
                     const float sk4 = kf[mt] ? s4[mt][rr]
@@ -594,9 +596,9 @@ __device__ void compute_run(const IndexerScoresParams& p, int page_shift, RunCtx
                     dot[rr][e] = b == 0 ? block_sum : num::add_rn(dot[rr][e], block_sum);
                   }
               }
-  #pragma unroll
+#pragma unroll
               for (int rr = 0; rr < 2; ++rr)
-  #pragma unroll
+#pragma unroll
                 for (int e = 0; e < 2; ++e) {
                   const float d = dot[rr][e];
                   term[rr][2 * nt + e] = num::mul_rn(d > 0.0f ? d : 0.0f, rcr.wt[8 * tq + 2 * nt + e]);
@@ -609,7 +611,7 @@ __device__ void compute_run(const IndexerScoresParams& p, int page_shift, RunCtx
         __syncwarp();
         float score = 0.0f;
         const float4* trow = reinterpret_cast<const float4*>(terms + lane * kTransStride);
-  #pragma unroll
+#pragma unroll
         for (int h4 = 0; h4 < kIndexerHeads / 4; ++h4) {
           const float4 v = trow[h4];
           score = num::add_rn(num::add_rn(num::add_rn(num::add_rn(score, v.x), v.y), v.z), v.w);
@@ -793,6 +795,60 @@ bool aligned(const void* ptr, uintptr_t bytes) { return reinterpret_cast<uintptr
 
 }  // namespace
 
+IndexerScoresShape indexer_scores_shape(const IndexerScoresParams& p) {
+  IndexerScoresShape sh;
+  const int G = std::max(p.group_rows, 1);
+  sh.masked = p.candidate_mask != nullptr;
+  sh.groups = (std::max<int64_t>(p.T, 0) + G - 1) / G;
+  // Automatic tiles: the largest of `positions` (largest first) that still gives >= 1024 CTAs,
+  // else the smallest.
+  const auto largest_tile = [&](std::initializer_list<int64_t> positions) {
+    for (const int64_t t : positions)
+      if (sh.groups * ((p.score_stride + t - 1) / t) >= 1024) return t;
+    return *(positions.end() - 1);
+  };
+  if (sh.masked) {
+    // Tiles of TBLK blocks whose kept blocks are compacted (the kept fraction is unknown here:
+    // ~1/4 of the blocks for one row at 64K, the union of a verify request's rows more), at least
+    // 16 blocks (128 positions, one step per warp, one K buffer).
+    sh.mask_tile_blocks = p.mask_tile_blocks != 0
+                              ? p.mask_tile_blocks
+                              : static_cast<int>(largest_tile({8 * 128, 8 * 64, 8 * 32, 8 * 16}) / 8);
+    sh.tile_positions = 8 * sh.mask_tile_blocks;
+    sh.ring = sh.mask_tile_blocks == 16 ? 1 : 2;
+    sh.threads = kThreads;
+    sh.min_blocks = sh.mask_tile_blocks == 16 ? 4 : 3;
+    sh.smem_bytes = smem_layout(sh.ring, G, 1, sh.mask_tile_blocks).total;
+  } else {
+    // Steps per warp per CTA (the tile = 128 * steps positions, streamed through a ring of 2 K
+    // buffers per warp; 1 buffer for one-step tiles): automatic as largest_tile of 16, 8, 4, 2, 1
+    // steps. Small grids take one step per warp for parallelism (verify bs 1 at 64K, 6 rows per
+    // CTA: 1 step (512 CTAs) beat 2 (256) by 37 us per 40-layer cycle, docs/perf.md session 2);
+    // large ones amortise the CTA's prologue (meta, q decode, first table and K latencies) over
+    // more steps whose loads overlap the compute (session 6).
+    constexpr int64_t kStep = int64_t{kWarps} * kStepPositions;  // positions per step of the 4 warps
+    sh.span_steps = p.steps_per_warp != 0
+                        ? p.steps_per_warp
+                        : static_cast<int>(largest_tile({16 * kStep, 8 * kStep, 4 * kStep, 2 * kStep, kStep}) / kStep);
+    sh.tile_positions = kStep * sh.span_steps;
+    sh.ring = sh.span_steps == 1 ? 1 : 2;
+    // Row split: 1 unless asked. Two warp sets were measured slower in the stack (verify bs 1:
+    // 1752.8 / 1755.7 vs 1689.9 / 1680.5 us per cycle; bs 4: 2887.0 vs 2708.4; docs/perf.md run 22):
+    // twice the threads per CTA and a second read of the tile's K cost more than the halved row walk.
+    const int RS = p.row_split != 0 ? p.row_split : 1;
+    sh.threads = kThreads * RS;
+    // Register cap: 3 CTAs per SM (168 registers, no spill). 4 (128 registers) paid with one-step
+    // tiles while its spills were small (docs/perf.md run 26: verify bs 1 -1.6 %); since the m-tiles
+    // share their B fragments (session 6) it spills ~180 B and 3 measured faster at verify bs 1
+    // (run 8: -0.6 / -1.0 % on two binaries; decode bs 1 in run 9). 4 stays a knob. (Row split:
+    // one CTA per SM, whatever the knob.)
+    sh.min_blocks = RS == 2 ? 1 : p.min_blocks != 0 ? p.min_blocks : 3;
+    sh.smem_bytes = smem_layout(sh.ring, G, RS).total;
+  }
+  sh.tiles = p.score_stride > 0 ? (p.score_stride + sh.tile_positions - 1) / sh.tile_positions : 0;
+  return sh;
+}
+
 void run_indexer_scores(const IndexerScoresParams& p, cudaStream_t stream, bool pdl) {
   const char* who = "run_indexer_scores";
   require(p.T >= 0, who, "negative T");
@@ -838,86 +894,32 @@ void run_indexer_scores(const IndexerScoresParams& p, cudaStream_t stream, bool 
 
   int page_shift = 0;
   while ((1 << page_shift) < P) ++page_shift;
-  const int G = p.group_rows;
-  const int64_t groups = (p.T + G - 1) / G;
-  if (masked) {
-    // Tiles of TBLK blocks whose kept blocks are compacted: the largest tile that still gives
-    // >= 1024 CTAs (the kept fraction is unknown here: ~1/4 of the blocks for one row at 64K, the
-    // union of a verify request's rows more), at least 16 blocks (128 positions, one step per warp).
-    int tblk = p.mask_tile_blocks;
-    if (tblk == 0) {
-      tblk = 16;
-      for (int t : {128, 64, 32})
-        if (groups * ((p.score_stride + 8 * t - 1) / (8 * t)) >= 1024) {
-          tblk = t;
-          break;
-        }
+  const IndexerScoresShape sh = indexer_scores_shape(p);
+  require(sh.tiles <= 65535, who, "score_stride too large for the tile grid");
+  using Kernel = void (*)(IndexerScoresParams, int, int, int);
+  Kernel kernel = nullptr;
+  if (sh.masked) {
+    switch (sh.mask_tile_blocks) {
+      case 16: kernel = indexer_scores_kernel<1, 1, 4, 16>; break;
+      case 32: kernel = indexer_scores_kernel<2, 1, 3, 32>; break;
+      case 64: kernel = indexer_scores_kernel<2, 1, 3, 64>; break;
+      default: kernel = indexer_scores_kernel<2, 1, 3, 128>; break;
     }
-    const int64_t tiles = (p.score_stride + 8 * tblk - 1) / (8 * tblk);
-    require(tiles <= 65535, who, "score_stride too large for the tile grid");
-    const int steps = tblk == 16 ? 1 : 2;
-    LaunchConfig cfg;
-    cfg.grid = dim3(static_cast<unsigned>(groups), static_cast<unsigned>(tiles), 1);
-    cfg.block = dim3(static_cast<unsigned>(kThreads), 1, 1);
-    cfg.smem_bytes = smem_layout(steps, G, 1, tblk).total;
-    cfg.stream = stream;
-    cfg.pdl = pdl;
-    const auto go = [&](auto kernel) { launch_kernel("indexer_scores_masked", kernel, cfg, p, G, page_shift, 0); };
-    switch (tblk) {
-      case 16: go(indexer_scores_kernel<1, 1, 4, 16>); break;
-      case 32: go(indexer_scores_kernel<2, 1, 3, 32>); break;
-      case 64: go(indexer_scores_kernel<2, 1, 3, 64>); break;
-      default: go(indexer_scores_kernel<2, 1, 3, 128>); break;
-    }
-    return;
+  } else if (sh.threads == 2 * kThreads) {  // row split
+    kernel = sh.ring == 1 ? indexer_scores_kernel<1, 2> : indexer_scores_kernel<2, 2>;
+  } else if (sh.min_blocks == 4) {  // registers capped at 128 (a few spills) for 4 CTAs per SM
+    kernel = sh.ring == 1 ? indexer_scores_kernel<1, 1, 4> : indexer_scores_kernel<2, 1, 4>;
+  } else {
+    kernel = sh.ring == 1 ? indexer_scores_kernel<1, 1> : indexer_scores_kernel<2, 1>;
   }
-  // Steps per warp per CTA (the tile = 128 * steps positions, streamed through a ring of 2 K
-  // buffers per warp; 1 buffer for one-step tiles): the largest of 16, 8, 4, 2 that still gives
-  // >= 1024 CTAs, else 1. Small grids take one step per warp for parallelism (verify bs 1 at 64K,
-  // 6 rows per CTA: 1 step (512 CTAs) beat 2 (256) by 37 us per 40-layer cycle, docs/perf.md
-  // session 2); large ones amortise the CTA's prologue (meta, q decode, first table and K
-  // latencies) over more steps whose loads overlap the compute (session 6).
-  int steps = p.steps_per_warp;
-  if (steps == 0) {
-    auto ctas = [&](int s) { return groups * ((p.score_stride + kThreads * s - 1) / (kThreads * s)); };
-    steps = 1;
-    for (int s : {16, 8, 4, 2})
-      if (ctas(s) >= 1024) {
-        steps = s;
-        break;
-      }
-  }
-  const int ring = steps == 1 ? 1 : 2;
-  const int64_t tile = static_cast<int64_t>(kWarps) * kStepPositions * steps;
-  const int64_t tiles = (p.score_stride + tile - 1) / tile;
-  require(tiles <= 65535, who, "score_stride too large for the tile grid");
-
-  // Row split: 1 unless asked. Two warp sets were measured slower in the stack (verify bs 1:
-  // 1752.8 / 1755.7 vs 1689.9 / 1680.5 us per cycle; bs 4: 2887.0 vs 2708.4; docs/perf.md run 22):
-  // twice the threads per CTA and a second read of the tile's K cost more than the halved row walk.
-  const int RS = p.row_split != 0 ? p.row_split : 1;
-  // Register cap: 3 CTAs per SM (168 registers, no spill). 4 (128 registers) paid with one-step
-  // tiles while its spills were small (docs/perf.md run 26: verify bs 1 -1.6 %); since the m-tiles
-  // share their B fragments (session 6) it spills ~180 B and 3 measured faster at verify bs 1
-  // (run 8: -0.6 / -1.0 % on two binaries; decode bs 1 in run 9). 4 stays a knob.
-  const int min_blocks = p.min_blocks != 0 ? p.min_blocks : 3;
   LaunchConfig cfg;
-  cfg.grid = dim3(static_cast<unsigned>(groups), static_cast<unsigned>(tiles), 1);
-  cfg.block = dim3(static_cast<unsigned>(kThreads * RS), 1, 1);
-  cfg.smem_bytes = smem_layout(ring, G, RS).total;
+  cfg.grid = dim3(static_cast<unsigned>(sh.groups), static_cast<unsigned>(sh.tiles), 1);
+  cfg.block = dim3(static_cast<unsigned>(sh.threads), 1, 1);
+  cfg.smem_bytes = sh.smem_bytes;
   cfg.stream = stream;
   cfg.pdl = pdl;
-  const auto go = [&](auto kernel) { launch_kernel("indexer_scores", kernel, cfg, p, G, page_shift, steps); };
-  if (RS == 2) {
-    if (ring == 1) go(indexer_scores_kernel<1, 2>);
-    else go(indexer_scores_kernel<2, 2>);
-  } else if (min_blocks == 4) {  // registers capped at 128 (a few spills) for 4 CTAs per SM
-    if (ring == 1) go(indexer_scores_kernel<1, 1, 4>);
-    else go(indexer_scores_kernel<2, 1, 4>);
-  } else {
-    if (ring == 1) go(indexer_scores_kernel<1, 1>);
-    else go(indexer_scores_kernel<2, 1>);
-  }
+  launch_kernel(sh.masked ? "indexer_scores_masked" : "indexer_scores", kernel, cfg, p, p.group_rows, page_shift,
+                sh.span_steps);
 }
 
 }  // namespace v4attn::kernels

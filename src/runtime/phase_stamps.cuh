@@ -9,6 +9,8 @@
 
 #include <cstdint>
 
+#include "kernels/device_common.cuh"
+
 namespace v4attn::stamps {
 
 enum Kind : uint32_t { kGemmV2 = 1, kGemmV3 = 2, kRmsNorm = 3, kActQuant = 4, kQRopeStore = 5 };
@@ -28,8 +30,7 @@ static __device__ unsigned int g_records = 0;
 
 __device__ __forceinline__ void write_entry(unsigned int record, uint32_t kind, uint32_t phase) {
   if (g_entries == nullptr || record >= g_records || phase >= kPhases) return;
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  const unsigned long long t = dev::globaltimer_ns();
   const unsigned long long c = clock64();
   unsigned int sm;
   asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));

@@ -9,7 +9,8 @@ namespace v4attn::stamps {
 bool available();
 // Allocates the device buffer on first use, binds every stamping unit to it and clears it.
 void reset();
-// Writes the recorded entries as text, one per line: global_ns clock kind sm cta_x cta_y phase.
+// Writes the recorded entries as text, one per line: global_ns clock kind sm cta_x cta_y phase
+// record (the stamping thread's record index; scripts/phase_stamps.py reads this format).
 // Returns the number of entries written.
 long dump(const std::string& path);
 

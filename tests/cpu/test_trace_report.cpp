@@ -83,6 +83,17 @@ TEST(TraceReport, RegexClassifier) {
 
 constexpr uint32_t kMainStream = 7, kSideS = 13, kSideK = 21;
 
+// A memcpy / memset record (no graph node).
+TraceRecord transfer(TraceKind kind, const std::string& name, uint32_t stream, uint64_t start, uint64_t end) {
+  TraceRecord r;
+  r.kind = kind;
+  r.name = name;
+  r.stream_id = stream;
+  r.start_ns = start;
+  r.end_ns = end;
+  return r;
+}
+
 TraceRecord kernel(const std::string& name, uint32_t stream, uint64_t start, uint64_t end, uint32_t corr = 0,
                    uint64_t node = 0) {
   TraceRecord r;
@@ -209,12 +220,7 @@ TEST(TraceReport, NegativeGapWhenEveryQRopeStoreLaunchesEarly) {
 // (traced cycles, docs/perf.md session 6) stays out of it, but not out of the record span.
 TEST(TraceReport, CycleTimeIsTheKernelSpan) {
   std::vector<TraceRecord> r;
-  TraceRecord anchor;
-  anchor.kind = TraceKind::kMemset;
-  anchor.name = "memset";
-  anchor.stream_id = kMainStream;
-  anchor.start_ns = 1'000;
-  anchor.end_ns = 1'500;
+  const TraceRecord anchor = transfer(TraceKind::kMemset, "memset", kMainStream, 1'000, 1'500);
   r.push_back(anchor);
   r.push_back(kernel("wq_b", kMainStream, 460'000, 470'000));
   r.push_back(kernel("q_rope_store", kMainStream, 469'000, 471'000));
@@ -361,12 +367,7 @@ TEST(TraceReport, TextTableHasOneColumnPerSchedule) {
 TEST(TraceReport, ChromeTraceOfOneCycle) {
   std::mt19937 rng(13);
   SynCycle c = make_cycle(rng, 4, 5'000'000, 42, {});
-  TraceRecord copy;
-  copy.kind = TraceKind::kMemcpy;
-  copy.name = "memcpy HtoD";
-  copy.stream_id = kMainStream;
-  copy.start_ns = 4'999'000;
-  copy.end_ns = 4'999'500;
+  TraceRecord copy = transfer(TraceKind::kMemcpy, "memcpy HtoD", kMainStream, 4'999'000, 4'999'500);
   copy.bytes = 4096;
   c.records.push_back(copy);
   const nlohmann::json j = nlohmann::json::parse(chrome_trace_json(c.records, syn_classifier()));

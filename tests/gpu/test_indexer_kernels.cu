@@ -1575,6 +1575,63 @@ TEST(GpuIndexerHostChecks, BadShapesAreRefusedBeforeLaunch) {
   }
 }
 
+// The launch shapes the docs describe (docs/design.md, perf.md session 6), without a GPU.
+TEST(GpuIndexerHostChecks, ScoresLaunchShapes) {
+  const auto shape = [](int64_t T, int group_rows, int64_t stride, bool masked, int steps = 0, int tile = 0,
+                        int row_split = 0, int min_blocks = 0) {
+    auto p = valid_scores_params();
+    p.T = T;
+    p.group_rows = group_rows;
+    p.score_stride = stride;
+    p.steps_per_warp = steps;
+    p.row_split = row_split;
+    p.min_blocks = min_blocks;
+    if (masked) {
+      p.candidate_mask = fake_ptr<uint8_t>();
+      p.mask_stride = stride / 8;
+      p.mask_tile_blocks = tile;
+    }
+    return kernels::indexer_scores_shape(p);
+  };
+  // Automatic steps: the largest of 16 / 8 / 4 / 2 giving >= 1024 CTAs, else 1.
+  auto s = shape(6, 6, 65536, false);  // verify bs 1: one step per warp, 512 CTAs, one K buffer
+  EXPECT_EQ(s.span_steps, 1);
+  EXPECT_EQ(s.ring, 1);
+  EXPECT_EQ(s.groups * s.tiles, 512);
+  EXPECT_EQ(s.threads, 128);
+  EXPECT_EQ(s.min_blocks, 3);
+  EXPECT_EQ(shape(24, 6, 65536, false).span_steps, 2);  // verify bs 4: 2 at 64K, 1 at 32K
+  EXPECT_EQ(shape(24, 6, 32768, false).span_steps, 1);
+  s = shape(32, 1, 32768, false);  // decode bs 32: 8 at 32K, 16 at 64K
+  EXPECT_EQ(s.span_steps, 8);
+  EXPECT_EQ(s.ring, 2);
+  EXPECT_EQ(s.tile_positions, 1024);
+  EXPECT_EQ(s.groups * s.tiles, 1024);
+  EXPECT_EQ(shape(32, 1, 65536, false).span_steps, 16);
+  // Knobs: steps, row split (two warp sets, one CTA per SM), the 4-CTA register cap.
+  s = shape(32, 1, 32768, false, 13);
+  EXPECT_EQ(s.span_steps, 13);
+  EXPECT_EQ(s.tiles, (32768 + 13 * 128 - 1) / (13 * 128));
+  EXPECT_EQ(shape(6, 6, 65536, false, 0, 0, 2).threads, 256);
+  EXPECT_EQ(shape(6, 6, 65536, false, 0, 0, 2).min_blocks, 1);
+  EXPECT_EQ(shape(6, 6, 65536, false, 0, 0, 1, 4).min_blocks, 4);
+  // Masked: the largest of 128 / 64 / 32 blocks giving >= 1024 CTAs, else 16.
+  s = shape(6, 6, 65536, true);  // verify bs 1
+  EXPECT_TRUE(s.masked);
+  EXPECT_EQ(s.mask_tile_blocks, 16);
+  EXPECT_EQ(s.ring, 1);
+  EXPECT_EQ(s.min_blocks, 4);
+  EXPECT_EQ(shape(32, 1, 65536, true).mask_tile_blocks, 128);  // decode bs 32
+  EXPECT_EQ(shape(8, 1, 65536, true).mask_tile_blocks, 64);    // decode bs 8
+  s = shape(32, 1, 65536, true, 0, 32);
+  EXPECT_EQ(s.mask_tile_blocks, 32);
+  EXPECT_EQ(s.tile_positions, 256);
+  EXPECT_EQ(s.tiles, 256);
+  // The masked kernel's per-warp block lists: 4 warps x 32 entries x 4 B more shared memory than
+  // the unmasked kernel with the same K buffers.
+  EXPECT_EQ(s.smem_bytes, shape(32, 1, 65536, false, 2).smem_bytes + 4 * 32 * 4);
+}
+
 TEST(GpuIndexerHostChecks, SelectionWorkspaceSizes) {
   using kernels::candidate_mask_workspace_bytes;
   using kernels::indexer_topk_workspace_bytes;

@@ -137,6 +137,22 @@ struct IndexerScoresParams {
                                             // the largest that gives >= 1024 CTAs, at least 16). Same bytes.
 };
 void run_indexer_scores(const IndexerScoresParams& p, cudaStream_t stream, bool pdl);
+// The launch shape run_indexer_scores takes for p (host only; p's launch fields as
+// run_indexer_scores accepts them): grid (groups x tiles), positions per CTA tile, K buffers
+// per warp, threads, dynamic shared memory and the CTAs per SM the registers are capped for.
+struct IndexerScoresShape {
+  bool masked = false;       // candidate_mask set: the masked kernel
+  int64_t groups = 0;        // grid x: ceil(T / group_rows)
+  int64_t tiles = 0;         // grid y: ceil(score_stride / tile_positions)
+  int64_t tile_positions = 0;
+  int mask_tile_blocks = 0;  // masked: blocks of 8 positions per tile
+  int span_steps = 0;        // unmasked: 32-position steps per warp per tile
+  int ring = 1;              // K buffers per warp
+  int threads = 0;
+  int min_blocks = 0;
+  size_t smem_bytes = 0;
+};
+IndexerScoresShape indexer_scores_shape(const IndexerScoresParams& p);
 
 // ---- candidate mask (candidate source layer) ------------------------------------------------
 // Block score = max over `block` positions (< clen), the block holding clen-1 pinned to +inf; the
