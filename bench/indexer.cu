@@ -30,6 +30,8 @@
 //  - top-k and candidate mask "v1" (one CTA per row), "v2" (many CTAs per row, workspace) and
 //    "v3" (one thread-block cluster per row, automatic cluster size), "v3-c8" / "v3-c16" (8 / 16
 //    CTAs per row).
+//  - pair "v3" (the candidate source's top-k and mask in one launch, run_indexer_select_pair_v3)
+//    and "serial" (the v3 mask then the v3 top-k, two launches).
 //  - q pack "v2" (one thread per pair of values).
 //  - chain "idx": q pack -> scores (g6 for verify) -> top-k v2, and "idx+mask": with the
 //    candidate mask v2 before the top-k (the candidate source layer), captured once in a CUDA
@@ -387,13 +389,8 @@ bool validate_scores(Problem& pb, cudaStream_t s, int group_rows = 1, const Host
   return true;
 }
 
-// Top-k and candidate mask of one version against the reference, both fed the GPU scores.
-bool validate_topk_and_mask(Problem& pb, cudaStream_t s, const SelVersion& v, bool& mask_ok) {
-  kn::run_indexer_scores(scores_params(pb, 0), s, false);
-  pb.d_out.fill_bytes(0xAB, s);
-  pb.d_mask.fill_bytes(0xAB, s);
-  kn::run_indexer_topk(topk_params(pb, v), s, false);
-  kn::run_candidate_mask(mask_params(pb, v), s, false);
+// The top-k and candidate mask outputs in d_out / d_mask against the reference fed the GPU scores.
+bool check_topk_and_mask(Problem& pb, cudaStream_t s, bool& mask_ok) {
   V4_CUDA_CHECK(cudaStreamSynchronize(s));
   const auto scores = to_host(pb.d_scores, static_cast<size_t>(pb.T) * pb.stride);
   const auto out = to_host(pb.d_out, static_cast<size_t>(pb.T) * kTopk);
@@ -406,6 +403,16 @@ bool validate_topk_and_mask(Problem& pb, cudaStream_t s, const SelVersion& v, bo
                       want_mask.data(), pb.mask_stride);
   mask_ok = mask == want_mask;
   return out == want;
+}
+
+// Top-k and candidate mask of one version against the reference, both fed the GPU scores.
+bool validate_topk_and_mask(Problem& pb, cudaStream_t s, const SelVersion& v, bool& mask_ok) {
+  kn::run_indexer_scores(scores_params(pb, 0), s, false);
+  pb.d_out.fill_bytes(0xAB, s);
+  pb.d_mask.fill_bytes(0xAB, s);
+  kn::run_indexer_topk(topk_params(pb, v), s, false);
+  kn::run_candidate_mask(mask_params(pb, v), s, false);
+  return check_topk_and_mask(pb, s, mask_ok);
 }
 
 // The chain of one index-source layer (optionally with the candidate mask of the candidate source,
@@ -588,6 +595,30 @@ int main(int argc, char** argv) {
             const auto mp = mask_params(pb, v);
             row_of("candidate_mask", v.name, mask_bytes, mask_ok,
                    cold_median_us([&](cudaStream_t s) { kn::run_candidate_mask(mp, s, false); }));
+          }
+          // The candidate source's two selections: one pair launch (v3) against mask + top-k as two
+          // launches ("serial"), both checked against the reference first.
+          for (const char* form : {"v3", "serial"}) {
+            if (!want("pair", form)) continue;
+            const bool one = std::string(form) == "v3";
+            const auto tp = topk_params(pb, kChainV3);
+            const auto mp = mask_params(pb, kChainV3);
+            const auto issue = [&](cudaStream_t s) {
+              if (one) {
+                (void)kn::run_indexer_select_pair_v3(tp, mp, s, false);
+              } else {
+                kn::run_candidate_mask_v3(mp, s, false);
+                kn::run_indexer_topk_v3(tp, s, false);
+              }
+            };
+            kn::run_indexer_scores(scores_params(pb, 0), stream, false);
+            pb.d_out.fill_bytes(0xAB, stream);
+            pb.d_mask.fill_bytes(0xAB, stream);
+            issue(stream);
+            bool mask_ok = false;
+            const bool topk_ok = check_topk_and_mask(pb, stream, mask_ok);
+            row_of("pair", form, topk_bytes + mask_bytes - pb.visible_positions * 4, topk_ok && mask_ok,
+                   cold_median_us(issue));
           }
           // q pack, then the chains (q pack overwrites the random q of d_codes: done last).
           const int64_t qpack_bytes = int64_t{pb.T} * (kHeads * 128 * 2 + kHeads * 2 + kHeads * (64 + 4 + 4) + 4);

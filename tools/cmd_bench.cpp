@@ -234,6 +234,7 @@ struct BenchCliOptions {
   std::string gemm_small = "auto";
   bool no_idx_gemm_main = false;
   int select_cluster = 0;
+  bool no_select_pair = false;
   bool qnorm_trigger_late = false;
   int qb_prewait_stages = -1;
   int qb_overlap = -1;
@@ -378,6 +379,7 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
     j["gemm_small"] = kernels::gemm_version_name(c.knobs.gemm_small);
     j["idx_gemm_on_main"] = c.knobs.idx_gemm_on_main;
     j["select_cluster"] = c.knobs.select_cluster;
+    j["select_pair"] = c.knobs.select_pair;
     j["qnorm_trigger_late"] = c.knobs.qnorm_trigger_late;
     j["qb_prewait_stages"] = c.knobs.qb_prewait_stages;
     j["qb_overlap"] = c.knobs.qb_overlap;
@@ -540,6 +542,9 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
                   "Selection v3: CTAs per row (thread-block cluster size) 1, 2, 4, 8 or 16; 0: automatic")
       ->check(CLI::IsMember({0, 1, 2, 4, 8, 16}))
       ->capture_default_str();
+  sub->add_flag("--no-select-pair", o->no_select_pair,
+                "Selection v3, the candidate source: the candidate mask then the top-k as two launches (default: one "
+                "launch for both when they fit one wave; same bytes)");
   sub->add_option("--select", o->select,
                   "Indexer top-k / candidate-mask kernels: v3 (one cluster per row) or v2 (chunk CTAs + merge)")
       ->check(CLI::IsMember({"v2", "v3"}))
@@ -588,6 +593,7 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       // The lane-K placement of the indexer's GEMMs excludes the main-lane one.
       c.knobs.idx_gemm_on_main = !o->no_idx_gemm_main && o->s_fork != "idx-gemms-on-k";
       c.knobs.select_cluster = o->select_cluster;
+      c.knobs.select_pair = !o->no_select_pair;
       c.knobs.qnorm_trigger_late = o->qnorm_trigger_late;
       c.knobs.qb_prewait_stages = o->qb_prewait_stages;
       c.knobs.qb_overlap = o->qb_overlap;

@@ -1,5 +1,5 @@
-// Thin PTX wrappers for the sm_90a GEMMs v2 and v3 (gemm_wgmma.cu, gemm_wgmma_pipelined.cu):
-// mbarriers, TMA, ldmatrix, wgmma fences / groups, setmaxnreg, thread-block clusters and distributed
+// Thin PTX wrappers for the sm_90a GEMMs v2 and v3 (gemm_wgmma.cu, gemm_wgmma_pipelined.cu) and the
+// selection v3's histogram exchange (kernels/indexer_select_v3.cu): mbarriers, TMA, ldmatrix, wgmma fences / groups, setmaxnreg, thread-block clusters and distributed
 // shared memory, and the two ways of widening e4m3 codes to f16 (the cvt instruction, or integer ops
 // with the result scaled by 2^-8). Device-only; every function is one or a few instructions.
 #pragma once
@@ -30,6 +30,22 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
       ".reg .pred P1;\n"
       "WAIT_LOOP:\n"
       "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+      "@P1 bra WAIT_DONE;\n"
+      "bra WAIT_LOOP;\n"
+      "WAIT_DONE:\n"
+      "}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+// The same, with cluster-scope acquire: data that other CTAs of the cluster wrote into this CTA's
+// shared memory with st.async (completing on this barrier) is visible after it returns.
+__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred P1;\n"
+      "WAIT_LOOP:\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 P1, [%0], %1;\n"
       "@P1 bra WAIT_DONE;\n"
       "bra WAIT_LOOP;\n"
       "WAIT_DONE:\n"
@@ -92,6 +108,16 @@ __device__ __forceinline__ uint32_t map_to_cluster_rank(uint32_t local_addr, uin
   uint32_t r;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(local_addr), "r"(rank));
   return r;
+}
+// Fire-and-forget 16-byte store into the shared memory of a CTA of the cluster (`cluster_addr`, from
+// map_to_cluster_rank) that signals its 16 bytes as complete-tx on that CTA's mbarrier `cluster_bar`
+// (also a shared::cluster address): the receiver waits on its barrier, no cluster barrier and no
+// memory fence on the sender.
+__device__ __forceinline__ void st_async_v4(uint32_t cluster_addr, uint4 v, uint32_t cluster_bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(
+                   cluster_addr),
+               "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(cluster_bar)
+               : "memory");
 }
 __device__ __forceinline__ float4 ld_cluster_f32x4(uint32_t cluster_addr) {
   float4 v;

@@ -20,15 +20,20 @@
 //    positions / 192K blocks) is not kept: each pass re-reads it (from L2), same results.
 // 2. Radix select of K* over the cluster: 4 passes of 8-bit digits from the top. Per pass: a
 //    local shared-memory histogram of the digit of the keys that match the prefix chosen so far
-//    (warp-aggregated atomics: equal digits in a warp cost one atomic), PUSHED into slot `rank`
-//    of every cluster CTA's receive buffer (st.shared::cluster, fire-and-forget), one cluster
-//    barrier (arrive.release / wait.acquire), then every CTA combines the cluster's histograms
+//    (one atomic per warp when the taking lanes share the digit, else one per lane), PUSHED into
+//    slot `rank` of every cluster CTA's receive buffer with st.async, whose bytes complete on that
+//    CTA's mbarrier of the buffer (no cluster barrier per pass, no release fence on the sender:
+//    the fence of a cluster barrier's release arrive was the top stall of the old exchange). Each
+//    CTA waits on its own barrier for the cluster's bytes, then combines the cluster's histograms
 //    from its own shared memory and finds the digit holding the k-th key by a block scan over the
 //    bins in descending order, redundantly (all CTAs compute the same integers, so the same
-//    choice; no broadcast step). The receive buffers alternate by pass parity, so one barrier per
-//    pass suffices: a CTA writes buffer b of pass p + 2 only after barrier p + 1, which every CTA
-//    reaches after it finished reading buffer b in pass p. Every remote access precedes a
-//    barrier that its target waits on, so a CTA may exit without a final cluster barrier.
+//    choice; no broadcast step). The receive buffers (and their barriers) alternate by pass
+//    parity: a CTA pushes into buffer b for pass p + 2 only after it received every CTA's pass
+//    p + 1 histogram, which each CTA sends after it finished reading its buffer b in pass p; so
+//    a phase's bytes never land in a buffer still being read, or on a barrier still in the
+//    previous phase. The first push waits for the kernel-start cluster barrier (every CTA runs
+//    and has initialised its barriers). Every remote write lands before its target's own wait
+//    returns, so a CTA may exit without a final cluster barrier.
 //    The same scan also sums, per bin, the histograms of the LOWER ranks only: summed over the
 //    bins above the chosen digit (and over the passes) that is the number of keys > K* in the
 //    chunks before this CTA's; at the chosen digit of the last pass, the number of ties before
@@ -59,6 +64,7 @@
 #include <tuple>
 
 #include "kernels/device_common.cuh"
+#include "gemm/hopper_ptx.cuh"
 #include "kernels/indexer_select_common.cuh"
 #include "runtime/cuda_utils.h"
 #include "runtime/launch.h"
@@ -70,6 +76,9 @@ namespace v3 {
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
+// 2 CTAs per SM (64 registers; a few bytes spill): the launches plan one wave of 2 CTAs per SM
+// (make_plan), and the pair kernel needs it to run both selections of 8 rows at once.
+constexpr int kMinCtas = 2;
 constexpr int kDigitBits = 8;
 constexpr int kBins = 1 << kDigitBits;       // 256
 constexpr int kPasses = 32 / kDigitBits;     // 4
@@ -106,6 +115,7 @@ struct alignas(16) Smem {
   uint32_t comb[2][kBinWarps][2];      // combine scan: per-warp (total, lower-rank) sums, by parity
   uint32_t scan[2][kWarps];            // compaction scan: per-warp packed sums, by round parity
   Found found[2];                      // by pass parity
+  uint64_t mbar[2];                    // clustered: receive buffer b's arrivals (st.async tx bytes)
 };
 
 struct Args {
@@ -132,25 +142,20 @@ __device__ __forceinline__ uint32_t cluster_ctarank() {
 __device__ __forceinline__ void cluster_arrive_relaxed() {
   asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
 }
-__device__ __forceinline__ void cluster_arrive_release() {
-  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-}
 __device__ __forceinline__ void cluster_wait_acquire() {
   asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-// The shared::cluster address of the same variable in the CTA of rank `rank`.
-__device__ __forceinline__ uint32_t map_to_rank(uint32_t addr, uint32_t rank) {
-  uint32_t r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
-  return r;
-}
-__device__ __forceinline__ void st_cluster_v4(uint32_t addr, uint4 v) {
-  asm volatile("st.shared::cluster.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z),
-               "r"(v.w)
-               : "memory");
+using hopper::map_to_cluster_rank;
+using hopper::smem_u32;
+
+// Kernel start, before the cluster arrive: the two receive-buffer barriers (one arrival per phase:
+// this CTA's expect_tx; the cluster's pushes complete the bytes), published to the cluster.
+__device__ __forceinline__ void init_exchange(Smem& sm, int cluster) {
+  if (cluster > 1 && threadIdx.x == 0) {
+    hopper::mbar_init(smem_u32(&sm.mbar[0]), 1);
+    hopper::mbar_init(smem_u32(&sm.mbar[1]), 1);
+    hopper::fence_mbarrier_init();
+  }
 }
 
 // ---- one CTA's chunk ----
@@ -241,9 +246,17 @@ __device__ void local_histogram(const Chunk<N>& ch, const Load& load, const uint
       const bool take = k != 0u && (pass == 0 || (k >> (shift + kDigitBits)) == prefix);
       const uint32_t active = __ballot_sync(kFullMask, take);
       if (take) {
+        // One atomic per warp when the taking lanes share the digit (the top digits of a row's
+        // keys mostly do), else one per lane: cheaper than grouping the lanes by digit
+        // (__match_any_sync), whose latency was the histogram's top stall.
         const uint32_t digit = (k >> shift) & (kBins - 1u);
-        const uint32_t peers = __match_any_sync(active, digit);  // ties cost one atomic per warp
-        if (lane == static_cast<unsigned>(__ffs(peers) - 1)) atomicAdd(&sm.hloc[digit], __popc(peers));
+        const int leader = __ffs(active) - 1;
+        const uint32_t lead_digit = __shfl_sync(active, digit, leader);
+        if (__all_sync(active, digit == lead_digit)) {
+          if (lane == static_cast<unsigned>(leader)) atomicAdd(&sm.hloc[digit], __popc(active));
+        } else {
+          atomicAdd(&sm.hloc[digit], 1u);
+        }
       }
     }
   }
@@ -275,21 +288,26 @@ __device__ Selection cluster_select(const Chunk<N>& ch, const Load& load, uint32
 
     // Push hloc into slot `rank` of receive buffer b of every CTA (this one included).
     uint32_t* my_slot = recv + (int64_t{b} * cluster + rank) * kBins;
-    for (int item = tid; item < cluster * (kBins / 4); item += kThreads) {
-      const int r = item / (kBins / 4), quad = item % (kBins / 4);
-      const uint4 v = reinterpret_cast<const uint4*>(sm.hloc)[quad];
-      if (clustered) st_cluster_v4(map_to_rank(smem_addr(my_slot + 4 * quad), static_cast<uint32_t>(r)), v);
-      else reinterpret_cast<uint4*>(my_slot)[quad] = v;
-    }
     if (clustered) {
-      cluster_arrive_release();  // our pushes are visible to every CTA that passes the wait
-      cluster_wait_acquire();    // every CTA's pushes into our buffer b are visible
+      // st.async completing on the receiver's barrier b: each CTA waits for the cluster's bytes
+      // only (no cluster barrier, no release fence on the pushes). Phase (pass >> 1) of barrier b.
+      const uint32_t bar = smem_u32(&sm.mbar[b]);
+      if (tid == 0) hopper::mbar_arrive_expect_tx(bar, static_cast<uint32_t>(cluster * kBins * sizeof(uint32_t)));
+      for (int item = tid; item < cluster * (kBins / 4); item += kThreads) {
+        const uint32_t r = static_cast<uint32_t>(item / (kBins / 4));
+        const int quad = item % (kBins / 4);
+        const uint4 v = reinterpret_cast<const uint4*>(sm.hloc)[quad];
+        hopper::st_async_v4(map_to_cluster_rank(smem_u32(my_slot + 4 * quad), r), v, map_to_cluster_rank(bar, r));
+      }
+      hopper::mbar_wait_cluster(bar, static_cast<uint32_t>(pass >> 1) & 1u);  // every CTA's pushes into buffer b
     } else {
+      for (int quad = tid; quad < kBins / 4; quad += kThreads)
+        reinterpret_cast<uint4*>(my_slot)[quad] = reinterpret_cast<const uint4*>(sm.hloc)[quad];
       __syncthreads();
     }
 
     // Combine: thread i < 256 owns bin 255 - i (descending), sums it over the cluster and over the
-    // lower ranks; threads 256.. zero hloc for the next pass (its push is done: barrier above).
+    // lower ranks.
     uint32_t tot = 0u, bef = 0u, incl_t = 0u, incl_b = 0u;
     const uint32_t bin = static_cast<uint32_t>(kBins - 1 - tid);
     if (tid < kBins) {
@@ -311,10 +329,8 @@ __device__ Selection cluster_select(const Chunk<N>& ch, const Load& load, uint32
         sm.comb[b][wid][0] = incl_t;
         sm.comb[b][wid][1] = incl_b;
       }
-    } else if (tid < 2 * kBins) {
-      sm.hloc[tid - kBins] = 0u;
     }
-    __syncthreads();
+    __syncthreads();  // every thread's pushes (its reads of hloc) are done: hloc may be zeroed
     uint32_t all_t = 0u, all_b = 0u, warp_t = 0u, warp_b = 0u;
 #pragma unroll
     for (int w = 0; w < kBinWarps; ++w) {
@@ -331,6 +347,7 @@ __device__ Selection cluster_select(const Chunk<N>& ch, const Load& load, uint32
       s.total = all_t;
       return s;
     }
+    if (tid >= kBins && tid < 2 * kBins) sm.hloc[tid - kBins] = 0u;  // for the next pass
     if (tid < kBins) {
       incl_t += warp_t;
       incl_b += warp_b;
@@ -481,13 +498,11 @@ __device__ __forceinline__ int64_t clamp_topk_row(int32_t req, int64_t c, const 
   return c;
 }
 
-__global__ void __launch_bounds__(kThreads) indexer_topk_v3_kernel(const __grid_constant__ IndexerTopkParams p,
-                                                                     const Args a) {
-  __shared__ Smem sm;
+// One CTA of row t's cluster (the top-k kernel, or the top-k half of the pair kernel).
+__device__ __forceinline__ void topk_cta(const IndexerTopkParams& p, const Args& a, int64_t t, Smem& sm) {
   uint32_t* recv = recv_buffers();
   uint32_t* keys_sm = recv + 2 * a.cluster * kBins;
   const int tid = static_cast<int>(threadIdx.x);
-  const int64_t t = blockIdx.x / static_cast<unsigned>(a.cluster);
   const uint32_t rank = a.cluster > 1 ? cluster_ctarank() : 0u;
   const int32_t req = p.req[t];
   bool err;
@@ -495,6 +510,7 @@ __global__ void __launch_bounds__(kThreads) indexer_topk_v3_kernel(const __grid_
   if (err && rank == 0 && tid == 0) dev::count_error(p.err_count);
   const uint32_t k = static_cast<uint32_t>(min(static_cast<int64_t>(p.topk), c));  // cluster-uniform
   for (int i = tid; i < kBins; i += kThreads) sm.hloc[i] = 0u;
+  init_exchange(sm, a.cluster);
   if (k > 0 && a.cluster > 1) cluster_arrive_relaxed();
 
   dev::pdl_wait();  // scores, the mask and the slot table come from predecessors
@@ -531,16 +547,19 @@ __global__ void __launch_bounds__(kThreads) indexer_topk_v3_kernel(const __grid_
   dev::pdl_launch_dependents();  // after this thread's last store
 }
 
+__global__ void __launch_bounds__(kThreads, kMinCtas) indexer_topk_v3_kernel(const __grid_constant__ IndexerTopkParams p,
+                                                                     const Args a) {
+  __shared__ Smem sm;
+  topk_cta(p, a, blockIdx.x / static_cast<unsigned>(a.cluster), sm);
+}
+
 // ---- candidate mask ----
 using select_keys::block_key;  // indexer_select_common.cuh
 
-__global__ void __launch_bounds__(kThreads) candidate_mask_v3_kernel(const __grid_constant__ CandidateMaskParams p,
-                                                                       const Args a) {
-  __shared__ Smem sm;
+__device__ __forceinline__ void mask_cta(const CandidateMaskParams& p, const Args& a, int64_t t, Smem& sm) {
   uint32_t* recv = recv_buffers();
   uint32_t* keys_sm = recv + 2 * a.cluster * kBins;
   const int tid = static_cast<int>(threadIdx.x);
-  const int64_t t = blockIdx.x / static_cast<unsigned>(a.cluster);
   const uint32_t rank = a.cluster > 1 ? cluster_ctarank() : 0u;
   int64_t c = p.clen[t];
   if (c < 0 || c > p.score_stride) {
@@ -550,6 +569,7 @@ __global__ void __launch_bounds__(kThreads) candidate_mask_v3_kernel(const __gri
   const int64_t n_blocks = (c + p.block - 1) / p.block;
   const uint32_t k = static_cast<uint32_t>(min(static_cast<int64_t>(p.topk_blocks), n_blocks));
   for (int i = tid; i < kBins; i += kThreads) sm.hloc[i] = 0u;
+  init_exchange(sm, a.cluster);
   if (k > 0 && a.cluster > 1) cluster_arrive_relaxed();
 
   dev::pdl_wait();
@@ -579,6 +599,24 @@ __global__ void __launch_bounds__(kThreads) candidate_mask_v3_kernel(const __gri
   for (int64_t i = zero_from + int64_t{rank} * kThreads + tid; i < p.mask_stride; i += step) mask[i] = 0;
 
   dev::pdl_launch_dependents();
+}
+
+__global__ void __launch_bounds__(kThreads, kMinCtas) candidate_mask_v3_kernel(const __grid_constant__ CandidateMaskParams p,
+                                                                       const Args a) {
+  __shared__ Smem sm;
+  mask_cta(p, a, blockIdx.x / static_cast<unsigned>(a.cluster), sm);
+}
+
+// The candidate source's two selections over the same scores in one launch: clusters [0, T) of the
+// grid run the top-k of rows 0..T-1, clusters [T, 2T) the candidate mask (both kinds of cluster
+// have the same size; a cluster never mixes them). Neither needs the other's output.
+__global__ void __launch_bounds__(kThreads, kMinCtas) select_pair_v3_kernel(const __grid_constant__ IndexerTopkParams tp,
+                                                                    const __grid_constant__ CandidateMaskParams mp,
+                                                                    const Args ta, const Args ma) {
+  __shared__ Smem sm;
+  const int64_t c = blockIdx.x / static_cast<unsigned>(ta.cluster);
+  if (c < tp.T) topk_cta(tp, ta, c, sm);
+  else mask_cta(mp, ma, c - tp.T, sm);
 }
 
 }  // namespace v3
@@ -706,8 +744,10 @@ void launch_plan(const char* who, const void* kernel_ptr, const Plan& pl, int64_
 
 }  // namespace
 
-void run_indexer_topk_v3(const IndexerTopkParams& p, cudaStream_t stream, bool pdl) {
-  const char* who = "run_indexer_topk_v3";
+namespace {
+
+// Argument checks of the v3 launchers (the pair checks both); false: nothing to launch (T == 0).
+bool check_topk_v3(const IndexerTopkParams& p, const char* who) {
   require(p.T >= 0, who, "negative T");
   require(p.out_stride > 0 && p.out_stride % 64 == 0, who,
           "out_stride " + std::to_string(p.out_stride) + " must be a positive multiple of 64");
@@ -721,23 +761,12 @@ void run_indexer_topk_v3(const IndexerTopkParams& p, cudaStream_t stream, bool p
             "mask_stride must be >= ceil(score_stride / mask_block)");
   }
   require_cluster_choice(p.v3_cluster, who);
-  if (p.T == 0) return;
+  if (p.T == 0) return false;
   require(p.scores != nullptr && p.clen != nullptr && p.req != nullptr && p.out != nullptr, who, "null pointer");
   require(p.comp_slot_table != nullptr || p.comp_table_rows == 0, who, "null slot table");
-  const auto kernel = v3::indexer_topk_v3_kernel;
-  const Plan pl = make_plan(reinterpret_cast<const void*>(kernel), p.v3_cluster, p.T, p.score_stride, v3::kTopkPer, who);
-
-  v3::Args a;
-  a.cluster = pl.cluster;
-  a.rounds_cap = pl.rounds_cap;
-  a.vec = aligned16(p.scores) && p.score_stride % 4 == 0;
-  LaunchConfig cfg;
-  launch_plan(who, reinterpret_cast<const void*>(kernel), pl, p.T, stream, pdl, cfg);
-  launch_kernel("indexer_topk_v3", kernel, cfg, p, a);
+  return true;
 }
-
-void run_candidate_mask_v3(const CandidateMaskParams& p, cudaStream_t stream, bool pdl) {
-  const char* who = "run_candidate_mask_v3";
+bool check_mask_v3(const CandidateMaskParams& p, const char* who) {
   require(p.T >= 0, who, "negative T");
   require(p.block > 0, who, "block must be > 0");
   require(p.topk_blocks >= 0, who, "topk_blocks must be >= 0");
@@ -745,19 +774,74 @@ void run_candidate_mask_v3(const CandidateMaskParams& p, cudaStream_t stream, bo
   require(p.mask_stride >= (p.score_stride + p.block - 1) / p.block && p.mask_stride < (int64_t{1} << 31), who,
           "mask_stride must be >= ceil(score_stride / block) (and < 2^31)");
   require_cluster_choice(p.v3_cluster, who);
-  if (p.T == 0) return;
+  if (p.T == 0) return false;
   require(p.scores != nullptr && p.clen != nullptr && p.mask != nullptr, who, "null pointer");
-  const auto kernel = v3::candidate_mask_v3_kernel;
-  const Plan pl = make_plan(reinterpret_cast<const void*>(kernel), p.v3_cluster, p.T,
-                            (p.score_stride + p.block - 1) / p.block, v3::kMaskPer, who);
+  return true;
+}
+int64_t mask_blocks(const CandidateMaskParams& p) { return (p.score_stride + p.block - 1) / p.block; }
 
+v3::Args args_of(const Plan& pl, const float* scores, int64_t score_stride) {
   v3::Args a;
   a.cluster = pl.cluster;
   a.rounds_cap = pl.rounds_cap;
-  a.vec = aligned16(p.scores) && p.score_stride % 4 == 0;
+  a.vec = aligned16(scores) && score_stride % 4 == 0;
+  return a;
+}
+
+}  // namespace
+
+void run_indexer_topk_v3(const IndexerTopkParams& p, cudaStream_t stream, bool pdl) {
+  const char* who = "run_indexer_topk_v3";
+  if (!check_topk_v3(p, who)) return;
+  const auto kernel = v3::indexer_topk_v3_kernel;
+  const Plan pl = make_plan(reinterpret_cast<const void*>(kernel), p.v3_cluster, p.T, p.score_stride, v3::kTopkPer, who);
   LaunchConfig cfg;
   launch_plan(who, reinterpret_cast<const void*>(kernel), pl, p.T, stream, pdl, cfg);
-  launch_kernel("candidate_mask_v3", kernel, cfg, p, a);
+  launch_kernel("indexer_topk_v3", kernel, cfg, p, args_of(pl, p.scores, p.score_stride));
+}
+
+void run_candidate_mask_v3(const CandidateMaskParams& p, cudaStream_t stream, bool pdl) {
+  const char* who = "run_candidate_mask_v3";
+  if (!check_mask_v3(p, who)) return;
+  const auto kernel = v3::candidate_mask_v3_kernel;
+  const Plan pl = make_plan(reinterpret_cast<const void*>(kernel), p.v3_cluster, p.T, mask_blocks(p), v3::kMaskPer, who);
+  LaunchConfig cfg;
+  launch_plan(who, reinterpret_cast<const void*>(kernel), pl, p.T, stream, pdl, cfg);
+  launch_kernel("candidate_mask_v3", kernel, cfg, p, args_of(pl, p.scores, p.score_stride));
+}
+
+bool run_indexer_select_pair_v3(const IndexerTopkParams& tp, const CandidateMaskParams& mp, cudaStream_t stream,
+                                bool pdl) {
+  const char* who = "run_indexer_select_pair_v3";
+  const bool any_t = check_topk_v3(tp, who);
+  check_mask_v3(mp, who);
+  require(tp.T == mp.T, who, "the top-k and the mask must cover the same rows (T " + std::to_string(tp.T) + " vs " +
+                                 std::to_string(mp.T) + ")");
+  require(tp.v3_cluster == mp.v3_cluster, who, "one cluster size for both halves (v3_cluster differs)");
+  require(tp.candidate_mask == nullptr || tp.candidate_mask != mp.mask, who,
+          "the top-k cannot read the mask the same launch writes");
+  if (!any_t) return true;
+  const auto pair = v3::select_pair_v3_kernel;
+  const void* pair_ptr = reinterpret_cast<const void*>(pair);
+  // The automatic cluster for 2T rows keeps the pair in one wave; when that is smaller than what
+  // the top-k alone takes (more than 8 rows on 132 SMs), two launches one after the other are
+  // faster than a pair of smaller clusters: then the caller's order (mask, top-k) is kept.
+  const Plan alone = make_plan(reinterpret_cast<const void*>(v3::indexer_topk_v3_kernel), tp.v3_cluster, tp.T,
+                               tp.score_stride, v3::kTopkPer, who);
+  const Plan pt = make_plan(pair_ptr, tp.v3_cluster, 2 * tp.T, tp.score_stride, v3::kTopkPer, who);
+  Plan pm = make_plan(pair_ptr, pt.cluster, mp.T, mask_blocks(mp), v3::kMaskPer, who);
+  const size_t smem = std::max(pt.smem, pm.smem);
+  if (pt.cluster < alone.cluster || (pt.cluster > 8 && !cluster_fits(pair_ptr, pt.cluster, smem))) {
+    run_candidate_mask_v3(mp, stream, pdl);
+    run_indexer_topk_v3(tp, stream, pdl);
+    return false;
+  }
+  pm.smem = smem;
+  LaunchConfig cfg;
+  launch_plan(who, pair_ptr, pm, 2 * tp.T, stream, pdl, cfg);
+  launch_kernel("select_pair_v3", pair, cfg, tp, mp, args_of(pt, tp.scores, tp.score_stride),
+                args_of(pm, mp.scores, mp.score_stride));
+  return true;
 }
 
 }  // namespace v4attn::kernels

@@ -990,8 +990,9 @@ void GpuPrepareStack::Impl::issue_idx_select(int L, int T, cudaStream_t s) {
   const LayerPlan& l = lp(L);
   const int r = l.ratio;
   const MetaField clen = r == 1 ? kMClen1 : kMClen2;
+  kn::CandidateMaskParams mp;  // the candidate source's: published for the index sources after it
   if (l.is_candidate_source) {
-    kn::CandidateMaskParams p;  // published for the index sources after it; its own top-k is unmasked
+    kn::CandidateMaskParams& p = mp;
     p.scores = scores;
     p.score_stride = score_stride_r[r];
     p.clen = mf(clen);
@@ -1005,7 +1006,9 @@ void GpuPrepareStack::Impl::issue_idx_select(int L, int T, cudaStream_t s) {
     p.workspace_bytes = select_ws_bytes;
     p.version = o.select_version == 3 ? 3 : 0;  // 0: v2 with the workspace
     p.v3_cluster = o.select_cluster;
-    kn::run_candidate_mask(p, s, pdl_rest());
+    // Its own top-k is unmasked (uses_candidates is for the layers after it): the two selections
+    // read the same scores and not each other, so v3 may run them as one launch.
+    if (!(o.select_pair && o.select_version == 3)) kn::run_candidate_mask(p, s, pdl_rest());
   }
   kn::IndexerTopkParams p;
   p.scores = scores;
@@ -1029,6 +1032,10 @@ void GpuPrepareStack::Impl::issue_idx_select(int L, int T, cudaStream_t s) {
   p.workspace_bytes = select_ws_bytes;
   p.version = o.select_version == 3 ? 3 : 0;  // 0: v2 with the workspace
   p.v3_cluster = o.select_cluster;
+  if (l.is_candidate_source && o.select_pair && o.select_version == 3) {
+    (void)kn::run_indexer_select_pair_v3(p, mp, s, pdl_rest());
+    return;
+  }
   kn::run_indexer_topk(p, s, pdl_rest());
 }
 

@@ -681,6 +681,157 @@ TEST(GpuIndexerSelectV3, FirstLaunchInsideGraphCapture) {
 }
 
 // =================================================================================================
+// the pair launch (candidate source: its top-k and its mask over the same scores, one launch)
+// =================================================================================================
+
+struct PairResult {
+  std::vector<int32_t> topk;
+  std::vector<uint8_t> mask;
+  bool one_launch = false;
+};
+
+// The top-k of `pb` and the mask of its scores (block 8, budget 2048) through
+// run_indexer_select_pair_v3, both outputs poisoned.
+PairResult gpu_pair(const TopkProblem& pb, const MaskProblem& mp, int cluster, Launch mode) {
+  auto d_scores = to_device(pb.scores);
+  auto d_req = to_device(pb.req);
+  auto d_clen = to_device(pb.clen);
+  auto d_table = to_device(pb.table.v);
+  PoisonedOutput<int32_t> out(static_cast<size_t>(pb.T * pb.out_stride));
+  PoisonedOutput<uint8_t> mask(static_cast<size_t>(mp.T * mp.mask_stride));
+  ErrorCount err;
+  kernels::IndexerTopkParams p;
+  p.scores = d_scores.get();
+  p.score_stride = pb.stride;
+  p.clen = d_clen.get();
+  p.req = d_req.get();
+  p.T = pb.T;
+  p.comp_slot_table = d_table.get();
+  p.comp_table_stride = pb.table.stride;
+  p.comp_table_rows = pb.table.rows;
+  p.topk = pb.topk;
+  p.out = out.get();
+  p.out_stride = pb.out_stride;
+  p.err_count = err.get();
+  p.v3_cluster = cluster;
+  kernels::CandidateMaskParams m;
+  m.scores = d_scores.get();
+  m.score_stride = mp.stride;
+  m.clen = d_clen.get();
+  m.T = mp.T;
+  m.block = mp.block;
+  m.topk_blocks = mp.topk_blocks;
+  m.mask = mask.get();
+  m.mask_stride = mp.mask_stride;
+  m.err_count = err.get();
+  m.v3_cluster = cluster;
+  PairResult r;
+  {
+    TestStream stream;
+    DeviceBuffer<float> staging;
+    late_feed(mode, d_scores, staging, stream.s);
+    r.one_launch = kernels::run_indexer_select_pair_v3(p, m, stream.s, pdl_of(mode));
+    V4_CUDA_CHECK_LAUNCH();
+    V4_CUDA_CHECK(cudaStreamSynchronize(stream.s));
+  }
+  EXPECT_EQ(err.read(), 0u);
+  r.topk = out.download_checked();
+  r.mask = mask.download_checked();
+  return r;
+}
+
+MaskProblem mask_of(const TopkProblem& pb) {
+  MaskProblem mp;
+  mp.T = pb.T;
+  mp.stride = pb.stride;
+  mp.clen = pb.clen;
+  mp.scores = pb.scores;
+  mp.mask_stride = (pb.stride + mp.block - 1) / mp.block + 24;  // a tail the mask must zero
+  return mp;
+}
+
+// Both halves against the reference, for the row counts around the one-wave rule (at 64K rows
+// the top-k alone takes 16-CTA clusters; the pair launches when 2T of them fit 2 CTAs per SM, so
+// T <= 8 on 132 SMs, else the two launches run), every cluster size, plain and PDL launches.
+TEST(GpuIndexerSelectV3, PairMatchesTheTwoSelections) {
+  V4_REQUIRE_GPU();
+  int dev = 0, sms = 0;
+  V4_CUDA_CHECK(cudaGetDevice(&dev));
+  V4_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  std::mt19937_64 rng(0x5e1e3301);
+  for (int64_t T : {1, 6, 8, 9, 24}) {
+    const auto clen = T == 1 ? std::vector<int32_t>{65536} : cycled_clen(T, kLengths, T);
+    const Flavour f = T % 2 == 0 ? Flavour::kTies : Flavour::kNormal;
+    const auto pb = make_topk_problem(clen, 65536, 512, 576, rng, f);
+    const auto mp = mask_of(pb);
+    const auto want_t = reference_topk(pb);
+    const auto want_m = reference_mask(mp);
+    for (int cl : kClusters)
+      for (Launch mode : {Launch::kPlain, Launch::kPdlLate}) {
+        if (mode == Launch::kPdlLate && cl != 0 && cl != 16) continue;
+        const std::string what = "pair T " + std::to_string(T) + " " + flavour_name(f) + ", " + cl_name(cl) + ", " +
+                                 launch_name(mode);
+        const PairResult r = gpu_pair(pb, mp, cl, mode);
+        expect_same_bytes(r.topk, want_t, what + " (top-k)", pb.out_stride);
+        expect_same_bytes(r.mask, want_m, what + " (mask)", mp.mask_stride);
+        // An explicit cluster size is one launch whatever T; automatic: one wave of 2 CTAs/SM.
+        const bool want_one = cl != 0 || 2 * T * 16 <= 2 * int64_t{sms};
+        EXPECT_EQ(r.one_launch, want_one) << what;
+      }
+  }
+}
+
+// Rows of different kinds in one pair: short rows (fewer valid positions than k / fewer blocks
+// than the budget: everything selected), empty rows, and a top-k that reads another layer's mask.
+TEST(GpuIndexerSelectV3, PairShortRowsAndAFusedMask) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5e1e3302);
+  auto pb = make_topk_problem({0, 7, 300, 4096, 16385, 65536}, 65536, 512, 576, rng, Flavour::kAdjacent);
+  const auto mp = mask_of(pb);
+  pb.mask_stride = 8192;
+  pb.mask.resize(static_cast<size_t>(pb.T * pb.mask_stride));
+  for (auto& b : pb.mask) b = static_cast<uint8_t>(rng() % 4 == 0);
+  const auto want_t = reference_topk(pb);  // with the other mask applied
+  const auto want_m = reference_mask(mp);
+  // gpu_pair has no fused-mask input: run the two halves by hand with the other mask.
+  auto d_scores = to_device(pb.scores);
+  auto d_req = to_device(pb.req);
+  auto d_clen = to_device(pb.clen);
+  auto d_table = to_device(pb.table.v);
+  auto d_other = to_device(pb.mask);
+  PoisonedOutput<int32_t> out(static_cast<size_t>(pb.T * pb.out_stride));
+  PoisonedOutput<uint8_t> mask(static_cast<size_t>(mp.T * mp.mask_stride));
+  kernels::IndexerTopkParams p;
+  p.scores = d_scores.get();
+  p.score_stride = pb.stride;
+  p.clen = d_clen.get();
+  p.req = d_req.get();
+  p.T = pb.T;
+  p.comp_slot_table = d_table.get();
+  p.comp_table_stride = pb.table.stride;
+  p.comp_table_rows = pb.table.rows;
+  p.candidate_mask = d_other.get();
+  p.mask_stride = pb.mask_stride;
+  p.mask_block = 8;
+  p.topk = pb.topk;
+  p.out = out.get();
+  p.out_stride = pb.out_stride;
+  kernels::CandidateMaskParams m;
+  m.scores = d_scores.get();
+  m.score_stride = mp.stride;
+  m.clen = d_clen.get();
+  m.T = mp.T;
+  m.mask = mask.get();
+  m.mask_stride = mp.mask_stride;
+  TestStream stream;
+  EXPECT_TRUE(kernels::run_indexer_select_pair_v3(p, m, stream.s, false));
+  V4_CUDA_CHECK_LAUNCH();
+  V4_CUDA_CHECK(cudaStreamSynchronize(stream.s));
+  expect_same_bytes(out.download_checked(), want_t, "pair with a fused other mask (top-k)", pb.out_stride);
+  expect_same_bytes(mask.download_checked(), want_m, "pair with a fused other mask (mask)", mp.mask_stride);
+}
+
+// =================================================================================================
 // host checks (no GPU needed: every case is refused before any CUDA call)
 // =================================================================================================
 
@@ -805,6 +956,36 @@ TEST(GpuIndexerSelectV3, HostRefusesBadParams) {
   m.T = 0;
   m.mask = nullptr;
   EXPECT_NO_THROW(run_candidate_mask(m, nullptr, false));
+
+  // The pair: whatever either half refuses, and its own rules.
+  using kernels::run_indexer_select_pair_v3;
+  auto pair_t = valid_topk_params();
+  auto pair_m = valid_mask_params();
+  pair_m.T = pair_t.T;
+  auto refuse_pair = [](const kernels::IndexerTopkParams& tp, const kernels::CandidateMaskParams& mp, const char* what) {
+    EXPECT_THROW(run_indexer_select_pair_v3(tp, mp, nullptr, false), std::invalid_argument) << what << " (pair)";
+  };
+  p = pair_t;
+  p.out_stride = 500;
+  refuse_pair(p, pair_m, "pair: top-k out_stride not a multiple of 64");
+  m = pair_m;
+  m.block = 0;
+  refuse_pair(pair_t, m, "pair: mask block 0");
+  m = pair_m;
+  m.T = pair_t.T + 1;
+  refuse_pair(pair_t, m, "pair: different T");
+  m = pair_m;
+  m.v3_cluster = 4;
+  refuse_pair(pair_t, m, "pair: different v3_cluster");
+  p = pair_t;
+  p.candidate_mask = pair_m.mask;
+  p.mask_stride = 1024;
+  refuse_pair(p, pair_m, "pair: the top-k reads the mask being written");
+  p = pair_t;
+  m = pair_m;
+  p.T = m.T = 0;
+  p.scores = m.scores = nullptr;
+  EXPECT_NO_THROW(run_indexer_select_pair_v3(p, m, nullptr, false));
 }
 
 }  // namespace

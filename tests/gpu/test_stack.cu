@@ -449,6 +449,7 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
     int aq_warps = -1;
     bool scores_masked = true;
     int scores_mask_tile = 0;
+    bool select_pair = true;
   };
   using SF = LayerIssue::SFork;
   std::vector<Config> configs;
@@ -509,6 +510,9 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
   with([](Config& c) { c.scores_masked = false; }, Schedule::kSerial, false);
   with([](Config& c) { c.scores_mask_tile = 16; });
   with([](Config& c) { c.scores_mask_tile = 128, c.scores_group_rows = 1; });
+  // Session 7: the candidate source's mask and top-k as two launches (default: one pair launch).
+  with([](Config& c) { c.select_pair = false; });
+  with([](Config& c) { c.select_pair = false, c.select_cluster = 16; }, Schedule::kSerial, false);
 
   std::vector<Snapshot> first;  // per step, of the first configuration
   std::string first_name;
@@ -523,7 +527,8 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
         std::to_string(c.scores_row_split) + " mb" + std::to_string(c.scores_min_blocks) + " side-priority " +
         std::to_string(c.side_priority) + (c.qnorm_trigger_late ? " qnorm-late" : "") +
         (c.idx_scores_on_main ? " idx-scores-main" : "") + " qb-prewait " + std::to_string(c.qb_prewait_stages) + " qb-overlap " + std::to_string(c.qb_overlap) + " qb-pace " + std::to_string(c.qb_prewait_pace_ns) + " aq-warps " + std::to_string(c.aq_warps) +
-        (c.scores_masked ? "" : " scores-unmasked") + " mask-tile " + std::to_string(c.scores_mask_tile);
+        (c.scores_masked ? "" : " scores-unmasked") + " mask-tile " + std::to_string(c.scores_mask_tile) +
+        (c.select_pair ? "" : " select-unpaired");
     SCOPED_TRACE(name);
     // A fresh stack per configuration: the device inputs of padded rows depend on the step count.
     go.schedule = c.schedule;
@@ -547,6 +552,7 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
     go.idx_scores_on_main = c.idx_scores_on_main;
     go.scores_min_blocks = c.scores_min_blocks;
     go.select_cluster = c.select_cluster;
+    go.select_pair = c.select_pair;
     GpuPrepareStack gpu(plan, go);
     gpu.prefill_device_random(ctx);
     for (int step = 0; step < 2; ++step) {

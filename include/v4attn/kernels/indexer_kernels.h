@@ -35,8 +35,10 @@
 // src/kernels/indexer_select_v3.cu), built for latency: one thread-block cluster per row (1..16
 // CTAs, `v3_cluster`, 0 = automatic), each CTA keeps its contiguous chunk of the row in shared
 // memory (read from global memory once), an 8-bit x 4-pass radix select whose per-pass histograms
-// are exchanged through distributed shared memory (one cluster barrier per pass), and an ordered
-// compaction in position order. No workspace; same results as v1 / v2 bit for bit.
+// are pushed through distributed shared memory (st.async, each CTA waits on its own mbarrier for
+// the cluster's bytes), and an ordered compaction in position order. No workspace; same results as
+// v1 / v2 bit for bit. run_indexer_select_pair_v3 runs the candidate source's top-k and mask (same
+// scores, neither reads the other) in one launch.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -236,5 +238,13 @@ size_t indexer_topk_workspace_bytes(int64_t T, int64_t score_stride, int topk);
 void run_indexer_topk(const IndexerTopkParams& p, cudaStream_t stream, bool pdl);
 // v3 directly (what run_indexer_topk does with version 3; `version` and the workspace ignored).
 void run_indexer_topk_v3(const IndexerTopkParams& p, cudaStream_t stream, bool pdl);
+// The candidate source's selections (v3), which read the same scores and not each other's output:
+// one launch of 2T clusters (T top-k, then T mask) when both fit one wave of the top-k's automatic
+// cluster size (T <= 8 on 132 SMs, or the given v3_cluster, which both params must share); else
+// run_candidate_mask_v3 then run_indexer_topk_v3 on `stream`. Same bytes either way. Returns
+// whether it was one launch. Refused: different T or v3_cluster, a top-k that reads the mask
+// being written (tp.candidate_mask == mp.mask), and whatever either launcher refuses.
+bool run_indexer_select_pair_v3(const IndexerTopkParams& tp, const CandidateMaskParams& mp, cudaStream_t stream,
+                                bool pdl);
 
 }  // namespace v4attn::kernels

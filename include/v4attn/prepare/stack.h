@@ -146,6 +146,10 @@ struct GpuStackOptions {
   // workspace), 2 = chunk CTAs + merge through the workspace (v2).
   int select_version = 3;
   int select_cluster = 0;  // v3: CTAs per row (cluster size) 1, 2, 4, 8, 16; 0: automatic
+  // v3, the candidate source: its top-k and its candidate mask (same scores, neither reads the
+  // other) in one launch (kernels::run_indexer_select_pair_v3: when both fit one wave, else the two
+  // launches). false: the mask, then the top-k, two launches on lane S. Same bytes.
+  bool select_pair = true;
   // q_norm lets the wq_b GEMM launch only after its last store (no early weight prefetch by the
   // GEMM competing with q_norm's loads); experiment knob.
   bool qnorm_trigger_late = false;
