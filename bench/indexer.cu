@@ -30,6 +30,8 @@
 //  - top-k and candidate mask "v1" (one CTA per row), "v2" (many CTAs per row, workspace) and
 //    "v3" (one thread-block cluster per row, automatic cluster size), "v3-c8" / "v3-c16" (8 / 16
 //    CTAs per row).
+//  - top-k "v3-masked" / "v3-masked-nc" (a later index source: the mask of 2048 random kept
+//    blocks fused, the kept groups compacted / every position walked).
 //  - pair "v3" (the candidate source's top-k and mask in one launch, run_indexer_select_pair_v3)
 //    and "serial" (the v3 mask then the v3 top-k, two launches).
 //  - q pack "v2" (one thread per pair of values).
@@ -571,7 +573,7 @@ int main(int argc, char** argv) {
             for (bool shared : verify ? std::vector<bool>{false, true} : std::vector<bool>{false}) {
               const HostMask mask = make_mask(pb, shared);
               const int g = verify ? 6 : 1;
-              for (int tile : {0, 16, 32, 64, 128}) {
+              for (int tile : {0, 16, 32, 64, 128, 256}) {
                 const std::string name = std::string(shared ? "masked-sh" : "masked") + (tile ? "-m" + std::to_string(tile) : "");
                 if (!want("scores", name)) continue;
                 const auto p = masked_scores_params(pb, mask, g, tile);
@@ -595,6 +597,32 @@ int main(int argc, char** argv) {
             const auto mp = mask_params(pb, v);
             row_of("candidate_mask", v.name, mask_bytes, mask_ok,
                    cold_median_us([&](cudaStream_t s) { kn::run_candidate_mask(mp, s, false); }));
+          }
+          // Top-k v3 of a later index source (the candidate mask fused: 2048 random kept blocks per
+          // row), compacted (default) and walking every position; checked against the reference's
+          // apply_candidate_mask + topk_to_slots of the GPU scores.
+          for (const bool compact : {true, false}) {
+            const char* name = compact ? "v3-masked" : "v3-masked-nc";
+            if (!want("topk", name)) continue;
+            const HostMask mask = make_mask(pb, false);
+            kn::run_indexer_scores(scores_params(pb, 0), stream, false);
+            auto tp = topk_params(pb, kChainV3);
+            tp.candidate_mask = mask.d.get();
+            tp.mask_stride = pb.mask_stride;
+            tp.mask_block = kMaskBlock;
+            tp.v3_compact = compact;
+            pb.d_out.fill_bytes(0xAB, stream);
+            kn::run_indexer_topk(tp, stream, false);
+            V4_CUDA_CHECK(cudaStreamSynchronize(stream));
+            auto sc = to_host(pb.d_scores, static_cast<size_t>(pb.T) * pb.stride);
+            ref::apply_candidate_mask(sc.data(), pb.T, pb.stride, pb.row_clen.data(), kMaskBlock, mask.bytes.data(),
+                                      pb.mask_stride);
+            std::vector<int32_t> want_t(static_cast<size_t>(pb.T) * kTopk);
+            ref::topk_to_slots(sc.data(), pb.T, pb.stride, pb.row_clen.data(), kTopk, pb.req.data(), pb.table.data(),
+                               pb.stride, want_t.data(), kTopk);
+            const bool ok = to_host(pb.d_out, want_t.size()) == want_t;
+            row_of("topk", name, topk_bytes + int64_t{pb.T} * pb.mask_stride, ok,
+                   cold_median_us([&](cudaStream_t st) { kn::run_indexer_topk(tp, st, false); }));
           }
           // The candidate source's two selections: one pair launch (v3) against mask + top-k as two
           // launches ("serial"), both checked against the reference first.

@@ -497,9 +497,9 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
                 "Indexer scores after the candidate source: score every position and let the top-k apply the mask "
                 "(default: score only the kept blocks; same bytes)");
   sub->add_option("--scores-mask-tile", o->scores_mask_tile,
-                  "Indexer scores with the candidate mask: blocks of 8 positions per CTA tile, 16/32/64/128 (0: automatic; "
+                  "Indexer scores with the candidate mask: blocks of 8 positions per CTA tile, 16/32/64/128/256 (0: automatic; "
                   "tuning knob)")
-      ->check(CLI::IsMember({0, 16, 32, 64, 128}))
+      ->check(CLI::IsMember({0, 16, 32, 64, 128, 256}))
       ->capture_default_str();
   sub->add_option("--side-priority", o->side_priority,
                   "CUDA stream priority of the side lanes S and K (negative = higher than main; 0: default)")

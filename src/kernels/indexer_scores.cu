@@ -324,6 +324,7 @@ __device__ RunCtx issue_run(const IndexerScoresParams& p, int page_shift, int r0
 template <int TBLK>
 __device__ int build_block_list(const IndexerScoresParams& p, int64_t row0, int r0, int r1, int64_t tile_base,
                                 const RowMeta* meta, uint32_t* list) {
+  static_assert(TBLK <= 256, "a list entry holds the block index in its low 8 bits");
   constexpr int kChunks = (TBLK + 31) / 32;
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int warp = (static_cast<int>(threadIdx.x) / 32) % kWarps;
@@ -813,7 +814,7 @@ IndexerScoresShape indexer_scores_shape(const IndexerScoresParams& p) {
     // 16 blocks (128 positions, one step per warp, one K buffer).
     sh.mask_tile_blocks = p.mask_tile_blocks != 0
                               ? p.mask_tile_blocks
-                              : static_cast<int>(largest_tile({8 * 128, 8 * 64, 8 * 32, 8 * 16}) / 8);
+                              : static_cast<int>(largest_tile({8 * 256, 8 * 128, 8 * 64, 8 * 32, 8 * 16}) / 8);
     sh.tile_positions = 8 * sh.mask_tile_blocks;
     sh.ring = sh.mask_tile_blocks == 16 ? 1 : 2;
     sh.threads = kThreads;
@@ -888,8 +889,8 @@ void run_indexer_scores(const IndexerScoresParams& p, cudaStream_t stream, bool 
                 std::to_string(p.score_stride / 8));
     require(p.row_split <= 1, who, "row_split 2 is not available with a candidate mask");
     require(p.mask_tile_blocks == 0 || p.mask_tile_blocks == 16 || p.mask_tile_blocks == 32 || p.mask_tile_blocks == 64 ||
-                p.mask_tile_blocks == 128,
-            who, "mask_tile_blocks must be 0 (automatic), 16, 32, 64 or 128");
+                p.mask_tile_blocks == 128 || p.mask_tile_blocks == 256,
+            who, "mask_tile_blocks must be 0 (automatic), 16, 32, 64, 128 or 256");
   }
 
   int page_shift = 0;
@@ -903,6 +904,7 @@ void run_indexer_scores(const IndexerScoresParams& p, cudaStream_t stream, bool 
       case 16: kernel = indexer_scores_kernel<1, 1, 4, 16>; break;
       case 32: kernel = indexer_scores_kernel<2, 1, 3, 32>; break;
       case 64: kernel = indexer_scores_kernel<2, 1, 3, 64>; break;
+      case 256: kernel = indexer_scores_kernel<2, 1, 3, 256>; break;
       default: kernel = indexer_scores_kernel<2, 1, 3, 128>; break;
     }
   } else if (sh.threads == 2 * kThreads) {  // row split

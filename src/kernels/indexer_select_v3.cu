@@ -119,14 +119,17 @@ struct alignas(16) Smem {
 };
 
 struct Args {
-  int cluster = 1;     // CTAs per row (the launch's cluster size)
-  int rounds_cap = 1;  // rounds of keys the dynamic shared memory holds
-  bool vec = false;    // score rows 16-byte aligned (float4 loads)
+  int cluster = 1;       // CTAs per row (the launch's cluster size)
+  int rounds_cap = 1;    // rounds of keys the dynamic shared memory holds
+  bool vec = false;      // score rows 16-byte aligned (float4 loads)
+  bool compact = false;  // top-k with a candidate mask: resident chunks keep only groups with a valid key
 };
 
-// Dynamic shared memory: receive buffers [2][cluster][kBins] then the keys [rounds_cap][round].
-inline size_t dyn_smem_bytes(int cluster, int rounds_cap, int per_thread) {
-  return (size_t{2} * cluster * kBins + size_t(rounds_cap) * kThreads * per_thread) * sizeof(uint32_t);
+// Dynamic shared memory: receive buffers [2][cluster][kBins], the keys [rounds_cap][round], and
+// with `compact` the first positions of the kept groups [rounds_cap][kThreads].
+inline size_t dyn_smem_bytes(int cluster, int rounds_cap, int per_thread, bool compact = false) {
+  return (size_t{2} * cluster * kBins + size_t(rounds_cap) * kThreads * (per_thread + (compact ? 1 : 0))) *
+         sizeof(uint32_t);
 }
 
 using select_keys::neg_inf;
@@ -165,6 +168,7 @@ struct Chunk {
   int64_t begin = 0, end = 0;  // this CTA's elements [begin, end)
   int rounds = 0;              // rounds covering a chunk (cluster-uniform)
   bool resident = false;       // keys kept in shared memory (else re-read every pass)
+  bool preloaded = false;      // resident keys already in shared memory (the compacted top-k)
   __device__ int64_t first(int q) const {
     return begin + int64_t{q} * kRound + int64_t{threadIdx.x} * N;
   }
@@ -270,7 +274,7 @@ __device__ Selection cluster_select(const Chunk<N>& ch, const Load& load, uint32
                                     uint32_t* keys_sm, int cluster, uint32_t rank) {
   const bool clustered = cluster > 1;
   const int tid = static_cast<int>(threadIdx.x), lane = tid & 31, wid = tid >> 5;
-  if (ch.resident)
+  if (ch.resident && !ch.preloaded)
     for (int q = 0; q < ch.rounds; ++q) {
       uint32_t key[N];
       load(q, key);
@@ -498,6 +502,37 @@ __device__ __forceinline__ int64_t clamp_topk_row(int32_t req, int64_t c, const 
   return c;
 }
 
+// The compacted top-k (rows with a candidate mask, whose ~3/4 masked positions have key 0): the
+// chunk is loaded once and only the groups of kTopkPer positions with a valid key are kept, in
+// position order, at keys_sm[kTopkPer * g ..] with their first position at first_pos[g]; returns
+// the group count. The radix passes and the compaction then walk kCompactPer keys per thread of
+// the kept groups instead of kTopkPer of every group. Dropping keys that are 0 changes no count
+// the selection uses (they are never selected), so the output is the same bit for bit.
+constexpr int kCompactPer = 2;
+template <class Load>
+__device__ uint32_t compact_groups(const Chunk<kTopkPer>& ch, const Load& load, uint32_t* keys_sm, int32_t* first_pos,
+                                   Smem& sm) {
+  uint32_t n = 0;
+  for (int q = 0; q < ch.rounds; ++q) {
+    uint32_t key[kTopkPer];
+    load(q, key);
+    bool any = false;
+#pragma unroll
+    for (int e = 0; e < kTopkPer; ++e) any = any || key[e] != 0u;
+    uint32_t total;
+    const uint32_t g = n + block_excl_scan(any ? 1u : 0u, total, sm.scan[q & 1]);
+    if (any) {
+      uint4* dst = reinterpret_cast<uint4*>(keys_sm + int64_t{g} * kTopkPer);
+      static_assert(kTopkPer == 8, "two uint4 per group");
+      dst[0] = make_uint4(key[0], key[1], key[2], key[3]);
+      dst[1] = make_uint4(key[4], key[5], key[6], key[7]);
+      first_pos[g] = static_cast<int32_t>(ch.first(q));
+    }
+    n += total;
+  }
+  return n;
+}
+
 // One CTA of row t's cluster (the top-k kernel, or the top-k half of the pair kernel).
 __device__ __forceinline__ void topk_cta(const IndexerTopkParams& p, const Args& a, int64_t t, Smem& sm) {
   uint32_t* recv = recv_buffers();
@@ -525,21 +560,53 @@ __device__ __forceinline__ void topk_cta(const IndexerTopkParams& p, const Args&
     const auto load = [&](int q, uint32_t (&key)[kTopkPer]) {
       load_score_keys(row, mrow, p.mask_block, ch.first(q), ch.end, a.vec, key);
     };
-    const Selection s = cluster_select(ch, load, k, sm, recv, keys_sm, a.cluster, rank);
     const int32_t* table = p.comp_slot_table + static_cast<int64_t>(req) * p.comp_table_stride;
     const int64_t out_stride = p.out_stride;
-    emit_selected(ch, load, keys_sm, s, sm, [&](int64_t j0, uint32_t sel, uint32_t off) {
-      int32_t slot[kTopkPer];  // gather first, then store
+    if (a.compact && mrow != nullptr && ch.resident) {
+      int32_t* first_pos = reinterpret_cast<int32_t*>(keys_sm + int64_t{a.rounds_cap} * Chunk<kTopkPer>::kRound);
+      const uint32_t n_keys = kTopkPer * compact_groups(ch, load, keys_sm, first_pos, sm);
+      Chunk<kCompactPer> cc;  // flat indices into the kept groups' keys
+      cc.begin = 0;
+      cc.end = n_keys;
+      cc.rounds = static_cast<int>((n_keys + Chunk<kCompactPer>::kRound - 1) / Chunk<kCompactPer>::kRound);
+      cc.resident = cc.preloaded = true;
+      for (int64_t i = n_keys + tid; i < int64_t{cc.rounds} * Chunk<kCompactPer>::kRound; i += kThreads) keys_sm[i] = 0u;
+      __syncthreads();  // the kept keys (written by other threads) and the zeroed tail
+      const auto no_load = [](int, uint32_t (&key)[kCompactPer]) {  // resident: never called
 #pragma unroll
-      for (int e = 0; e < kTopkPer; ++e) slot[e] = ((sel >> e) & 1u) ? table[j0 + e] : -1;
+        for (int e = 0; e < kCompactPer; ++e) key[e] = 0u;
+      };
+      const Selection s = cluster_select(cc, no_load, k, sm, recv, keys_sm, a.cluster, rank);
+      emit_selected(cc, no_load, keys_sm, s, sm, [&](int64_t f0, uint32_t sel, uint32_t off) {
+        int32_t slot[kCompactPer];
 #pragma unroll
-      for (int e = 0; e < kTopkPer; ++e)
-        if ((sel >> e) & 1u) {
-          if (off < out_stride) out[off] = slot[e];
-          ++off;
+        for (int e = 0; e < kCompactPer; ++e) {
+          const int64_t f = f0 + e;
+          slot[e] = ((sel >> e) & 1u) ? table[first_pos[f / kTopkPer] + f % kTopkPer] : -1;
         }
-    });
-    n_out = s.total;
+#pragma unroll
+        for (int e = 0; e < kCompactPer; ++e)
+          if ((sel >> e) & 1u) {
+            if (off < out_stride) out[off] = slot[e];
+            ++off;
+          }
+      });
+      n_out = s.total;
+    } else {
+      const Selection s = cluster_select(ch, load, k, sm, recv, keys_sm, a.cluster, rank);
+      emit_selected(ch, load, keys_sm, s, sm, [&](int64_t j0, uint32_t sel, uint32_t off) {
+        int32_t slot[kTopkPer];  // gather first, then store
+#pragma unroll
+        for (int e = 0; e < kTopkPer; ++e) slot[e] = ((sel >> e) & 1u) ? table[j0 + e] : -1;
+#pragma unroll
+        for (int e = 0; e < kTopkPer; ++e)
+          if ((sel >> e) & 1u) {
+            if (off < out_stride) out[off] = slot[e];
+            ++off;
+          }
+      });
+      n_out = s.total;
+    }
   }
   const int64_t step = int64_t{a.cluster} * kThreads;
   for (int64_t i = int64_t{n_out} + int64_t{rank} * kThreads + tid; i < p.out_stride; i += step) out[i] = -1;
@@ -675,6 +742,7 @@ struct Plan {
   int cluster = 1;
   int rounds_cap = 1;
   size_t smem = 0;
+  bool compact = false;  // top-k with a candidate mask: the compacted walk (room for first_pos)
 };
 
 // Multiprocessors of the current device (cached per device).
@@ -702,14 +770,16 @@ void require_cluster_choice(int requested, const char* who) {
   require(requested == 0 || requested == 1 || requested == 2 || requested == 4 || requested == 8 || requested == 16,
           who, "v3_cluster must be 0 (automatic), 1, 2, 4, 8 or 16, not " + std::to_string(requested));
 }
-Plan make_plan(const void* kernel, int requested, int64_t T, int64_t n_max, int per_thread, const char* who) {
+Plan make_plan(const void* kernel, int requested, int64_t T, int64_t n_max, int per_thread, const char* who,
+               bool compact = false) {
   const int64_t round = int64_t{v3::kThreads} * per_thread;
   const int max_resident = static_cast<int>(v3::kMaxKeyBytes / (static_cast<size_t>(round) * sizeof(uint32_t)));
   auto plan_for = [&](int cluster) {
     Plan pl;
     pl.cluster = cluster;
     pl.rounds_cap = std::max(1, std::min(v3::chunk_rounds(n_max, cluster, per_thread), max_resident));
-    pl.smem = v3::dyn_smem_bytes(cluster, pl.rounds_cap, per_thread);
+    pl.compact = compact;
+    pl.smem = v3::dyn_smem_bytes(cluster, pl.rounds_cap, per_thread, compact);
     return pl;
   };
   if (requested != 0) {
@@ -785,8 +855,11 @@ v3::Args args_of(const Plan& pl, const float* scores, int64_t score_stride) {
   a.cluster = pl.cluster;
   a.rounds_cap = pl.rounds_cap;
   a.vec = aligned16(scores) && score_stride % 4 == 0;
+  a.compact = pl.compact;
   return a;
 }
+// The top-k's rows with a candidate mask take the compacted walk (compact_groups).
+bool topk_compacts(const IndexerTopkParams& p) { return p.candidate_mask != nullptr && p.v3_compact; }
 
 }  // namespace
 
@@ -794,7 +867,8 @@ void run_indexer_topk_v3(const IndexerTopkParams& p, cudaStream_t stream, bool p
   const char* who = "run_indexer_topk_v3";
   if (!check_topk_v3(p, who)) return;
   const auto kernel = v3::indexer_topk_v3_kernel;
-  const Plan pl = make_plan(reinterpret_cast<const void*>(kernel), p.v3_cluster, p.T, p.score_stride, v3::kTopkPer, who);
+  const Plan pl = make_plan(reinterpret_cast<const void*>(kernel), p.v3_cluster, p.T, p.score_stride, v3::kTopkPer, who,
+                            topk_compacts(p));
   LaunchConfig cfg;
   launch_plan(who, reinterpret_cast<const void*>(kernel), pl, p.T, stream, pdl, cfg);
   launch_kernel("indexer_topk_v3", kernel, cfg, p, args_of(pl, p.scores, p.score_stride));
@@ -827,8 +901,8 @@ bool run_indexer_select_pair_v3(const IndexerTopkParams& tp, const CandidateMask
   // the top-k alone takes (more than 8 rows on 132 SMs), two launches one after the other are
   // faster than a pair of smaller clusters: then the caller's order (mask, top-k) is kept.
   const Plan alone = make_plan(reinterpret_cast<const void*>(v3::indexer_topk_v3_kernel), tp.v3_cluster, tp.T,
-                               tp.score_stride, v3::kTopkPer, who);
-  const Plan pt = make_plan(pair_ptr, tp.v3_cluster, 2 * tp.T, tp.score_stride, v3::kTopkPer, who);
+                               tp.score_stride, v3::kTopkPer, who, topk_compacts(tp));
+  const Plan pt = make_plan(pair_ptr, tp.v3_cluster, 2 * tp.T, tp.score_stride, v3::kTopkPer, who, topk_compacts(tp));
   Plan pm = make_plan(pair_ptr, pt.cluster, mp.T, mask_blocks(mp), v3::kMaskPer, who);
   const size_t smem = std::max(pt.smem, pm.smem);
   if (pt.cluster < alone.cluster || (pt.cluster > 8 && !cluster_fits(pair_ptr, pt.cluster, smem))) {

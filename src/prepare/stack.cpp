@@ -162,8 +162,8 @@ void validate_options(const ModelPlan& plan, const GpuStackOptions& o) {
   if (o.qb_prewait_pace_ns < -1 || o.qb_prewait_pace_ns > 100000)
     fail("qb_prewait_pace_ns must be -1 (automatic) or 0..100000 (got " + std::to_string(o.qb_prewait_pace_ns) + ")");
   if (o.scores_mask_tile != 0 && o.scores_mask_tile != 16 && o.scores_mask_tile != 32 && o.scores_mask_tile != 64 &&
-      o.scores_mask_tile != 128)
-    fail("scores_mask_tile must be 0 (automatic), 16, 32, 64 or 128 (got " + std::to_string(o.scores_mask_tile) + ")");
+      o.scores_mask_tile != 128 && o.scores_mask_tile != 256)
+    fail("scores_mask_tile must be 0 (automatic), 16, 32, 64, 128 or 256 (got " + std::to_string(o.scores_mask_tile) + ")");
   if (o.scores_min_blocks != 0 && o.scores_min_blocks != 3 && o.scores_min_blocks != 4)
     fail("scores_min_blocks must be 0, 3 or 4 (got " + std::to_string(o.scores_min_blocks) + ")");
   if (o.scores_row_split < 0 || o.scores_row_split > 2)

@@ -873,7 +873,7 @@ TEST(GpuIndexerScoresMasked, DecodeRowsEqualApplyMaskOfReference) {
     const auto pb = make_scores_problem(req, clen, 6, 4160, rng, mix);
     const auto unmasked = reference_scores(pb);
     for (MaskKind kind : {MaskKind::kRandom, MaskKind::kClustered, MaskKind::kNone, MaskKind::kAll})
-      for (int tile : {0, 16, 32, 64, 128}) {
+      for (int tile : {0, 16, 32, 64, 128, 256}) {
         auto mask = make_mask(pb.T(), pb.score_stride, kind, 25, rng);
         mask.tile_blocks = tile;
         check_masked_scores(pb, unmasked, mask,
@@ -1503,6 +1503,8 @@ TEST(GpuIndexerHostChecks, BadShapesAreRefusedBeforeLaunch) {
     p.row_split = 0;
     p.mask_tile_blocks = 48;
     EXPECT_THROW(kernels::run_indexer_scores(p, nullptr, false), std::invalid_argument);
+    p.mask_tile_blocks = 512;  // a list entry holds the block index in 8 bits
+    EXPECT_THROW(kernels::run_indexer_scores(p, nullptr, false), std::invalid_argument);
   }
   {
     auto p = valid_topk_params();
@@ -1615,13 +1617,15 @@ TEST(GpuIndexerHostChecks, ScoresLaunchShapes) {
   EXPECT_EQ(shape(6, 6, 65536, false, 0, 0, 2).threads, 256);
   EXPECT_EQ(shape(6, 6, 65536, false, 0, 0, 2).min_blocks, 1);
   EXPECT_EQ(shape(6, 6, 65536, false, 0, 0, 1, 4).min_blocks, 4);
-  // Masked: the largest of 128 / 64 / 32 blocks giving >= 1024 CTAs, else 16.
+  // Masked: the largest of 256 / 128 / 64 / 32 blocks giving >= 1024 CTAs, else 16.
   s = shape(6, 6, 65536, true);  // verify bs 1
   EXPECT_TRUE(s.masked);
   EXPECT_EQ(s.mask_tile_blocks, 16);
   EXPECT_EQ(s.ring, 1);
   EXPECT_EQ(s.min_blocks, 4);
-  EXPECT_EQ(shape(32, 1, 65536, true).mask_tile_blocks, 128);  // decode bs 32
+  EXPECT_EQ(shape(32, 1, 65536, true).mask_tile_blocks, 256);  // decode bs 32 (1024 CTAs)
+  EXPECT_EQ(shape(64, 1, 65536, true).mask_tile_blocks, 256);
+  EXPECT_EQ(shape(16, 1, 65536, true).mask_tile_blocks, 128);
   EXPECT_EQ(shape(8, 1, 65536, true).mask_tile_blocks, 64);    // decode bs 8
   s = shape(32, 1, 65536, true, 0, 32);
   EXPECT_EQ(s.mask_tile_blocks, 32);

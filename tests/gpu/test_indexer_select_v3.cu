@@ -455,6 +455,44 @@ TEST(GpuIndexerSelectV3, TopkFusedCandidateMask) {
   }
 }
 
+// With a candidate mask the resident chunks keep only the groups of 8 positions that hold a valid
+// key (compact_groups) and select over those: masks that keep every block (no group dropped, the
+// kept keys fill the chunk exactly), none, one block per row, 3 in 4 and 1 in 4 blocks; ties at the
+// threshold across kept groups (adjacent floats); PDL with late scores; a long row whose chunks are
+// not resident (the uncompacted walk) beside short ones.
+TEST(GpuIndexerSelectV3, TopkCompactedMaskEdges) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5e1e3009);
+  const std::vector<int32_t> clen = {65536, 65535, 4103, 512, 0, 65536};
+  for (int keep : {0, 1, 2, 3, 4}) {  // all, none, one block, 3 in 4, 1 in 4
+    auto pb = make_topk_problem(clen, 65536, 512, 576, rng, keep == 2 ? Flavour::kTies : Flavour::kAdjacent);
+    pb.mask_stride = 8192 + 16;
+    pb.mask.assign(static_cast<size_t>(pb.T * pb.mask_stride), 0);
+    for (int64_t t = 0; t < pb.T; ++t)
+      for (int64_t b = 0; b < pb.mask_stride; ++b) {
+        uint8_t& m = pb.mask[static_cast<size_t>(t * pb.mask_stride + b)];
+        if (keep == 0) m = 7;  // any nonzero byte keeps the block
+        else if (keep == 2) m = b == (37 * t) % 513;
+        else if (keep == 3) m = rng() % 4 != 0;
+        else if (keep == 4) m = rng() % 4 == 0;
+      }
+    const std::string what = "compacted, keep rule " + std::to_string(keep);
+    check_topk_all_clusters(pb, reference_topk(pb), what);
+    TopkRun run;
+    run.mode = Launch::kPdlLate;
+    expect_same_bytes(gpu_topk(pb, run), reference_topk(pb), what + ", pdl late", pb.out_stride);
+  }
+  auto pb = make_topk_problem({200000, 3000, 150001}, 200000, 512, 512, rng, Flavour::kNormal);
+  pb.mask_stride = 25000;
+  pb.mask.resize(static_cast<size_t>(pb.T * pb.mask_stride));
+  for (auto& m : pb.mask) m = rng() % 4 == 0;
+  for (int cl : {1, 4, 16}) {
+    TopkRun run;
+    run.cluster = cl;
+    expect_same_bytes(gpu_topk(pb, run), reference_topk(pb), "long rows with a mask, " + cl_name(cl), pb.out_stride);
+  }
+}
+
 TEST(GpuIndexerSelectV3, TopkPaddedAndBadRowsAreContainedAndCounted) {
   V4_REQUIRE_GPU();
   std::mt19937_64 rng(0x5e1e3009);

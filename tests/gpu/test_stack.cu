@@ -512,6 +512,7 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
   with([](Config& c) { c.scores_mask_tile = 128, c.scores_group_rows = 1; });
   // Session 7: the candidate source's mask and top-k as two launches (default: one pair launch).
   with([](Config& c) { c.select_pair = false; });
+  with([](Config& c) { c.scores_mask_tile = 64; });  // decode bs 32 takes 256 automatically now
   with([](Config& c) { c.select_pair = false, c.select_cluster = 16; }, Schedule::kSerial, false);
 
   std::vector<Snapshot> first;  // per step, of the first configuration

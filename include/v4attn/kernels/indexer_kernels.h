@@ -135,7 +135,7 @@ struct IndexerScoresParams {
   const uint8_t* candidate_mask = nullptr;  // optional [T, mask_stride], any nonzero byte keeps the block
   int64_t mask_stride = 0;                  // >= score_stride / 8
   int mask_block = 8;                       // positions per mask byte: must be 8
-  int mask_tile_blocks = 0;                 // tuning: blocks per CTA tile, 16 / 32 / 64 / 128 (0 = automatic:
+  int mask_tile_blocks = 0;                 // tuning: blocks per CTA tile, 16 / 32 / ... / 256 (0 = automatic:
                                             // the largest that gives >= 1024 CTAs, at least 16). Same bytes.
 };
 void run_indexer_scores(const IndexerScoresParams& p, cudaStream_t stream, bool pdl);
@@ -230,6 +230,10 @@ struct IndexerTopkParams {
   size_t workspace_bytes = 0;             // >= indexer_topk_workspace_bytes(T, score_stride, topk)
   int version = 0;                        // 0: v2 with a workspace, else v1; 3: v3 (no workspace)
   int v3_cluster = 0;                     // v3 tuning: CTAs per row (1, 2, 4, 8, 16); 0 = automatic
+  // v3 with a candidate mask: chunks held in shared memory keep only the groups of 8 positions with
+  // a selectable key and the radix passes walk those (~1/4 of the row under V4.1's mask). false:
+  // every position is walked (tuning / A-B knob; same bytes).
+  bool v3_compact = true;
 };
 // Workspace bytes for run_indexer_topk with T rows of score_stride positions and this topk
 // (monotone in every argument). 0 when v2 cannot run such a launch (T > kSelectMaxRows):
