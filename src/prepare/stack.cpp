@@ -203,6 +203,7 @@ struct GpuPrepareStack::Impl {
   // before the rest of IDX. One event serves every layer: each layer's wait is issued (at
   // join(S)) right after that layer's record (at join(K)), before the next record.
   cudaEvent_t idx_gemms_done = nullptr;
+  cudaEvent_t idx_x_done = nullptr;  // idx_x_on_k: recorded on lane K after weights_proj, waited for on S
   bf16_t* x_all = nullptr;   // [n_layers, max_rows, dim]
   int64_t x_layer_stride = 0;
   std::vector<LayerWeightsDev> w;
@@ -260,6 +261,7 @@ struct GpuPrepareStack::Impl {
     if (lanes.main_stream()) cudaStreamSynchronize(lanes.main_stream());
     cudaDeviceSynchronize();
     if (idx_gemms_done) cudaEventDestroy(idx_gemms_done);
+    if (idx_x_done) cudaEventDestroy(idx_x_done);
   }
 
   cudaStream_t main() const { return lanes.main_stream(); }
@@ -409,6 +411,7 @@ void GpuPrepareStack::Impl::init() {
   ctx_dev = alloc<int32_t>(static_cast<size_t>(o.n_requests));
   cycle_scratch = alloc<uint32_t>(4);
   V4_CUDA_CHECK(cudaEventCreateWithFlags(&idx_gemms_done, cudaEventDisableTiming));
+  V4_CUDA_CHECK(cudaEventCreateWithFlags(&idx_x_done, cudaEventDisableTiming));
   zero(ctx_dev, sizeof(int32_t) * o.n_requests);
   x_layer_stride = static_cast<int64_t>(R) * dim;
   x_all = alloc<bf16_t>(static_cast<size_t>(n_layers) * x_layer_stride);
@@ -685,6 +688,20 @@ void GpuPrepareStack::Impl::issue_cycle(int T) {
     // weights_proj reads only x: on a side lane it runs at the layer's start (behind CMP), not
     // after qr, which takes one GEMM off the S lane's qr -> top-k critical path.
     if ((li.work & kWorkIDX) && !idx_scores_main) li.idx_x = [this, L, T](cudaStream_t s) { issue_idx_x(L, T, s); };
+    if (o.idx_x_on_k && (li.work & kWorkIDX) && (li.work & kWorkCMP) && li.idx_x) {
+      // weights_proj on lane K: the event orders it before the indexer on S (on any other
+      // schedule both run on one stream and the wait is a no-op).
+      li.idx_x_on_k = true;
+      cudaEvent_t ev = idx_x_done;
+      li.idx_x = [this, L, T, ev](cudaStream_t s) {
+        issue_idx_x(L, T, s);
+        V4_CUDA_CHECK(cudaEventRecord(ev, s));
+      };
+      li.idx = [ev, idx = std::move(li.idx)](cudaStream_t s) {
+        V4_CUDA_CHECK(cudaStreamWaitEvent(s, ev, 0));
+        idx(s);
+      };
+    }
     issue_layer(lanes, o.schedule, li);
   }
   lanes.require_all_joined();

@@ -280,15 +280,17 @@ void issue_layer_in_order(PrepareStreams& lanes, Schedule schedule, const LayerI
   // to the same lane they share one fork (one event), CMP first.
   const bool cmp_early = has_cmp && cmp_lane != Lane::kMain && !cmp_late;
   const bool idx_x_early = has_idx && layer.idx_x && idx_side != Lane::kMain;
+  // idx_x on lane K beside CMP on S (LayerIssue::idx_x_on_k): it does not wait behind CMP.
+  const bool idx_x_on_k = three && layer.idx_x_on_k && has_cmp && idx_x_early && idx_side == Lane::kS;
   const IssueFn cmp_then_idx_x = [&layer](cudaStream_t s) {
     layer.cmp(s);
     layer.idx_x(s);
   };
-  if (cmp_early && idx_x_early && cmp_lane == idx_side) {
+  if (cmp_early && idx_x_early && cmp_lane == idx_side && !idx_x_on_k) {
     side(cmp_lane, cmp_then_idx_x);  // after x
   } else {
-    if (cmp_early) side(cmp_lane, layer.cmp);          // after x
-    if (idx_x_early) side(idx_side, layer.idx_x);      // after x
+    if (cmp_early) side(cmp_lane, layer.cmp);                                      // after x
+    if (idx_x_early) side(idx_x_on_k ? Lane::kK : idx_side, layer.idx_x);  // after x
   }
   lanes.on_main(layer.qa);
   if (kv_lane != Lane::kMain) side(kv_lane, layer.kv);  // after QA's GEMM (the kv part)

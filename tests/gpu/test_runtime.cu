@@ -480,6 +480,10 @@ TEST(GpuRuntime, IssueLayerOrderPerSchedule) {
   full_x.idx_x = item("Ix");
   LayerIssue reindex_x = reindex;
   reindex_x.idx_x = item("Ix");
+  LayerIssue full_xk = full_x;  // idx_x_on_k: weights_proj on lane K beside CMP (three-lane only)
+  full_xk.idx_x_on_k = true;
+  LayerIssue reindex_xk = reindex_x;  // no CMP: the flag changes nothing
+  reindex_xk.idx_x_on_k = true;
 
   struct Case {
     Schedule s;
@@ -500,6 +504,12 @@ TEST(GpuRuntime, IssueLayerOrderPerSchedule) {
       {Schedule::kThreeLane, &reindex_x, SideIssueOrder::kEarlyForTestsOnly, "Ix@S QA@main KV@K IDX@S QB@main"},
       {Schedule::kSourcesSide, &full_x, SideIssueOrder::kAtJoin, "QA@main q_norm@main QB@main KV@main CMP@S Ix@S IDX@S"},
       {Schedule::kSerial, &full_x, SideIssueOrder::kAtJoin, "QA@main q_norm@main QB@main KV@main CMP@main Ix@main IDX@main"},
+      // idx_x_on_k: Ix forks onto K at the start (K's first block, ahead of KV), CMP alone on S.
+      {Schedule::kThreeLane, &full_xk, SideIssueOrder::kAtJoin, "QA@main q_norm@main QB@main Ix@K KV@K CMP@S IDX@S"},
+      {Schedule::kThreeLane, &full_xk, SideIssueOrder::kEarlyForTestsOnly, "CMP@S Ix@K QA@main KV@K q_norm@main IDX@S QB@main"},
+      {Schedule::kThreeLane, &reindex_xk, SideIssueOrder::kEarlyForTestsOnly, "Ix@S QA@main KV@K IDX@S QB@main"},
+      {Schedule::kSourcesSide, &full_xk, SideIssueOrder::kAtJoin, "QA@main q_norm@main QB@main KV@main CMP@S Ix@S IDX@S"},
+      {Schedule::kSerial, &full_xk, SideIssueOrder::kAtJoin, "QA@main q_norm@main QB@main KV@main CMP@main Ix@main IDX@main"},
   };
   for (const Case& c : cases) {
     log.clear();

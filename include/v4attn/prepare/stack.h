@@ -150,6 +150,10 @@ struct GpuStackOptions {
   // other) in one launch (kernels::run_indexer_select_pair_v3: when both fit one wave, else the two
   // launches). false: the mask, then the top-k, two launches on lane S. Same bytes.
   bool select_pair = true;
+  // Three-lane, the index sources with a compressor (2, 8, 14, 20 in V4.1): weights_proj (reads
+  // only x) on lane K at the layer's start instead of behind the compressor on lane S; the
+  // indexer waits for it through an event (LayerIssue::idx_x_on_k). Same bytes.
+  bool idx_x_on_k = false;
   // q_norm lets the wq_b GEMM launch only after its last store (no early weight prefetch by the
   // GEMM competing with q_norm's loads); experiment knob.
   bool qnorm_trigger_late = false;

@@ -183,6 +183,11 @@ struct LayerIssue {
   // layer's start, behind CMP on the same lane (or alone), so it does not wait for qr; on main
   // (serial) it runs right before idx_pre / idx. Its outputs must be read only by idx.
   IssueFn idx_x;
+  // Three-lane, a layer with CMP and IDX on lane S: idx_x forks onto lane K at the layer's start
+  // (beside CMP, ahead of KV) instead of behind CMP on S. `idx` must then wait for it itself (an
+  // event recorded by idx_x: lane K is joined, so recorded, before lane S is issued). Other
+  // schedules and layers ignore it.
+  bool idx_x_on_k = false;
 };
 
 // Issues one layer's prepare on `lanes` in the documented order; returns with every side block
@@ -191,7 +196,8 @@ struct LayerIssue {
 //   serial       main: QA [q_norm] QB KV C I
 //   sources-side main: fork(S){C Ix} QA [q_norm] fork(S'){I} QB KV join(S)
 //   three-lane   main: fork(S){C Ix} QA fork(K){KV} [q_norm] fork(S'){I} QB join(K) join(S)
-// (Ix = idx_x, when set; serial runs it right before I.)
+// (Ix = idx_x, when set; serial runs it right before I. With idx_x_on_k, a three-lane layer with
+// C and I: fork(S){C} fork(K){Ix} QA fork(K){KV} ..., I waiting for Ix through its own event.)
 // where {..} is the deferred side work, issued on its lane at the join. IDX always forks after
 // q_norm (it reads qr) and shares lane S with CMP, so CMP's index-K writes precede IDX's reads.
 // Throws std::invalid_argument when a required callable is missing and std::logic_error when a
