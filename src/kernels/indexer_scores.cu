@@ -818,7 +818,9 @@ IndexerScoresShape indexer_scores_shape(const IndexerScoresParams& p) {
     sh.tile_positions = 8 * sh.mask_tile_blocks;
     sh.ring = sh.mask_tile_blocks == 16 ? 1 : 2;
     sh.threads = kThreads;
-    sh.min_blocks = sh.mask_tile_blocks == 16 ? 4 : 3;
+    // Register cap: 4 CTAs per SM for the 16-block tile (one-step warps, small grids) unless
+    // min_blocks asks for 3; 3 for the larger tiles.
+    sh.min_blocks = sh.mask_tile_blocks == 16 ? (p.min_blocks != 0 ? p.min_blocks : 4) : 3;
     sh.smem_bytes = smem_layout(sh.ring, G, 1, sh.mask_tile_blocks).total;
   } else {
     // Steps per warp per CTA (the tile = 128 * steps positions, streamed through a ring of 2 K
@@ -901,7 +903,7 @@ void run_indexer_scores(const IndexerScoresParams& p, cudaStream_t stream, bool 
   Kernel kernel = nullptr;
   if (sh.masked) {
     switch (sh.mask_tile_blocks) {
-      case 16: kernel = indexer_scores_kernel<1, 1, 4, 16>; break;
+      case 16: kernel = sh.min_blocks == 3 ? indexer_scores_kernel<1, 1, 3, 16> : indexer_scores_kernel<1, 1, 4, 16>; break;
       case 32: kernel = indexer_scores_kernel<2, 1, 3, 32>; break;
       case 64: kernel = indexer_scores_kernel<2, 1, 3, 64>; break;
       case 256: kernel = indexer_scores_kernel<2, 1, 3, 256>; break;

@@ -854,10 +854,10 @@ ScoresMask make_mask(int64_t T, int64_t score_stride, MaskKind kind, int keep_pc
 // `unmasked` = reference_scores(pb) (computed once per problem by the caller).
 void check_masked_scores(const ScoresProblem& pb, const std::vector<float>& unmasked, const ScoresMask& mask,
                          const std::string& what, int group_rows, Launch mode = Launch::kPlain,
-                         LateScoresInput late = LateScoresInput::kQCodes) {
+                         LateScoresInput late = LateScoresInput::kQCodes, int min_blocks = 0) {
   auto want = unmasked;
   ref::apply_candidate_mask(want.data(), pb.T(), pb.score_stride, pb.clen.data(), 8, mask.bytes.data(), mask.stride);
-  const auto got = gpu_scores(pb, {}, 0, mode, late, group_rows, 0, 0, &mask);
+  const auto got = gpu_scores(pb, {}, 0, mode, late, group_rows, 0, min_blocks, &mask);
   EXPECT_EQ(got.errors, 0u) << what;
   expect_same_bytes(got.scores, want, what, pb.score_stride);
 }
@@ -907,11 +907,13 @@ TEST(GpuIndexerScoresMasked, VerifyGroupsEqualApplyMaskOfReference) {
         for (int tile : {0, 16, 128}) {
           auto mask = make_mask(pb.T(), pb.score_stride, kind, keep, rng);
           mask.tile_blocks = tile;
-          check_masked_scores(pb, unmasked, mask,
-                              "verify, mask kind " + std::to_string(static_cast<int>(kind)) + " keep " +
-                                  std::to_string(keep) + " %, group_rows " + std::to_string(group_rows) + ", tile " +
-                                  std::to_string(tile),
-                              group_rows);
+          const std::string what = "verify, mask kind " + std::to_string(static_cast<int>(kind)) + " keep " +
+                                   std::to_string(keep) + " %, group_rows " + std::to_string(group_rows) + ", tile " +
+                                   std::to_string(tile);
+          check_masked_scores(pb, unmasked, mask, what, group_rows);
+          if (tile == 16)  // the 16-block tile's other register cap (3 CTAs per SM)
+            check_masked_scores(pb, unmasked, mask, what + ", 3 CTAs/SM", group_rows, Launch::kPlain,
+                                LateScoresInput::kQCodes, 3);
         }
   // PDL: q and the index-K cache are only read after the wait (late producers).
   auto mask = make_mask(pb.T(), pb.score_stride, MaskKind::kRandom, 50, rng);
@@ -1623,6 +1625,8 @@ TEST(GpuIndexerHostChecks, ScoresLaunchShapes) {
   EXPECT_EQ(s.mask_tile_blocks, 16);
   EXPECT_EQ(s.ring, 1);
   EXPECT_EQ(s.min_blocks, 4);
+  EXPECT_EQ(shape(6, 6, 65536, true, 0, 0, 0, 3).min_blocks, 3);       // the 16-block tile's knob
+  EXPECT_EQ(shape(32, 1, 65536, true, 0, 256, 0, 4).min_blocks, 3);    // larger tiles: always 3
   EXPECT_EQ(shape(32, 1, 65536, true).mask_tile_blocks, 256);  // decode bs 32 (1024 CTAs)
   EXPECT_EQ(shape(64, 1, 65536, true).mask_tile_blocks, 256);
   EXPECT_EQ(shape(16, 1, 65536, true).mask_tile_blocks, 128);

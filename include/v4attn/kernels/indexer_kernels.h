@@ -131,7 +131,8 @@ struct IndexerScoresParams {
   // is ref::apply_candidate_mask of the scores (score -inf at j < clen where mask[t, j / 8] == 0)
   // and only kept blocks are read and scored: each CTA compacts the blocks its rows keep, so the
   // work follows the kept fraction (2048 of 8192 blocks per row at 64K), not the context. Slots of
-  // positions no row keeps are not read (nor checked). steps_per_warp and min_blocks do not apply.
+  // positions no row keeps are not read (nor checked). steps_per_warp does not apply; min_blocks
+  // only to the 16-block tile (4 unless 3 is asked; the larger tiles take 3).
   const uint8_t* candidate_mask = nullptr;  // optional [T, mask_stride], any nonzero byte keeps the block
   int64_t mask_stride = 0;                  // >= score_stride / 8
   int mask_block = 8;                       // positions per mask byte: must be 8

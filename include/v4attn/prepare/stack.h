@@ -135,7 +135,8 @@ struct GpuStackOptions {
   // top-k then sees exactly apply_candidate_mask's scores, as before). false: every position is
   // scored and the top-k applies the mask (the earlier path; same bytes). scores_mask_tile: the
   // masked kernel's blocks per CTA tile, 16 / 32 / 64 / 128 / 256 (0: automatic). With the mask the
-  // scores_steps / scores_min_blocks / scores_row_split knobs do not apply to those layers.
+  // scores_steps / scores_row_split knobs do not apply to those layers, scores_min_blocks only to
+  // the 16-block tile.
   bool scores_masked = true;
   int scores_mask_tile = 0;
   // CUDA stream priority of the side lanes S and K (lower = higher; 0 = default; clamped into
