@@ -762,16 +762,18 @@ int sm_count() {
 
 // requested: 0 = automatic: the smallest power of two that gives each CTA at most `target`
 // elements of the longest possible row (2048 positions / 512 blocks when the rows are few,
-// twice that above 16 rows), at most 16 CTAs, and at most what keeps the launch in one wave of
-// 2 CTAs per multiprocessor (T * cluster <= 2 * SMs: 16 for T <= 8, 8 for T = 24 / 32, 4 for
-// T = 48 / 64 on 132 SMs; a second wave costs more than bigger chunks). 8 when 16 cannot be
-// resident.
+// twice that above 16 rows), at most 16 CTAs, and at most `max_ctas` CTAs in all (one launch:
+// 3/2 CTAs per multiprocessor, T * cluster <= 198 on 132 SMs: 16 for T <= 8, 8 for T = 24, 4 for
+// T = 32 / 48, 2 for T = 64. Measured in the cycle (docs/perf.md session 7, run 10): at 32 rows
+// 4-CTA clusters, one CTA per SM, beat 8 (256 CTAs, two on most SMs) by 1.6 % per decode bs 32
+// cycle, while at 24 rows 8 (192 CTAs) beat 4; a second wave costs more than bigger chunks).
+// 8 when 16 cannot be resident.
 void require_cluster_choice(int requested, const char* who) {
   require(requested == 0 || requested == 1 || requested == 2 || requested == 4 || requested == 8 || requested == 16,
           who, "v3_cluster must be 0 (automatic), 1, 2, 4, 8 or 16, not " + std::to_string(requested));
 }
 Plan make_plan(const void* kernel, int requested, int64_t T, int64_t n_max, int per_thread, const char* who,
-               bool compact = false) {
+               bool compact = false, int64_t max_ctas = 0) {
   const int64_t round = int64_t{v3::kThreads} * per_thread;
   const int max_resident = static_cast<int>(v3::kMaxKeyBytes / (static_cast<size_t>(round) * sizeof(uint32_t)));
   auto plan_for = [&](int cluster) {
@@ -791,7 +793,8 @@ Plan make_plan(const void* kernel, int requested, int64_t T, int64_t n_max, int 
   }
   const int64_t target = (T <= 16 ? 4 : 8) * round / 8;  // 2048 / 4096 positions, 512 / 1024 blocks
   int cap = v3::kMaxCluster;
-  while (cap > 1 && T * cap > 2 * int64_t{sm_count()}) cap /= 2;
+  if (max_ctas <= 0) max_ctas = 3 * int64_t{sm_count()} / 2;
+  while (cap > 1 && T * cap > max_ctas) cap /= 2;
   int cluster = 1;
   while (cluster < cap && cluster * target < n_max) cluster *= 2;
   Plan pl = plan_for(cluster);
@@ -897,12 +900,14 @@ bool run_indexer_select_pair_v3(const IndexerTopkParams& tp, const CandidateMask
   if (!any_t) return true;
   const auto pair = v3::select_pair_v3_kernel;
   const void* pair_ptr = reinterpret_cast<const void*>(pair);
-  // The automatic cluster for 2T rows keeps the pair in one wave; when that is smaller than what
-  // the top-k alone takes (more than 8 rows on 132 SMs), two launches one after the other are
-  // faster than a pair of smaller clusters: then the caller's order (mask, top-k) is kept.
+  // The automatic cluster for 2T rows within one wave of 2 CTAs per SM (the pair's two halves);
+  // when that is smaller than what the top-k alone takes (9..31 rows on 132 SMs), two launches
+  // one after the other are faster than a pair of smaller clusters: then the caller's order
+  // (mask, top-k) is kept. At 32 rows both take 4-CTA clusters: one launch of 256 CTAs (run 10).
   const Plan alone = make_plan(reinterpret_cast<const void*>(v3::indexer_topk_v3_kernel), tp.v3_cluster, tp.T,
                                tp.score_stride, v3::kTopkPer, who, topk_compacts(tp));
-  const Plan pt = make_plan(pair_ptr, tp.v3_cluster, 2 * tp.T, tp.score_stride, v3::kTopkPer, who, topk_compacts(tp));
+  const Plan pt = make_plan(pair_ptr, tp.v3_cluster, 2 * tp.T, tp.score_stride, v3::kTopkPer, who, topk_compacts(tp),
+                            2 * int64_t{sm_count()});
   Plan pm = make_plan(pair_ptr, pt.cluster, mp.T, mask_blocks(mp), v3::kMaskPer, who);
   const size_t smem = std::max(pt.smem, pm.smem);
   if (pt.cluster < alone.cluster || (pt.cluster > 8 && !cluster_fits(pair_ptr, pt.cluster, smem))) {

@@ -788,16 +788,22 @@ MaskProblem mask_of(const TopkProblem& pb) {
   return mp;
 }
 
-// Both halves against the reference, for the row counts around the one-wave rule (at 64K rows
-// the top-k alone takes 16-CTA clusters; the pair launches when 2T of them fit 2 CTAs per SM, so
-// T <= 8 on 132 SMs, else the two launches run), every cluster size, plain and PDL launches.
+// Both halves against the reference, for the row counts around the one-wave rule (the pair
+// launches when 2T clusters of the size the top-k alone takes fit 2 CTAs per SM: at 64K rows on
+// 132 SMs T <= 8 and T = 32 (4-CTA clusters), not 9 or 24), every cluster size, plain and PDL.
 TEST(GpuIndexerSelectV3, PairMatchesTheTwoSelections) {
   V4_REQUIRE_GPU();
   int dev = 0, sms = 0;
   V4_CUDA_CHECK(cudaGetDevice(&dev));
   V4_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   std::mt19937_64 rng(0x5e1e3301);
-  for (int64_t T : {1, 6, 8, 9, 24}) {
+  // The automatic cluster of rows that want 16 CTAs (64K positions) under a CTA budget.
+  const auto auto_cluster = [](int64_t rows, int64_t budget) {
+    int c = 16;
+    while (c > 1 && rows * c > budget) c /= 2;
+    return c;
+  };
+  for (int64_t T : {1, 6, 8, 9, 24, 32}) {
     const auto clen = T == 1 ? std::vector<int32_t>{65536} : cycled_clen(T, kLengths, T);
     const Flavour f = T % 2 == 0 ? Flavour::kTies : Flavour::kNormal;
     const auto pb = make_topk_problem(clen, 65536, 512, 576, rng, f);
@@ -812,8 +818,9 @@ TEST(GpuIndexerSelectV3, PairMatchesTheTwoSelections) {
         const PairResult r = gpu_pair(pb, mp, cl, mode);
         expect_same_bytes(r.topk, want_t, what + " (top-k)", pb.out_stride);
         expect_same_bytes(r.mask, want_m, what + " (mask)", mp.mask_stride);
-        // An explicit cluster size is one launch whatever T; automatic: one wave of 2 CTAs/SM.
-        const bool want_one = cl != 0 || 2 * T * 16 <= 2 * int64_t{sms};
+        // An explicit cluster size is one launch whatever T; automatic: the pair's cluster for 2T
+        // rows in 2 CTAs per SM equals the top-k's alone (T rows, 3/2 CTAs per SM).
+        const bool want_one = cl != 0 || auto_cluster(2 * T, 2 * int64_t{sms}) == auto_cluster(T, 3 * int64_t{sms} / 2);
         EXPECT_EQ(r.one_launch, want_one) << what;
       }
   }

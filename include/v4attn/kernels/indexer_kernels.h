@@ -244,9 +244,10 @@ void run_indexer_topk(const IndexerTopkParams& p, cudaStream_t stream, bool pdl)
 // v3 directly (what run_indexer_topk does with version 3; `version` and the workspace ignored).
 void run_indexer_topk_v3(const IndexerTopkParams& p, cudaStream_t stream, bool pdl);
 // The candidate source's selections (v3), which read the same scores and not each other's output:
-// one launch of 2T clusters (T top-k, then T mask) when both fit one wave of the top-k's automatic
-// cluster size (T <= 8 on 132 SMs, or the given v3_cluster, which both params must share); else
-// run_candidate_mask_v3 then run_indexer_topk_v3 on `stream`. Same bytes either way. Returns
+// one launch of 2T clusters (T top-k, then T mask) when 2T clusters of the top-k's automatic size
+// fit one wave of 2 CTAs per SM (at 64K rows on 132 SMs: T <= 8, 13..16, 25..33; or the given
+// v3_cluster, which both params must share); else run_candidate_mask_v3 then run_indexer_topk_v3
+// on `stream`. Same bytes either way. Returns
 // whether it was one launch. Refused: different T or v3_cluster, a top-k that reads the mask
 // being written (tp.candidate_mask == mp.mask), and whatever either launcher refuses.
 bool run_indexer_select_pair_v3(const IndexerTopkParams& tp, const CandidateMaskParams& mp, cudaStream_t stream,
