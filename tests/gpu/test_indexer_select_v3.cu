@@ -182,35 +182,49 @@ struct TopkRun {
   unsigned long long* errors = nullptr;  // null: expect no error counted
 };
 
+// A top-k problem on the device: inputs, the poisoned output and the params (v3; the caller adds
+// the cluster size, the version, an error counter).
+struct TopkOnDevice {
+  DeviceBuffer<float> scores;
+  DeviceBuffer<int32_t> req, clen, table;
+  DeviceBuffer<uint8_t> topk_mask;  // the fused candidate mask (pb.mask), if any
+  PoisonedOutput<int32_t> out;
+  kernels::IndexerTopkParams tp;
+  explicit TopkOnDevice(const TopkProblem& pb)
+      : scores(to_device(pb.scores)),
+        req(to_device(pb.req)),
+        clen(to_device(pb.clen)),
+        table(to_device(pb.table.v)),
+        topk_mask(to_device(pb.mask)),
+        out(static_cast<size_t>(pb.T * pb.out_stride)) {
+    tp.scores = scores.get();
+    tp.score_stride = pb.stride;
+    tp.clen = clen.get();
+    tp.req = req.get();
+    tp.T = pb.T;
+    tp.comp_slot_table = table.get();
+    tp.comp_table_stride = pb.table.stride;
+    tp.comp_table_rows = pb.table.rows;
+    if (!pb.mask.empty()) {
+      tp.candidate_mask = topk_mask.get();
+      tp.mask_stride = pb.mask_stride;
+      tp.mask_block = pb.mask_block;
+    }
+    tp.topk = pb.topk;
+    tp.out = out.get();
+    tp.out_stride = pb.out_stride;
+    tp.version = 3;
+  }
+};
+
 std::vector<int32_t> gpu_topk(const TopkProblem& pb, const TopkRun& run = {}) {
-  auto d_scores = to_device(pb.scores);
-  auto d_req = to_device(pb.req);
-  auto d_clen = to_device(pb.clen);
-  auto d_table = to_device(pb.table.v);
-  auto d_mask = to_device(pb.mask);
-  PoisonedOutput<int32_t> out(static_cast<size_t>(pb.T * pb.out_stride));
+  TopkOnDevice d(pb);
   ErrorCount err;
   DeviceBuffer<uint8_t> ws;
-  kernels::IndexerTopkParams p;
-  p.scores = d_scores.get();
-  p.score_stride = pb.stride;
-  p.clen = d_clen.get();
-  p.req = d_req.get();
-  p.T = pb.T;
-  p.comp_slot_table = d_table.get();
-  p.comp_table_stride = pb.table.stride;
-  p.comp_table_rows = pb.table.rows;
-  if (!pb.mask.empty()) {
-    p.candidate_mask = d_mask.get();
-    p.mask_stride = pb.mask_stride;
-    p.mask_block = pb.mask_block;
-  }
-  p.topk = pb.topk;
-  p.out = out.get();
-  p.out_stride = pb.out_stride;
+  kernels::IndexerTopkParams& p = d.tp;
   p.err_count = err.get();
   p.v3_cluster = run.cluster;
-  if (run.entry == Entry::kDispatch) p.version = 3;
+  if (run.entry != Entry::kDispatch) p.version = 0;  // direct: ignored; v1 / v2: by the workspace
   if (run.entry == Entry::kV2) {
     ws.resize(std::max<size_t>(kernels::indexer_topk_workspace_bytes(pb.T, pb.stride, pb.topk), 16));
     ws.fill_bytes(0);
@@ -220,13 +234,13 @@ std::vector<int32_t> gpu_topk(const TopkProblem& pb, const TopkRun& run = {}) {
   {
     TestStream stream;
     DeviceBuffer<float> staging;
-    late_feed(run.mode, d_scores, staging, stream.s);
+    late_feed(run.mode, d.scores, staging, stream.s);
     if (run.entry == Entry::kDirect) kernels::run_indexer_topk_v3(p, stream.s, pdl_of(run.mode));
     else kernels::run_indexer_topk(p, stream.s, pdl_of(run.mode));
     V4_CUDA_CHECK_LAUNCH();
     V4_CUDA_CHECK(cudaStreamSynchronize(stream.s));
   }
-  auto got = out.download_checked();
+  auto got = d.out.download_checked();
   const auto e = err.read();
   if (run.errors != nullptr) *run.errors = e;
   else EXPECT_EQ(e, 0u);
@@ -655,6 +669,25 @@ TEST(GpuIndexerSelectV3, MaskBadClenIsClampedAndCounted) {
   }
 }
 
+// A top-k problem and a mask problem over the same scores on the device: inputs, poisoned outputs
+// and the v3 params of both halves (the caller adds clusters, error counters).
+struct SelectionOnDevice : TopkOnDevice {
+  PoisonedOutput<uint8_t> mask;
+  kernels::CandidateMaskParams mp;
+  SelectionOnDevice(const TopkProblem& pb, const MaskProblem& m)
+      : TopkOnDevice(pb), mask(static_cast<size_t>(m.T * m.mask_stride)) {
+    mp.scores = scores.get();
+    mp.score_stride = m.stride;
+    mp.clen = clen.get();
+    mp.T = m.T;
+    mp.block = m.block;
+    mp.topk_blocks = m.topk_blocks;
+    mp.mask = mask.get();
+    mp.mask_stride = m.mask_stride;
+    mp.version = 3;
+  }
+};
+
 // The launchers query (once per device, kernel, cluster size and smem size) whether 16-CTA
 // clusters fit; the first such query may happen while a stream is being captured into a graph
 // (the prepare cycle is a graph). Shapes no other test uses make the query happen inside the
@@ -671,42 +704,14 @@ TEST(GpuIndexerSelectV3, FirstLaunchInsideGraphCapture) {
   mp.topk_blocks = 2048;
   mp.mask_stride = mp.stride + 8;
   mp.scores = pb.scores;
-  auto d_scores = to_device(pb.scores);
-  auto d_req = to_device(pb.req);
-  auto d_clen = to_device(pb.clen);
-  auto d_table = to_device(pb.table.v);
-  PoisonedOutput<int32_t> out(static_cast<size_t>(pb.T * pb.out_stride));
-  PoisonedOutput<uint8_t> mask(static_cast<size_t>(mp.T * mp.mask_stride));
-  kernels::IndexerTopkParams p;
-  p.scores = d_scores.get();
-  p.score_stride = pb.stride;
-  p.clen = d_clen.get();
-  p.req = d_req.get();
-  p.T = pb.T;
-  p.comp_slot_table = d_table.get();
-  p.comp_table_stride = pb.table.stride;
-  p.comp_table_rows = pb.table.rows;
-  p.topk = pb.topk;
-  p.out = out.get();
-  p.out_stride = pb.out_stride;
-  p.version = 3;
-  kernels::CandidateMaskParams m;
-  m.scores = d_scores.get();
-  m.score_stride = mp.stride;
-  m.clen = d_clen.get();
-  m.T = mp.T;
-  m.block = mp.block;
-  m.topk_blocks = mp.topk_blocks;
-  m.mask = mask.get();
-  m.mask_stride = mp.mask_stride;
-  m.version = 3;
+  SelectionOnDevice d(pb, mp);
   {
     TestStream stream;
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     V4_CUDA_CHECK(cudaStreamBeginCapture(stream.s, cudaStreamCaptureModeThreadLocal));
-    kernels::run_candidate_mask(m, stream.s, true);
-    kernels::run_indexer_topk(p, stream.s, true);
+    kernels::run_candidate_mask(d.mp, stream.s, true);
+    kernels::run_indexer_topk(d.tp, stream.s, true);
     V4_CUDA_CHECK(cudaStreamEndCapture(stream.s, &graph));
     V4_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
     V4_CUDA_CHECK(cudaGraphLaunch(exec, stream.s));
@@ -714,8 +719,8 @@ TEST(GpuIndexerSelectV3, FirstLaunchInsideGraphCapture) {
     V4_CUDA_CHECK(cudaGraphExecDestroy(exec));
     V4_CUDA_CHECK(cudaGraphDestroy(graph));
   }
-  expect_same_bytes(out.download_checked(), reference_topk(pb), "top-k in a graph", pb.out_stride);
-  expect_same_bytes(mask.download_checked(), reference_mask(mp), "mask in a graph", mp.mask_stride);
+  expect_same_bytes(d.out.download_checked(), reference_topk(pb), "top-k in a graph", pb.out_stride);
+  expect_same_bytes(d.mask.download_checked(), reference_mask(mp), "mask in a graph", mp.mask_stride);
 }
 
 // =================================================================================================
@@ -731,50 +736,22 @@ struct PairResult {
 // The top-k of `pb` and the mask of its scores (block 8, budget 2048) through
 // run_indexer_select_pair_v3, both outputs poisoned.
 PairResult gpu_pair(const TopkProblem& pb, const MaskProblem& mp, int cluster, Launch mode) {
-  auto d_scores = to_device(pb.scores);
-  auto d_req = to_device(pb.req);
-  auto d_clen = to_device(pb.clen);
-  auto d_table = to_device(pb.table.v);
-  PoisonedOutput<int32_t> out(static_cast<size_t>(pb.T * pb.out_stride));
-  PoisonedOutput<uint8_t> mask(static_cast<size_t>(mp.T * mp.mask_stride));
+  SelectionOnDevice d(pb, mp);
   ErrorCount err;
-  kernels::IndexerTopkParams p;
-  p.scores = d_scores.get();
-  p.score_stride = pb.stride;
-  p.clen = d_clen.get();
-  p.req = d_req.get();
-  p.T = pb.T;
-  p.comp_slot_table = d_table.get();
-  p.comp_table_stride = pb.table.stride;
-  p.comp_table_rows = pb.table.rows;
-  p.topk = pb.topk;
-  p.out = out.get();
-  p.out_stride = pb.out_stride;
-  p.err_count = err.get();
-  p.v3_cluster = cluster;
-  kernels::CandidateMaskParams m;
-  m.scores = d_scores.get();
-  m.score_stride = mp.stride;
-  m.clen = d_clen.get();
-  m.T = mp.T;
-  m.block = mp.block;
-  m.topk_blocks = mp.topk_blocks;
-  m.mask = mask.get();
-  m.mask_stride = mp.mask_stride;
-  m.err_count = err.get();
-  m.v3_cluster = cluster;
+  d.tp.err_count = d.mp.err_count = err.get();
+  d.tp.v3_cluster = d.mp.v3_cluster = cluster;
   PairResult r;
   {
     TestStream stream;
     DeviceBuffer<float> staging;
-    late_feed(mode, d_scores, staging, stream.s);
-    r.one_launch = kernels::run_indexer_select_pair_v3(p, m, stream.s, pdl_of(mode));
+    late_feed(mode, d.scores, staging, stream.s);
+    r.one_launch = kernels::run_indexer_select_pair_v3(d.tp, d.mp, stream.s, pdl_of(mode));
     V4_CUDA_CHECK_LAUNCH();
     V4_CUDA_CHECK(cudaStreamSynchronize(stream.s));
   }
   EXPECT_EQ(err.read(), 0u);
-  r.topk = out.download_checked();
-  r.mask = mask.download_checked();
+  r.topk = d.out.download_checked();
+  r.mask = d.mask.download_checked();
   return r;
 }
 
@@ -838,42 +815,13 @@ TEST(GpuIndexerSelectV3, PairShortRowsAndAFusedMask) {
   for (auto& b : pb.mask) b = static_cast<uint8_t>(rng() % 4 == 0);
   const auto want_t = reference_topk(pb);  // with the other mask applied
   const auto want_m = reference_mask(mp);
-  // gpu_pair has no fused-mask input: run the two halves by hand with the other mask.
-  auto d_scores = to_device(pb.scores);
-  auto d_req = to_device(pb.req);
-  auto d_clen = to_device(pb.clen);
-  auto d_table = to_device(pb.table.v);
-  auto d_other = to_device(pb.mask);
-  PoisonedOutput<int32_t> out(static_cast<size_t>(pb.T * pb.out_stride));
-  PoisonedOutput<uint8_t> mask(static_cast<size_t>(mp.T * mp.mask_stride));
-  kernels::IndexerTopkParams p;
-  p.scores = d_scores.get();
-  p.score_stride = pb.stride;
-  p.clen = d_clen.get();
-  p.req = d_req.get();
-  p.T = pb.T;
-  p.comp_slot_table = d_table.get();
-  p.comp_table_stride = pb.table.stride;
-  p.comp_table_rows = pb.table.rows;
-  p.candidate_mask = d_other.get();
-  p.mask_stride = pb.mask_stride;
-  p.mask_block = 8;
-  p.topk = pb.topk;
-  p.out = out.get();
-  p.out_stride = pb.out_stride;
-  kernels::CandidateMaskParams m;
-  m.scores = d_scores.get();
-  m.score_stride = mp.stride;
-  m.clen = d_clen.get();
-  m.T = mp.T;
-  m.mask = mask.get();
-  m.mask_stride = mp.mask_stride;
+  SelectionOnDevice d(pb, mp);  // pb.mask: the top-k's fused (other) mask
   TestStream stream;
-  EXPECT_TRUE(kernels::run_indexer_select_pair_v3(p, m, stream.s, false));
+  EXPECT_TRUE(kernels::run_indexer_select_pair_v3(d.tp, d.mp, stream.s, false));
   V4_CUDA_CHECK_LAUNCH();
   V4_CUDA_CHECK(cudaStreamSynchronize(stream.s));
-  expect_same_bytes(out.download_checked(), want_t, "pair with a fused other mask (top-k)", pb.out_stride);
-  expect_same_bytes(mask.download_checked(), want_m, "pair with a fused other mask (mask)", mp.mask_stride);
+  expect_same_bytes(d.out.download_checked(), want_t, "pair with a fused other mask (top-k)", pb.out_stride);
+  expect_same_bytes(d.mask.download_checked(), want_m, "pair with a fused other mask (mask)", mp.mask_stride);
 }
 
 // =================================================================================================
