@@ -8,6 +8,8 @@
 // contiguous chunk [rank * per, (rank + 1) * per) of the row's elements (positions for top-k,
 // candidate blocks for the mask; per = ceil(n / cluster) rounded up to 8), processed in "rounds"
 // of 512 * N elements (thread i owns the N consecutive elements i*N .. i*N+N-1 of each round).
+// The pair kernel (run_indexer_select_pair_v3) runs T top-k clusters then T mask clusters of one
+// size in one grid. 2 CTAs per SM (the register cap); the automatic cluster size is in make_plan.
 //
 // Keys: each element's order-preserving 32-bit key (-0.0 folded onto +0.0, since the reference
 // compares floats and -0.0 == +0.0), 0 for an element that can never be selected (value not >
@@ -18,6 +20,10 @@
 // 1. Load: the CTA reads its chunk from global memory ONCE and keeps the keys in shared memory
 //    ("resident"). A chunk larger than the CTA's key capacity (rows longer than cluster * 24K
 //    positions / 192K blocks) is not kept: each pass re-reads it (from L2), same results.
+//    Top-k with a candidate mask (resident chunks): only the groups of 8 positions holding a
+//    selectable key are kept, compacted in position order (one block scan per round) with each
+//    group's first position; the passes and the compaction below then walk 2 keys per thread of
+//    those (~1/4 of the row under V4.1's mask) instead of 8 of every group (compact_groups).
 // 2. Radix select of K* over the cluster: 4 passes of 8-bit digits from the top. Per pass: a
 //    local shared-memory histogram of the digit of the keys that match the prefix chosen so far
 //    (one atomic per warp when the taking lanes share the digit, else one per lane), PUSHED into
@@ -50,7 +56,8 @@
 //    with 0, interleaved over its CTAs.
 //
 // Bytes: the row's visible scores read once (resident), the selected slot table entries, the
-// output row. Shared memory: 2 * cluster KB of receive buffers + the chunk's keys.
+// output row. Shared memory: 2 * cluster KB of receive buffers + the chunk's keys (+ one word
+// per group for the compacted top-k's first positions).
 // PDL: clen and req are read before dev::pdl_wait(); scores, the mask and the slot table after
 // it. Every CTA triggers after its last store.
 #include "v4attn/kernels/indexer_kernels.h"
@@ -614,8 +621,8 @@ __device__ __forceinline__ void topk_cta(const IndexerTopkParams& p, const Args&
   dev::pdl_launch_dependents();  // after this thread's last store
 }
 
-__global__ void __launch_bounds__(kThreads, kMinCtas) indexer_topk_v3_kernel(const __grid_constant__ IndexerTopkParams p,
-                                                                     const Args a) {
+__global__ void __launch_bounds__(kThreads, kMinCtas)
+    indexer_topk_v3_kernel(const __grid_constant__ IndexerTopkParams p, const Args a) {
   __shared__ Smem sm;
   topk_cta(p, a, blockIdx.x / static_cast<unsigned>(a.cluster), sm);
 }
@@ -668,8 +675,8 @@ __device__ __forceinline__ void mask_cta(const CandidateMaskParams& p, const Arg
   dev::pdl_launch_dependents();
 }
 
-__global__ void __launch_bounds__(kThreads, kMinCtas) candidate_mask_v3_kernel(const __grid_constant__ CandidateMaskParams p,
-                                                                       const Args a) {
+__global__ void __launch_bounds__(kThreads, kMinCtas)
+    candidate_mask_v3_kernel(const __grid_constant__ CandidateMaskParams p, const Args a) {
   __shared__ Smem sm;
   mask_cta(p, a, blockIdx.x / static_cast<unsigned>(a.cluster), sm);
 }
@@ -677,9 +684,9 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) candidate_mask_v3_kernel(c
 // The candidate source's two selections over the same scores in one launch: clusters [0, T) of the
 // grid run the top-k of rows 0..T-1, clusters [T, 2T) the candidate mask (both kinds of cluster
 // have the same size; a cluster never mixes them). Neither needs the other's output.
-__global__ void __launch_bounds__(kThreads, kMinCtas) select_pair_v3_kernel(const __grid_constant__ IndexerTopkParams tp,
-                                                                    const __grid_constant__ CandidateMaskParams mp,
-                                                                    const Args ta, const Args ma) {
+__global__ void __launch_bounds__(kThreads, kMinCtas)
+    select_pair_v3_kernel(const __grid_constant__ IndexerTopkParams tp, const __grid_constant__ CandidateMaskParams mp,
+                          const Args ta, const Args ma) {
   __shared__ Smem sm;
   const int64_t c = blockIdx.x / static_cast<unsigned>(ta.cluster);
   if (c < tp.T) topk_cta(tp, ta, c, sm);
