@@ -23,36 +23,21 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
+// The spin loop around one mbarrier.try_wait form (TRY_WAIT: the instruction up to its predicate).
+#define V4ATTN_MBAR_WAIT_LOOP(TRY_WAIT) \
+  "{\n.reg .pred P1;\nWAIT_LOOP:\n" TRY_WAIT " P1, [%0], %1;\n@P1 bra WAIT_DONE;\nbra WAIT_LOOP;\nWAIT_DONE:\n}\n"
 // Blocks until the phase with parity `parity` of the barrier has completed (acquire, CTA scope).
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred P1;\n"
-      "WAIT_LOOP:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
-      "@P1 bra WAIT_DONE;\n"
-      "bra WAIT_LOOP;\n"
-      "WAIT_DONE:\n"
-      "}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
+  asm volatile(V4ATTN_MBAR_WAIT_LOOP("mbarrier.try_wait.parity.shared::cta.b64") ::"r"(bar), "r"(parity) : "memory");
 }
-
 // The same, with cluster-scope acquire: data that other CTAs of the cluster wrote into this CTA's
 // shared memory with st.async (completing on this barrier) is visible after it returns.
 __device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred P1;\n"
-      "WAIT_LOOP:\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 P1, [%0], %1;\n"
-      "@P1 bra WAIT_DONE;\n"
-      "bra WAIT_LOOP;\n"
-      "WAIT_DONE:\n"
-      "}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
+  asm volatile(V4ATTN_MBAR_WAIT_LOOP("mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64")::"r"(bar),
+               "r"(parity)
+               : "memory");
 }
+#undef V4ATTN_MBAR_WAIT_LOOP
 
 // ---- TMA ----------------------------------------------------------------------------------------------
 // 3-D tile load into this CTA's shared memory, completing on `bar` (bytes counted by tx).
