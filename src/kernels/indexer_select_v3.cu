@@ -779,6 +779,17 @@ void require_cluster_choice(int requested, const char* who) {
   require(requested == 0 || requested == 1 || requested == 2 || requested == 4 || requested == 8 || requested == 16,
           who, "v3_cluster must be 0 (automatic), 1, 2, 4, 8 or 16, not " + std::to_string(requested));
 }
+// The automatic cluster size before the residency check (select_v3_auto_cluster's rule).
+int auto_cluster(int64_t T, int64_t n_max, int per_thread, int64_t max_ctas) {
+  const int64_t round = int64_t{v3::kThreads} * per_thread;
+  const int64_t target = (T <= 16 ? 4 : 8) * round / 8;  // 2048 / 4096 positions, 512 / 1024 blocks
+  int cap = v3::kMaxCluster;
+  while (cap > 1 && T * cap > max_ctas) cap /= 2;
+  int cluster = 1;
+  while (cluster < cap && cluster * target < n_max) cluster *= 2;
+  return cluster;
+}
+
 Plan make_plan(const void* kernel, int requested, int64_t T, int64_t n_max, int per_thread, const char* who,
                bool compact = false, int64_t max_ctas = 0) {
   const int64_t round = int64_t{v3::kThreads} * per_thread;
@@ -798,12 +809,7 @@ Plan make_plan(const void* kernel, int requested, int64_t T, int64_t n_max, int 
                                " CTAs cannot be resident on this device");
     return pl;
   }
-  const int64_t target = (T <= 16 ? 4 : 8) * round / 8;  // 2048 / 4096 positions, 512 / 1024 blocks
-  int cap = v3::kMaxCluster;
-  if (max_ctas <= 0) max_ctas = 3 * int64_t{sm_count()} / 2;
-  while (cap > 1 && T * cap > max_ctas) cap /= 2;
-  int cluster = 1;
-  while (cluster < cap && cluster * target < n_max) cluster *= 2;
+  const int cluster = auto_cluster(T, n_max, per_thread, max_ctas > 0 ? max_ctas : 3 * int64_t{sm_count()} / 2);
   Plan pl = plan_for(cluster);
   if (cluster > 8 && !cluster_fits(kernel, cluster, pl.smem)) pl = plan_for(8);
   return pl;
@@ -892,6 +898,18 @@ void run_candidate_mask_v3(const CandidateMaskParams& p, cudaStream_t stream, bo
   LaunchConfig cfg;
   launch_plan(who, reinterpret_cast<const void*>(kernel), pl, p.T, stream, pdl, cfg);
   launch_kernel("candidate_mask_v3", kernel, cfg, p, args_of(pl, p.scores, p.score_stride));
+}
+
+int select_v3_auto_cluster(int64_t T, int64_t n, bool mask, int sms) {
+  if (T < 1 || n < 1 || sms < 1) throw std::invalid_argument("select_v3_auto_cluster: T, n and sms must be >= 1");
+  return auto_cluster(T, n, mask ? v3::kMaskPer : v3::kTopkPer, 3 * int64_t{sms} / 2);
+}
+
+bool select_v3_pair_is_one_launch(int64_t T, int64_t score_stride, int sms) {
+  if (T < 1 || score_stride < 1 || sms < 1)
+    throw std::invalid_argument("select_v3_pair_is_one_launch: T, score_stride and sms must be >= 1");
+  return auto_cluster(2 * T, score_stride, v3::kTopkPer, 2 * int64_t{sms}) ==
+         auto_cluster(T, score_stride, v3::kTopkPer, 3 * int64_t{sms} / 2);
 }
 
 bool run_indexer_select_pair_v3(const IndexerTopkParams& tp, const CandidateMaskParams& mp, cudaStream_t stream,

@@ -1640,6 +1640,40 @@ TEST(GpuIndexerHostChecks, ScoresLaunchShapes) {
   EXPECT_EQ(s.smem_bytes, shape(32, 1, 65536, false, 2).smem_bytes + 4 * 32 * 4);
 }
 
+// The v3 selection's automatic cluster sizes and the pair's one-launch rule, as the header states
+// them (no GPU: these are the host rules the launchers apply; docs/perf.md session 7, run 10-11).
+TEST(GpuIndexerHostChecks, SelectV3LaunchRules) {
+  using kernels::select_v3_auto_cluster;
+  using kernels::select_v3_pair_is_one_launch;
+  constexpr int kSms = 132;  // H200
+  // Top-k over 64K positions: 16 up to 12 rows (T * 16 <= 198), then 8 to 24 rows, 4 to 48, 2 to 99.
+  EXPECT_EQ(select_v3_auto_cluster(1, 65536, false, kSms), 16);
+  EXPECT_EQ(select_v3_auto_cluster(6, 65536, false, kSms), 16);  // verify bs 1
+  EXPECT_EQ(select_v3_auto_cluster(8, 65536, false, kSms), 16);
+  EXPECT_EQ(select_v3_auto_cluster(13, 65536, false, kSms), 8);
+  EXPECT_EQ(select_v3_auto_cluster(24, 65536, false, kSms), 8);  // verify bs 4
+  EXPECT_EQ(select_v3_auto_cluster(32, 65536, false, kSms), 4);  // decode bs 32 (session 7: 4 beat 8)
+  EXPECT_EQ(select_v3_auto_cluster(48, 65536, false, kSms), 4);
+  EXPECT_EQ(select_v3_auto_cluster(64, 65536, false, kSms), 2);
+  // Short rows take only the CTAs their chunks need: 2048 positions per CTA (4096 above 16 rows).
+  EXPECT_EQ(select_v3_auto_cluster(6, 4096, false, kSms), 2);
+  EXPECT_EQ(select_v3_auto_cluster(6, 2048, false, kSms), 1);
+  EXPECT_EQ(select_v3_auto_cluster(6, 32768, false, kSms), 16);
+  EXPECT_EQ(select_v3_auto_cluster(32, 8192, false, kSms), 2);
+  // The mask over 8192 blocks (64K positions): 512 blocks per CTA (1024 above 16 rows).
+  EXPECT_EQ(select_v3_auto_cluster(6, 8192, true, kSms), 16);
+  EXPECT_EQ(select_v3_auto_cluster(32, 8192, true, kSms), 4);
+  EXPECT_EQ(select_v3_auto_cluster(6, 2048, true, kSms), 4);
+  // The pair at 64K: one launch at 1..8 and 13..16 rows and at 25..33, else two.
+  for (int64_t T : {1, 6, 8, 13, 16, 25, 32, 33}) EXPECT_TRUE(select_v3_pair_is_one_launch(T, 65536, kSms)) << T;
+  for (int64_t T : {9, 12, 17, 24, 34}) EXPECT_FALSE(select_v3_pair_is_one_launch(T, 65536, kSms)) << T;
+  // Another device size moves the bounds (e.g. 114 SMs, an H100 PCIe: 171 CTAs for one launch).
+  EXPECT_EQ(select_v3_auto_cluster(12, 65536, false, 114), 8);
+  EXPECT_FALSE(select_v3_pair_is_one_launch(8, 65536, 114));
+  EXPECT_THROW(select_v3_auto_cluster(0, 65536, false, kSms), std::invalid_argument);
+  EXPECT_THROW(select_v3_pair_is_one_launch(6, 65536, 0), std::invalid_argument);
+}
+
 TEST(GpuIndexerHostChecks, SelectionWorkspaceSizes) {
   using kernels::candidate_mask_workspace_bytes;
   using kernels::indexer_topk_workspace_bytes;

@@ -774,12 +774,6 @@ TEST(GpuIndexerSelectV3, PairMatchesTheTwoSelections) {
   V4_CUDA_CHECK(cudaGetDevice(&dev));
   V4_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   std::mt19937_64 rng(0x5e1e3301);
-  // The automatic cluster of rows that want 16 CTAs (64K positions) under a CTA budget.
-  const auto auto_cluster = [](int64_t rows, int64_t budget) {
-    int c = 16;
-    while (c > 1 && rows * c > budget) c /= 2;
-    return c;
-  };
   for (int64_t T : {1, 6, 8, 9, 24, 32}) {
     const auto clen = T == 1 ? std::vector<int32_t>{65536} : cycled_clen(T, kLengths, T);
     const Flavour f = T % 2 == 0 ? Flavour::kTies : Flavour::kNormal;
@@ -795,9 +789,8 @@ TEST(GpuIndexerSelectV3, PairMatchesTheTwoSelections) {
         const PairResult r = gpu_pair(pb, mp, cl, mode);
         expect_same_bytes(r.topk, want_t, what + " (top-k)", pb.out_stride);
         expect_same_bytes(r.mask, want_m, what + " (mask)", mp.mask_stride);
-        // An explicit cluster size is one launch whatever T; automatic: the pair's cluster for 2T
-        // rows in 2 CTAs per SM equals the top-k's alone (T rows, 3/2 CTAs per SM).
-        const bool want_one = cl != 0 || auto_cluster(2 * T, 2 * int64_t{sms}) == auto_cluster(T, 3 * int64_t{sms} / 2);
+        // An explicit cluster size is one launch whatever T; automatic: the documented rule.
+        const bool want_one = cl != 0 || kernels::select_v3_pair_is_one_launch(T, pb.stride, sms);
         EXPECT_EQ(r.one_launch, want_one) << what;
       }
   }

@@ -252,5 +252,13 @@ void run_indexer_topk_v3(const IndexerTopkParams& p, cudaStream_t stream, bool p
 // being written (tp.candidate_mask == mp.mask), and whatever either launcher refuses.
 bool run_indexer_select_pair_v3(const IndexerTopkParams& tp, const CandidateMaskParams& mp, cudaStream_t stream,
                                 bool pdl);
+// The v3 launch rules (host only, no device needed; `sms` = the device's multiprocessors):
+// the automatic cluster size (v3_cluster = 0) of T rows of n elements (positions for the top-k,
+// mask = true: candidate blocks for the mask): the smallest power of two giving each CTA at most
+// 2048 positions / 512 blocks (4096 / 1024 above 16 rows), at most 16, with T * cluster <= 3/2 *
+// sms (a 16-CTA cluster that cannot be resident falls back to 8 at launch); and whether the pair
+// is one launch for automatic clusters (its 2T rows within 2 * sms CTAs take the same size).
+int select_v3_auto_cluster(int64_t T, int64_t n, bool mask, int sms);
+bool select_v3_pair_is_one_launch(int64_t T, int64_t score_stride, int sms);
 
 }  // namespace v4attn::kernels
