@@ -391,15 +391,24 @@ bool validate_scores(Problem& pb, cudaStream_t s, int group_rows = 1, const Host
   return true;
 }
 
+// The reference top-k of the scores (host copy), after ref::apply_candidate_mask of `mask`
+// ([T, pb.mask_stride] bytes) when given.
+std::vector<int32_t> reference_topk(const Problem& pb, std::vector<float> scores, const uint8_t* mask = nullptr) {
+  if (mask != nullptr)
+    ref::apply_candidate_mask(scores.data(), pb.T, pb.stride, pb.row_clen.data(), kMaskBlock, mask, pb.mask_stride);
+  std::vector<int32_t> want(static_cast<size_t>(pb.T) * kTopk);
+  ref::topk_to_slots(scores.data(), pb.T, pb.stride, pb.row_clen.data(), kTopk, pb.req.data(), pb.table.data(),
+                     pb.stride, want.data(), kTopk);
+  return want;
+}
+
 // The top-k and candidate mask outputs in d_out / d_mask against the reference fed the GPU scores.
 bool check_topk_and_mask(Problem& pb, cudaStream_t s, bool& mask_ok) {
   V4_CUDA_CHECK(cudaStreamSynchronize(s));
   const auto scores = to_host(pb.d_scores, static_cast<size_t>(pb.T) * pb.stride);
   const auto out = to_host(pb.d_out, static_cast<size_t>(pb.T) * kTopk);
   const auto mask = to_host(pb.d_mask, static_cast<size_t>(pb.T) * pb.mask_stride);
-  std::vector<int32_t> want(out.size());
-  ref::topk_to_slots(scores.data(), pb.T, pb.stride, pb.row_clen.data(), kTopk, pb.req.data(), pb.table.data(),
-                     pb.stride, want.data(), kTopk);
+  const auto want = reference_topk(pb, scores);
   std::vector<uint8_t> want_mask(mask.size());
   ref::candidate_mask(scores.data(), pb.T, pb.stride, pb.row_clen.data(), kMaskBlock, kCandidateBlocks,
                       want_mask.data(), pb.mask_stride);
@@ -445,18 +454,15 @@ bool validate_chain(Problem& pb, cudaStream_t s, bool with_mask, const SelVersio
   const auto w = ref::indexer_weights(pb.wproj.data(), pb.T, kHeads, kHeads);
   bool ok = to_host(pb.d_codes, q.codes.size()) == q.codes && to_host(pb.d_scales, q.scales.size()) == q.scales &&
             to_host(pb.d_w, w.size()) == w;
-  auto scores = to_host(pb.d_scores, static_cast<size_t>(pb.T) * pb.stride);
+  const auto scores = to_host(pb.d_scores, static_cast<size_t>(pb.T) * pb.stride);
+  std::vector<uint8_t> want_mask;
   if (with_mask) {
-    std::vector<uint8_t> want_mask(static_cast<size_t>(pb.T * pb.mask_stride));
+    want_mask.resize(static_cast<size_t>(pb.T * pb.mask_stride));
     ref::candidate_mask(scores.data(), pb.T, pb.stride, pb.row_clen.data(), kMaskBlock, kCandidateBlocks,
                         want_mask.data(), pb.mask_stride);
     ok = ok && to_host(pb.d_mask, want_mask.size()) == want_mask;
-    ref::apply_candidate_mask(scores.data(), pb.T, pb.stride, pb.row_clen.data(), kMaskBlock, want_mask.data(),
-                              pb.mask_stride);
   }
-  std::vector<int32_t> want(static_cast<size_t>(pb.T) * kTopk);
-  ref::topk_to_slots(scores.data(), pb.T, pb.stride, pb.row_clen.data(), kTopk, pb.req.data(), pb.table.data(),
-                     pb.stride, want.data(), kTopk);
+  const auto want = reference_topk(pb, scores, with_mask ? want_mask.data() : nullptr);
   return ok && to_host(pb.d_out, want.size()) == want;
 }
 
@@ -599,12 +605,14 @@ int main(int argc, char** argv) {
                    cold_median_us([&](cudaStream_t s) { kn::run_candidate_mask(mp, s, false); }));
           }
           // Top-k v3 of a later index source (the candidate mask fused: 2048 random kept blocks per
-          // row), compacted (default) and walking every position; checked against the reference's
-          // apply_candidate_mask + topk_to_slots of the GPU scores.
+          // row, the same mask for both rows), compacted (default) and walking every position;
+          // checked against the reference's apply_candidate_mask + topk_to_slots of the GPU scores.
+          const HostMask fused_mask = want("topk", "v3-masked") || want("topk", "v3-masked-nc") ? make_mask(pb, false)
+                                                                                                 : HostMask{};
           for (const bool compact : {true, false}) {
             const char* name = compact ? "v3-masked" : "v3-masked-nc";
             if (!want("topk", name)) continue;
-            const HostMask mask = make_mask(pb, false);
+            const HostMask& mask = fused_mask;
             kn::run_indexer_scores(scores_params(pb, 0), stream, false);
             auto tp = topk_params(pb, kChainV3);
             tp.candidate_mask = mask.d.get();
@@ -614,12 +622,8 @@ int main(int argc, char** argv) {
             pb.d_out.fill_bytes(0xAB, stream);
             kn::run_indexer_topk(tp, stream, false);
             V4_CUDA_CHECK(cudaStreamSynchronize(stream));
-            auto sc = to_host(pb.d_scores, static_cast<size_t>(pb.T) * pb.stride);
-            ref::apply_candidate_mask(sc.data(), pb.T, pb.stride, pb.row_clen.data(), kMaskBlock, mask.bytes.data(),
-                                      pb.mask_stride);
-            std::vector<int32_t> want_t(static_cast<size_t>(pb.T) * kTopk);
-            ref::topk_to_slots(sc.data(), pb.T, pb.stride, pb.row_clen.data(), kTopk, pb.req.data(), pb.table.data(),
-                               pb.stride, want_t.data(), kTopk);
+            const auto want_t =
+                reference_topk(pb, to_host(pb.d_scores, static_cast<size_t>(pb.T) * pb.stride), mask.bytes.data());
             const bool ok = to_host(pb.d_out, want_t.size()) == want_t;
             row_of("topk", name, topk_bytes + int64_t{pb.T} * pb.mask_stride, ok,
                    cold_median_us([&](cudaStream_t st) { kn::run_indexer_topk(tp, st, false); }));

@@ -796,6 +796,11 @@ bool aligned(const void* ptr, uintptr_t bytes) { return reinterpret_cast<uintptr
 
 }  // namespace
 
+bool indexer_scores_mask_tile_ok(int tile_blocks) {
+  return tile_blocks == 0 || tile_blocks == 16 || tile_blocks == 32 || tile_blocks == 64 || tile_blocks == 128 ||
+         tile_blocks == 256;
+}
+
 IndexerScoresShape indexer_scores_shape(const IndexerScoresParams& p) {
   IndexerScoresShape sh;
   const int G = std::max(p.group_rows, 1);
@@ -890,9 +895,8 @@ void run_indexer_scores(const IndexerScoresParams& p, cudaStream_t stream, bool 
             "mask_stride " + std::to_string(p.mask_stride) + " is smaller than score_stride / 8 = " +
                 std::to_string(p.score_stride / 8));
     require(p.row_split <= 1, who, "row_split 2 is not available with a candidate mask");
-    require(p.mask_tile_blocks == 0 || p.mask_tile_blocks == 16 || p.mask_tile_blocks == 32 || p.mask_tile_blocks == 64 ||
-                p.mask_tile_blocks == 128 || p.mask_tile_blocks == 256,
-            who, "mask_tile_blocks must be 0 (automatic), 16, 32, 64, 128 or 256");
+    require(indexer_scores_mask_tile_ok(p.mask_tile_blocks), who,
+            "mask_tile_blocks must be 0 (automatic), 16, 32, 64, 128 or 256");
   }
 
   int page_shift = 0;

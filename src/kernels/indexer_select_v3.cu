@@ -83,8 +83,8 @@ namespace v3 {
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
-// 2 CTAs per SM (64 registers; a few bytes spill): the launches plan one wave of 2 CTAs per SM
-// (make_plan), and the pair kernel needs it to run both selections of 8 rows at once.
+// 2 CTAs per SM (64 registers; a few bytes spill): one launch plans up to 3/2 CTAs per SM and the
+// pair 2 (make_plan), which needs two resident per SM to run both selections of 8 rows at once.
 constexpr int kMinCtas = 2;
 constexpr int kDigitBits = 8;
 constexpr int kBins = 1 << kDigitBits;       // 256
@@ -769,12 +769,13 @@ int sm_count() {
 
 // requested: 0 = automatic: the smallest power of two that gives each CTA at most `target`
 // elements of the longest possible row (2048 positions / 512 blocks when the rows are few,
-// twice that above 16 rows), at most 16 CTAs, and at most `max_ctas` CTAs in all (one launch:
-// 3/2 CTAs per multiprocessor, T * cluster <= 198 on 132 SMs: 16 for T <= 8, 8 for T = 24, 4 for
-// T = 32 / 48, 2 for T = 64. Measured in the cycle (docs/perf.md session 7, run 10): at 32 rows
-// 4-CTA clusters, one CTA per SM, beat 8 (256 CTAs, two on most SMs) by 1.6 % per decode bs 32
-// cycle, while at 24 rows 8 (192 CTAs) beat 4; a second wave costs more than bigger chunks).
-// 8 when 16 cannot be resident.
+// twice that above 16 rows), at most 16 CTAs, and at most `max_ctas` CTAs in all. One launch
+// takes 3/2 CTAs per multiprocessor: for 64K-position rows on 132 SMs (T * cluster <= 198) 16 up
+// to 12 rows, 8 up to 24, 4 up to 49, 2 up to 99 (select_v3_auto_cluster; pinned by
+// GpuIndexerHostChecks.SelectV3LaunchRules). Measured in the cycle (docs/perf.md session 7, run
+// 10): at 32 rows 4-CTA clusters, one CTA per SM, beat 8 (256 CTAs, two on most SMs) by 1.6 % per
+// decode bs 32 cycle, while at 24 rows 8 (192 CTAs) beat 4; a second wave costs more than bigger
+// chunks. 8 when 16 cannot be resident.
 void require_cluster_choice(int requested, const char* who) {
   require(requested == 0 || requested == 1 || requested == 2 || requested == 4 || requested == 8 || requested == 16,
           who, "v3_cluster must be 0 (automatic), 1, 2, 4, 8 or 16, not " + std::to_string(requested));

@@ -161,8 +161,7 @@ void validate_options(const ModelPlan& plan, const GpuStackOptions& o) {
     fail("aq_warps must be -1 (automatic) or 0..32 (got " + std::to_string(o.aq_warps) + ")");
   if (o.qb_prewait_pace_ns < -1 || o.qb_prewait_pace_ns > 100000)
     fail("qb_prewait_pace_ns must be -1 (automatic) or 0..100000 (got " + std::to_string(o.qb_prewait_pace_ns) + ")");
-  if (o.scores_mask_tile != 0 && o.scores_mask_tile != 16 && o.scores_mask_tile != 32 && o.scores_mask_tile != 64 &&
-      o.scores_mask_tile != 128 && o.scores_mask_tile != 256)
+  if (!kn::indexer_scores_mask_tile_ok(o.scores_mask_tile))
     fail("scores_mask_tile must be 0 (automatic), 16, 32, 64, 128 or 256 (got " + std::to_string(o.scores_mask_tile) + ")");
   if (o.scores_min_blocks != 0 && o.scores_min_blocks != 3 && o.scores_min_blocks != 4)
     fail("scores_min_blocks must be 0, 3 or 4 (got " + std::to_string(o.scores_min_blocks) + ")");
@@ -1007,6 +1006,9 @@ void GpuPrepareStack::Impl::issue_idx_select(int L, int T, cudaStream_t s) {
   const LayerPlan& l = lp(L);
   const int r = l.ratio;
   const MetaField clen = r == 1 ? kMClen1 : kMClen2;
+  // The candidate source's own top-k is unmasked (uses_candidates is for the layers after it): its
+  // two selections read the same scores and not each other, so v3 runs them as one pair launch.
+  const bool pair = l.is_candidate_source && o.select_pair && o.select_version == 3;
   kn::CandidateMaskParams mp;  // the candidate source's: published for the index sources after it
   if (l.is_candidate_source) {
     kn::CandidateMaskParams& p = mp;
@@ -1023,9 +1025,7 @@ void GpuPrepareStack::Impl::issue_idx_select(int L, int T, cudaStream_t s) {
     p.workspace_bytes = select_ws_bytes;
     p.version = o.select_version == 3 ? 3 : 0;  // 0: v2 with the workspace
     p.v3_cluster = o.select_cluster;
-    // Its own top-k is unmasked (uses_candidates is for the layers after it): the two selections
-    // read the same scores and not each other, so v3 may run them as one launch.
-    if (!(o.select_pair && o.select_version == 3)) kn::run_candidate_mask(p, s, pdl_rest());
+    if (!pair) kn::run_candidate_mask(p, s, pdl_rest());
   }
   kn::IndexerTopkParams p;
   p.scores = scores;
@@ -1049,11 +1049,8 @@ void GpuPrepareStack::Impl::issue_idx_select(int L, int T, cudaStream_t s) {
   p.workspace_bytes = select_ws_bytes;
   p.version = o.select_version == 3 ? 3 : 0;  // 0: v2 with the workspace
   p.v3_cluster = o.select_cluster;
-  if (l.is_candidate_source && o.select_pair && o.select_version == 3) {
-    (void)kn::run_indexer_select_pair_v3(p, mp, s, pdl_rest());
-    return;
-  }
-  kn::run_indexer_topk(p, s, pdl_rest());
+  if (pair) (void)kn::run_indexer_select_pair_v3(p, mp, s, pdl_rest());
+  else kn::run_indexer_topk(p, s, pdl_rest());
 }
 
 // ---- GpuPrepareStack -----------------------------------------------------------------------------------

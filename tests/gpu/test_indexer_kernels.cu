@@ -1646,7 +1646,7 @@ TEST(GpuIndexerHostChecks, SelectV3LaunchRules) {
   using kernels::select_v3_auto_cluster;
   using kernels::select_v3_pair_is_one_launch;
   constexpr int kSms = 132;  // H200
-  // Top-k over 64K positions: 16 up to 12 rows (T * 16 <= 198), then 8 to 24 rows, 4 to 48, 2 to 99.
+  // Top-k over 64K positions: 16 up to 12 rows (T * 16 <= 198), then 8 to 24 rows, 4 to 49, 2 to 99.
   EXPECT_EQ(select_v3_auto_cluster(1, 65536, false, kSms), 16);
   EXPECT_EQ(select_v3_auto_cluster(6, 65536, false, kSms), 16);  // verify bs 1
   EXPECT_EQ(select_v3_auto_cluster(8, 65536, false, kSms), 16);

@@ -156,6 +156,9 @@ struct IndexerScoresShape {
   size_t smem_bytes = 0;
 };
 IndexerScoresShape indexer_scores_shape(const IndexerScoresParams& p);
+// The mask_tile_blocks values run_indexer_scores accepts: 0 (automatic), 16, 32, 64, 128, 256 (a
+// block-list entry holds the block index in 8 bits). Host only; the stack's option check uses it.
+bool indexer_scores_mask_tile_ok(int tile_blocks);
 
 // ---- candidate mask (candidate source layer) ------------------------------------------------
 // Block score = max over `block` positions (< clen), the block holding clen-1 pinned to +inf; the
