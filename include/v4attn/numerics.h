@@ -235,6 +235,17 @@ V4_HD uint8_t e4m3_from_clamped_f32(float x) {
 V4_HD uint8_t act_quant_code(float x, float s) {
   return e4m3_from_clamped_f32(clamp_f(div_by_scale(x, s), -kE4m3Max, kE4m3Max));
 }
+// The same code with div_by_scale's test hoisted out of a block's elements: for the act quant's
+// scale 2^e, act_quant_inv_scale(e) is the reciprocal div_by_scale multiplies by (exactly when
+// -126 <= e <= 126, the exponents whose 2^e and 2^-e are both normal), else 0, and then
+// act_quant_code_by_inv(x, inv) == act_quant_code(x, pow2_f32(e)) for every x. Callers test inv
+// once per block and take act_quant_code (the division) when it is 0 (infinite / NaN amax only).
+// Why: per element, div_by_scale's fallback puts a branch and a division subroutine around every
+// multiplication, which serialises the exact act quant of a chunk on the device.
+V4_HD float act_quant_inv_scale(int e) { return (e >= -126 && e <= 126) ? pow2_f32(-e) : 0.0f; }
+V4_HD uint8_t act_quant_code_by_inv(float x, float inv_s) {
+  return e4m3_from_clamped_f32(clamp_f(mul_rn(x, inv_s), -kE4m3Max, kE4m3Max));
+}
 
 // FP4 indexer quant: amax = max(amax, 6 * 2^-126); s = pow2ceil(amax * fp32(1/6)).
 V4_HD int indexer_quant_scale_exp(float amax) {

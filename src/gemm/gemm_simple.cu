@@ -38,7 +38,9 @@ __global__ void __launch_bounds__(kQuantMaxWarps * 32) act_quant_fp8_kernel(cons
     const float v = num::f32_from_bf16(p.x[row * p.x_stride + blk * kGemmBlock + lane]);
     const float amax = dev::warp_max(num::block_amax_step(0.0f, v));
     const int e = num::act_quant_scale_exp(amax);
-    p.q[row * p.q_stride + blk * kGemmBlock + lane] = num::act_quant_code(v, num::pow2_f32(e));
+    const float inv = num::act_quant_inv_scale(e);  // uniform per warp: no division code on the common path
+    p.q[row * p.q_stride + blk * kGemmBlock + lane] =
+        inv != 0.0f ? num::act_quant_code_by_inv(v, inv) : num::act_quant_code(v, num::pow2_f32(e));
     if (lane == 0) p.scale[row * p.scale_stride + blk] = num::ue8m0_from_exp(e);
   }
   if (stamper) V4ATTN_STAMP_AT(stamp_rec, stamps::kActQuant, 4);

@@ -123,15 +123,31 @@ __device__ __forceinline__ float group_amax(const float (&x)[kChunk]) {
   return amax;
 }
 
+// act_quant_chunk's division path (an infinite or NaN amax only): out of line, so that the code
+// every caller runs stays short (these kernels run once per launch with a cold instruction cache).
+struct Chunk8 {
+  float v[kChunk];
+};
+__device__ __noinline__ inline uint2 act_quant_chunk_by_division(Chunk8 x, int scale_exp) {
+  const float s = num::pow2_f32(scale_exp);
+  uint32_t w[2] = {0u, 0u};
+#pragma unroll
+  for (int k = 0; k < kChunk; ++k) w[k / 4] |= static_cast<uint32_t>(num::act_quant_code(x.v[k], s)) << (8 * (k % 4));
+  return make_uint2(w[0], w[1]);
+}
 // FP8 act quant of one chunk whose block spans kLanes lanes: returns the 8 e4m3 codes (byte k =
 // element k) and the block's scale exponent.
 template <int kLanes>
 __device__ __forceinline__ uint2 act_quant_chunk(const float (&x)[kChunk], int& scale_exp) {
   scale_exp = num::act_quant_scale_exp(group_amax<kLanes>(x));
-  const float s = num::pow2_f32(scale_exp);
   uint32_t w[2] = {0u, 0u};
+  const float inv = num::act_quant_inv_scale(scale_exp);  // the test once per chunk, not per element
+  if (inv != 0.0f) {
 #pragma unroll
-  for (int k = 0; k < kChunk; ++k) w[k / 4] |= static_cast<uint32_t>(num::act_quant_code(x[k], s)) << (8 * (k % 4));
+    for (int k = 0; k < kChunk; ++k) w[k / 4] |= static_cast<uint32_t>(num::act_quant_code_by_inv(x[k], inv)) << (8 * (k % 4));
+  } else {
+    return act_quant_chunk_by_division(Chunk8{{x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7]}}, scale_exp);
+  }
   return make_uint2(w[0], w[1]);
 }
 
@@ -254,7 +270,13 @@ __device__ __forceinline__ uint8_t fp4_code_pair(float x0, float x1, float s) {
   return num::pack_e2m1(num::fp4_code(x0, s), num::fp4_code(x1, s));
 }
 // The two e4m3 codes of one pair at scale s, element 0 in the low byte.
-__device__ __forceinline__ uint16_t act_quant_code_pair(float x0, float x1, float s) {
+// The two e4m3 codes of one pair at the act quant scale 2^e, element 0 in the low byte.
+__device__ __forceinline__ uint16_t act_quant_code_pair(float x0, float x1, int e) {
+  const float inv = num::act_quant_inv_scale(e);  // see num::act_quant_code_by_inv
+  if (inv != 0.0f)
+    return static_cast<uint16_t>(static_cast<uint32_t>(num::act_quant_code_by_inv(x0, inv)) |
+                                 (static_cast<uint32_t>(num::act_quant_code_by_inv(x1, inv)) << 8));
+  const float s = num::pow2_f32(e);
   return static_cast<uint16_t>(static_cast<uint32_t>(num::act_quant_code(x0, s)) |
                                (static_cast<uint32_t>(num::act_quant_code(x1, s)) << 8));
 }

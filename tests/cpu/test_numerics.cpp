@@ -506,6 +506,36 @@ TEST(NumericsActQuant, ZeroAndTinyBlocksUseTheFloor) {
   EXPECT_EQ(num::act_quant_code(1e-6f, s), 0x48);  // 4.0 = (1+0/8)*2^(9-7)
 }
 
+// act_quant_code_by_inv (the device paths' hoisted reciprocal) equals act_quant_code at every
+// exponent it accepts, on random finite values, +-0, values that saturate, subnormals, inf and NaN;
+// outside -126..126 act_quant_inv_scale is 0 (the callers divide).
+TEST(NumericsActQuant, HoistedReciprocalEqualsDivByScale) {
+  std::mt19937 rng(1234);
+  std::uniform_int_distribution<uint32_t> bits;
+  const float specials[] = {0.0f, -0.0f, 448.0f, -448.0f, 1e30f, -1e30f, 1e-40f, -1e-40f,
+                            std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                            std::numeric_limits<float>::quiet_NaN()};
+  for (int e = -130; e <= 130; ++e) {
+    const float inv = num::act_quant_inv_scale(e);
+    if (e < -126 || e > 126) {
+      EXPECT_EQ(inv, 0.0f) << e;
+      continue;
+    }
+    ASSERT_NE(inv, 0.0f) << e;
+    const float s = num::pow2_f32(e);
+    for (float x : specials) EXPECT_EQ(num::act_quant_code_by_inv(x, inv), num::act_quant_code(x, s)) << e << " " << x;
+    for (int i = 0; i < 2000; ++i) {
+      // Values around the scale: |x| / s spans the e4m3 range and a little beyond.
+      const float x = std::ldexp(static_cast<float>(static_cast<int32_t>(bits(rng))) * 0x1.0p-31f, e + 10);
+      ASSERT_EQ(num::act_quant_code_by_inv(x, inv), num::act_quant_code(x, s)) << e << " " << x;
+      uint32_t u = bits(rng);
+      float y;
+      std::memcpy(&y, &u, sizeof(y));
+      ASSERT_EQ(num::act_quant_code_by_inv(y, inv), num::act_quant_code(y, s)) << e << " bits " << u;
+    }
+  }
+}
+
 TEST(NumericsActQuant, AmaxExactly448TimesPowerOfTwo) {
   for (int k = -20; k <= 20; ++k) {
     const float amax = std::ldexp(448.0f, k);
