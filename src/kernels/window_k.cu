@@ -25,69 +25,21 @@
 #include <string>
 
 #include "kernels/prepare_common.cuh"
+#include "kernels/window_k_device.cuh"
 #include "runtime/launch.h"
 
 namespace v4attn::kernels {
 
 namespace {
 
-constexpr int kNope = kPrepHeadDim - num::kRopeDim;        // 448
-constexpr int kPairs = kPrepHeadDim / 2;                   // 256
-constexpr int kTailFirstPair = kNope / 2;                  // 224: warp 7 of the row
 constexpr int kThreads = 128;
-constexpr int kCtasPerRow = kPairs / kThreads;             // 2
-constexpr int kV41BlockPairs = num::kActQuantBlock / 2;    // 16 lanes per V41 block
-constexpr int kV4BlockPairs = 64 / 2;                      // 32: one warp per V4 block
-static_assert(kTailFirstPair % 32 == 0, "the RoPE / bf16 tail pairs are a whole warp (uniform branch)");
-static_assert(kPairs % kThreads == 0 && kThreads % 32 == 0, "whole warps, whole CTAs per row");
+constexpr int kCtasPerRow = detail::window_k::kPairs / kThreads;  // 2
+static_assert(detail::window_k::kPairs % kThreads == 0 && kThreads % 32 == 0, "whole warps, whole CTAs per row");
 
 __global__ void __launch_bounds__(kThreads) window_k_store_kernel(const __grid_constant__ WindowKStoreParams p) {
   const int t = static_cast<int>(blockIdx.x / kCtasPerRow);
   const int j = static_cast<int>(blockIdx.x % kCtasPerRow) * kThreads + static_cast<int>(threadIdx.x);
-  const int lane = static_cast<int>(threadIdx.x) % 32;
-
-  // Step metadata and constants only.
-  const int32_t loc = p.swa_loc[t];
-  const int32_t pos = p.pos[t];
-  if (loc < 0) return;  // no write (the reference's norm has no other output on the GPU side)
-  if (loc >= p.n_slots) {  // skipped and counted, like the reference's `skipped`
-    if (j == 0) dev::count_error(p.err_count);
-    return;
-  }
-  if (pos < 0 || pos >= p.max_pos) {  // refused on the host by the reference; contained here
-    if (j == 0) dev::count_error(p.err_count);
-    return;
-  }
-  const bool tail = j >= kTailFirstPair;
-  const float2 w = detail::ldg_f32x2(p.kv_norm + 2 * j);
-  const float2 cs = tail ? detail::ldg_f32x2(p.table + static_cast<int64_t>(pos) * num::kRopeDim + 2 * (j - kTailFirstPair))
-                         : make_float2(0.0f, 0.0f);
-
-  dev::pdl_wait();  // the kv row is the QA GEMM's output
-
-  const bf16_t* row = p.kv + static_cast<int64_t>(t) * p.kv_row_stride;
-  float x0, x1;
-  detail::load_bf16x2(row + 2 * j, x0, x1);
-  const float r = num::rmsnorm_rstd(detail::warp_row_sum_squares<kPrepHeadDim>(row, lane), kPrepHeadDim, p.eps);
-  detail::rmsnorm_apply_pair(x0, x1, r, w);
-  if (tail) detail::rope_pair(x0, x1, cs);
-
-  uint8_t* data = p.cache + p.layout.data_offset(loc);
-  uint8_t* scales = p.cache + p.layout.scale_offset(loc);
-  if (p.kind == CacheKind::kWindowV41) {
-    const int e = num::act_quant_scale_exp(detail::lane_group_max<kV41BlockPairs>(detail::pair_amax(x0, x1)));
-    *reinterpret_cast<uint16_t*>(data + 2 * j) = detail::act_quant_code_pair(x0, x1, num::pow2_f32(e));
-    if (j % kV41BlockPairs == 0) scales[j / kV41BlockPairs] = num::ue8m0_from_exp(e);
-  } else if (!tail) {  // kWindowV4, dims 0..447: block j / 32 is this warp
-    const int e = num::act_quant_scale_exp(detail::lane_group_max<kV4BlockPairs>(detail::pair_amax(x0, x1)));
-    *reinterpret_cast<uint16_t*>(data + 2 * j) = detail::act_quant_code_pair(x0, x1, num::pow2_f32(e));
-    if (j % kV4BlockPairs == 0) scales[j / kV4BlockPairs] = num::ue8m0_from_exp(e);
-  } else {  // kWindowV4, the roped bf16 tail (little-endian, even element first)
-    *reinterpret_cast<uint32_t*>(data + kNope + 4 * (j - kTailFirstPair)) = detail::pack_bf16x2(x0, x1);
-    if (j == kTailFirstPair) scales[kNope / 64] = 0;  // the pad byte after the 7 scales
-  }
-
-  dev::pdl_launch_dependents();  // after this thread's last store
+  detail::window_k_store_pair<true>(p, t, j, static_cast<int>(threadIdx.x) % 32);
 }
 
 }  // namespace
