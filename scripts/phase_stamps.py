@@ -15,7 +15,11 @@ import bisect
 import collections
 import gzip
 
-KINDS = {1: "v2", 2: "v3", 3: "rmsnorm", 4: "act_quant", 5: "q_rope_store"}
+KINDS = {1: "v2", 2: "v3", 3: "rmsnorm", 4: "act_quant", 5: "q_rope_store", 6: "qchain"}
+# The fused Q chain (gemm_qchain.cu): start, wait, act quant, QA weights, QA loop, partial counted,
+# tile reduced, q tiles all counted, q_norm done, first wq_b stage, wq_b loop, end, kv counted, window-K.
+QCHAIN_COLS = [(0, min), (0, max), (1, min), (1, max), (2, max), (3, max), (4, max), (5, max), (6, max), (7, min),
+               (7, max), (8, max), (9, max), (10, min), (10, max), (11, max), (12, max), (13, max)]
 COLS = [(0, min), (0, max), (1, min), (1, max), (2, min), (2, max), (5, max), (3, min), (3, max), (6, max), (4, min), (4, max)]
 
 
@@ -80,6 +84,11 @@ def main():
         "start", "st_max", "wait", "wt_max", "ph2", "ph2_mx", "ph5_mx", "loop", "lp_max", "ph6_mx", "end", "end_max")))
     for _, kind, g in launches[:a.launches]:
         vals = []
+        if kind == 6:
+            print("%-12s %4d " % ("qchain", len(g)) + " ".join(
+                "%d%s:%.1f" % (ph, fn.__name__[1], (fn([c[ph] for c in g if ph in c]) - t0) / 1000)
+                for ph, fn in QCHAIN_COLS if any(ph in c for c in g)))
+            continue
         for phase, fn in COLS:
             v = [ph[phase] for ph in g if phase in ph]
             vals.append("%7.1f" % ((fn(v) - t0) / 1000) if v else "      -")

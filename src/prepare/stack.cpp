@@ -18,6 +18,7 @@
 #include "v4attn/kernels/indexer_kernels.h"
 #include "v4attn/kernels/norm_kernels.h"
 #include "v4attn/kernels/prepare_kernels.h"
+#include "v4attn/kernels/qchain.h"
 #include "v4attn/reference/stack.h"
 #include "v4attn/reference/weights.h"
 #include "v4attn/rope_table.h"
@@ -236,6 +237,8 @@ struct GpuPrepareStack::Impl {
   uint8_t* iq_scales_c = nullptr;
   float* iw_c = nullptr;
   float* scores = nullptr;       // [max_rows, max score stride]
+  uint8_t* qchain_ws = nullptr;  // kernels/qchain.h workspace (null: the shape has no fused chain)
+  size_t qchain_ws_bytes = 0;
   uint8_t* select_ws = nullptr;  // multi-CTA top-k / candidate mask workspace (zeroed once; null: v1 kernels)
   size_t select_ws_bytes = 0;
 
@@ -332,7 +335,11 @@ struct GpuPrepareStack::Impl {
   void issue_qa(int L, int T, cudaStream_t s);
   void issue_q_norm(int L, int T, cudaStream_t s);
   void issue_qb(int L, int T, cudaStream_t s);
+  // GpuStackOptions::fuse_qchain: whether layer L runs as one fused kernel at T rows, and that kernel.
+  bool qchain_fused_layer(int L, int T) const;
+  void issue_qchain_fused(int L, int T, cudaStream_t s);
   void issue_kv(int L, int T, cudaStream_t s);
+  kn::WindowKStoreParams window_k_params(int L, int T) const;
   void issue_cmp(int L, int T, cudaStream_t s);
   void issue_idx(int L, int T, cudaStream_t s);         // indexer GEMMs + the rest
   void issue_idx_gemms(int L, int T, cudaStream_t s);   // qi = wq_b_idx(qr)
@@ -517,6 +524,13 @@ void GpuPrepareStack::Impl::init() {
     }
   }
 
+  // The fused Q chain's workspace (main lane only): counters zeroed once, left zero by every launch.
+  qchain_ws_bytes = kn::qchain_fused_workspace_bytes(std::min(R, kn::kQChainMaxRows), dim, q_rank);
+  if (qchain_ws_bytes > 0) {
+    qchain_ws = alloc<uint8_t>(qchain_ws_bytes);
+    kn::init_qchain_workspace(qchain_ws, qchain_ws_bytes, main());
+  }
+
   // Weights.
   w.assign(static_cast<size_t>(n_layers), LayerWeightsDev{});
   for (int L = 0; L < n_layers; ++L) {
@@ -640,6 +654,10 @@ void GpuPrepareStack::Impl::issue_cycle(int T) {
   else lanes.on_main(anchor);
   for (int L = 0; L < n_layers; ++L) {
     NvtxRange range("layer", L);
+    if (qchain_fused_layer(L, T)) {  // the whole layer in one kernel on main: nothing to fork
+      lanes.on_main([this, L, T](cudaStream_t s) { issue_qchain_fused(L, T, s); });
+      continue;
+    }
     LayerIssue li;
     li.work = lp(L).work;
     li.s_fork = o.s_fork;
@@ -805,7 +823,40 @@ void GpuPrepareStack::Impl::issue_qb(int L, int T, cudaStream_t s) {
   kn::run_q_rope_store(r, s, o.pdl);  // the kernel right after the wq_b GEMM (prepare-schedule.md "PDL")
 }
 
-void GpuPrepareStack::Impl::issue_kv(int L, int T, cudaStream_t s) {
+bool GpuPrepareStack::Impl::qchain_fused_layer(int L, int T) const {
+  return o.fuse_qchain && qchain_ws != nullptr && lp(L).work == (kWorkQA | kWorkQB | kWorkKV) &&
+         kn::qchain_fused_supported(T, dim, q_rank, H);
+}
+
+void GpuPrepareStack::Impl::issue_qchain_fused(int L, int T, cudaStream_t s) {
+  const LayerWeightsDev& d = w[static_cast<size_t>(L)];
+  kn::QChainFusedParams p;
+  p.x = x(L);
+  p.x_stride = dim;
+  p.wqkv_a = d.wqkv_a;
+  p.wqkv_a_scale = d.wqkv_a_s;
+  p.q_norm = d.q_norm;
+  p.eps = eps;
+  p.wq_b = d.wq_b;
+  p.wq_b_scale = d.wq_b_s;
+  p.qkv_a = qkv_a;
+  p.qkv_a_stride = qkv_w;
+  p.qr = qr;
+  p.qr_codes = qrq;
+  p.qr_scales = qrs;
+  p.q_pad = q_pad[static_cast<size_t>(L)];
+  p.q_pad_stride = static_cast<int64_t>(H_pad) * kHd;
+  p.kv = window_k_params(L, T);
+  p.T = T;
+  p.dim = dim;
+  p.q_rank = q_rank;
+  p.H = H;
+  p.workspace = qchain_ws;
+  p.workspace_bytes = qchain_ws_bytes;
+  kn::run_qchain_fused(p, s, pdl_rest());
+}
+
+kn::WindowKStoreParams GpuPrepareStack::Impl::window_k_params(int L, int T) const {
   kn::WindowKStoreParams p;
   p.kv = qkv_a + q_rank;
   p.kv_row_stride = qkv_w;
@@ -821,7 +872,11 @@ void GpuPrepareStack::Impl::issue_kv(int L, int T, cudaStream_t s) {
   p.n_slots = window_slots;
   p.T = T;
   p.err_count = err.get();
-  kn::run_window_k_store(p, s, pdl_rest());
+  return p;
+}
+
+void GpuPrepareStack::Impl::issue_kv(int L, int T, cudaStream_t s) {
+  kn::run_window_k_store(window_k_params(L, T), s, pdl_rest());
 }
 
 void GpuPrepareStack::Impl::issue_cmp(int L, int T, cudaStream_t s) {
@@ -1135,6 +1190,12 @@ void GpuPrepareStack::set_fuse_rope_store(bool on) {
   if (on == impl_->o.fuse_rope_store) return;
   impl_->invalidate_graphs();
   impl_->o.fuse_rope_store = on;
+}
+
+void GpuPrepareStack::set_fuse_qchain(bool on) {
+  if (on == impl_->o.fuse_qchain) return;
+  impl_->invalidate_graphs();
+  impl_->o.fuse_qchain = on;
 }
 
 void GpuPrepareStack::set_lane_prologue(bool on) {

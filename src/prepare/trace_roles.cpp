@@ -1,5 +1,5 @@
 // CUPTI roles of the GPU prepare stack's kernels (include/v4attn/prepare/stack.h,
-// make_stack_classifier): names for q_rope_store and the window-K write, order on the stream for
+// make_stack_classifier): names for q_rope_store (and the fused Q chain) and the window-K write, order on the stream for
 // the wq_b GEMM (its kernel is shared with the other fp8 GEMMs).
 #include <algorithm>
 #include <map>
@@ -16,8 +16,10 @@ namespace {
 
 bool contains(const std::string& s, const char* part) { return s.find(part) != std::string::npos; }
 
+// The fused Q chain (kernels/qchain.h) ends with the layer's RoPE store: it takes q_rope_store's
+// role, so that the per-layer figures (keyed on q_rope_store) count its layers too.
 bool is_q_rope_store(const TraceRecord& r) {
-  return r.kind == TraceKind::kKernel && contains(r.name, "q_rope_store_kernel");
+  return r.kind == TraceKind::kKernel && (contains(r.name, "q_rope_store_kernel") || contains(r.name, "qchain_fused_kernel"));
 }
 bool is_window_k(const TraceRecord& r) {
   return r.kind == TraceKind::kKernel && contains(r.name, "window_k_store_kernel");

@@ -30,6 +30,7 @@
 
 #include "gpu_test_util.h"
 #include "v4attn/config.h"
+#include "v4attn/kernels/qchain.h"
 #include "v4attn/plan.h"
 #include "v4attn/prepare/stack.h"
 #include "v4attn/reference/layer.h"
@@ -231,6 +232,17 @@ TEST(GpuStackHost, ClassifierFindsTheWqbGemmByStreamOrder) {
   const KernelClassifier c3 = prepare::make_stack_classifier(v2);
   EXPECT_EQ(c3(v2[0]), KernelRole::kWqbGemm);
   EXPECT_EQ(analyze_cycle(v2, c3).early_launches, 1);
+
+  // The fused Q chain (one kernel per plain layer) takes q_rope_store's role; the fp8 GEMM of an
+  // unfused layer before it is still found by stream order.
+  const char* qchain = "void v4attn::kernels::(anonymous namespace)::qchain_fused_kernel<8>(v4attn::kernels::(anonymous namespace)::QcParams)";
+  std::vector<TraceRecord> fused = {kernel(qchain, 7, 0, 25), kernel(qchain, 7, 26, 50), kernel(fp8, 7, 50, 60),
+                                    kernel(qrope, 7, 61, 70)};
+  const KernelClassifier c4 = prepare::make_stack_classifier(fused);
+  EXPECT_EQ(c4(fused[0]), KernelRole::kQRopeStore);
+  EXPECT_EQ(c4(fused[1]), KernelRole::kQRopeStore);
+  EXPECT_EQ(c4(fused[2]), KernelRole::kWqbGemm);
+  EXPECT_EQ(analyze_cycle(fused, c4).q_rope_count, 3);
 }
 
 // ================================ against the CPU reference ============================================
@@ -629,28 +641,37 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
     bool graph;
     bool pdl;
     bool fuse_rope_store = false;  // q_rope_store in the wq_b GEMM's epilogue (v2)
+    bool fuse_qchain = false;      // plain layers as one kernel (kernels/qchain.h)
   };
   const Config configs[] = {{Schedule::kSerial, false, false},
                             {Schedule::kThreeLane, true, true},
                             {Schedule::kSourcesSide, true, false},
                             {Schedule::kThreeLane, false, true},
                             {Schedule::kThreeLane, true, true, true},
-                            {Schedule::kSerial, false, false, true}};
+                            {Schedule::kSerial, false, false, true},
+                            {Schedule::kThreeLane, true, true, false, true},
+                            {Schedule::kSerial, false, false, false, true}};
   // The fused form must really run here (wq_b at this config and bucket), or the configs above
   // that ask for it would silently compare the unfused path with itself.
-  if (tp == 1)
+  if (tp == 1) {
     EXPECT_TRUE(kernels::gemm_v2_rope_store_supported(buckets_rows(go, kind), static_cast<int64_t>(cfg.n_heads) * 512,
                                                       cfg.q_lora_rank));
+    // Likewise the fused Q chain. Its QA GEMM widens every block with cvt where the default v3
+    // widens half with integer ops (another order inside a block, spec section 6); on the H200 the
+    // bytes came out identical at every shape measured, which this comparison pins.
+    EXPECT_TRUE(kernels::qchain_fused_supported(buckets_rows(go, kind), cfg.dim, cfg.q_lora_rank, cfg.n_heads));
+  }
   std::vector<Snapshot> first;
   const int rows = bs * v;
   for (size_t c = 0; c < std::size(configs); ++c) {
     const std::string name = std::string(to_string(configs[c].schedule)) + (configs[c].graph ? " graph" : " eager") +
-                             (configs[c].fuse_rope_store ? " fused-rope" : "");
+                             (configs[c].fuse_rope_store ? " fused-rope" : "") + (configs[c].fuse_qchain ? " fused-qchain" : "");
     SCOPED_TRACE(name);
     gpu.upload_caches(initial);
     gpu.set_schedule(configs[c].schedule);
     gpu.set_pdl(configs[c].pdl);
     gpu.set_fuse_rope_store(configs[c].fuse_rope_store);
+    gpu.set_fuse_qchain(configs[c].fuse_qchain);
     gpu.reset_error_count();
     for (int step = 0; step < 2; ++step) {
       gpu.poison_outputs(kPoison);

@@ -181,6 +181,16 @@ struct GpuStackOptions {
   // The wq_b GEMM (v2) writes q_pad with the RoPE itself (q_rope_store fused into its epilogue;
   // same bytes). Experiment knob: the trace report's per-layer figures key on q_rope_store.
   bool fuse_rope_store = false;
+  // Plain layers (work QA | QB | KV, no compressor / indexer) with at most kQChainMaxRows rows:
+  // the whole layer as ONE kernel (kernels/qchain.h: act quant, wq_a|wkv GEMM, q_norm, wq_b GEMM +
+  // RoPE store, window-K store, with in-kernel hand-offs) on the main lane, no side lane. Its QA
+  // GEMM widens every block with cvt (v3_int_mask 0), so a cycle's bytes can differ from the
+  // default chain's by 1 bf16 ulp in rare elements (spec section 6); bit-identical to the unfused
+  // chain with that mask (tested at the kernel; the stack test finds the whole cycle identical to
+  // the default's). Off by default: measured (docs/perf.md, session 8) decode bs 1 -4.5 % serial
+  // but within noise three-lane, verify bs 1 +4.3 %, decode bs 8 +3.6 % three-lane (the kernel
+  // holds every SM while the index layers' side lanes need some).
+  bool fuse_qchain = false;
   // Index-source layers: run the indexer's wq_b GEMM (qr -> qi) on the main lane right after
   // q_norm instead of first on lane S (experiment knob; docs/perf.md).
   // Default since run 20: verify bs 1 1688.7 vs 1703.8 us, decode bs 32 4615.6 vs 4668.1 us.
@@ -252,6 +262,7 @@ class GpuPrepareStack {
   void set_s_fork(LayerIssue::SFork f);
   void set_lane_prologue(bool on);
   void set_fuse_rope_store(bool on);  // GpuStackOptions::fuse_rope_store
+  void set_fuse_qchain(bool on);      // GpuStackOptions::fuse_qchain
 
   // --- caches ------------------------------------------------------------------------------------
   // Device-side synthetic prefill (the full config at 64K would take minutes on the host): as if

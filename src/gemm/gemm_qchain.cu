@@ -1,0 +1,827 @@
+// The fused Q chain of a plain layer (include/v4attn/kernels/qchain.h): act quant -> wq_a|wkv
+// GEMM -> q_norm -> wq_b GEMM + RoPE store, and the window-K store, in one kernel.
+//
+// Grid G = max(wq_b tiles, QA units, 3 T) CTAs (V4.1 TP1: 128), one per SM, 384 threads:
+//  - warp 0, lane 0: the producer of the wq_b weight ring (TMA, as v2 gemm_wgmma.cu). Before the
+//    PDL wait it also issues the CTA's wq_a|wkv weight slice (QA units only).
+//  - warps 1..3 ("helpers"): act quant and q_norm with the consumers; one window-K work item
+//    (96 pairs of one row) in the last 3 T CTAs while the consumers run the wq_b loop.
+//  - warps 4..11 (warpgroups 1, 2): the wgmma consumers of both GEMMs.
+// Warps 1..11 are the "workers" (named barrier, 352 threads); warp 0 takes no part in them.
+//
+// Phases of CTA c (the hand-offs are arrival counters in the workspace: release by an acq_rel /
+// release atomic after a barrier, acquire by one thread's ld.acquire.gpu + a barrier):
+//  0. before the PDL wait: barriers, the QA weight slice (tile c % tiles, split c / tiles, v3's
+//     K ranges) and the first wq_b ring stages by TMA; both weight scales, the q_norm weights and
+//     the RoPE table rows of the step's positions into shared memory; the operands zeroed (rows
+//     >= T stay zero).
+//  1. QA units (c < tiles * S): the CTA's K range of x act-quantised (numerics.h, as
+//     run_act_quant_fp8) straight into the wgmma operand layout (f16), the block sums (two chained
+//     m64nNPk16 wgmmas per 32-wide block, v2's K permutation) folded as v2 / v3 do; the fp32
+//     partial tile to the workspace; the last CTA of a tile adds the S partials in split order
+//     (as v3), stores the bf16 tile into qkv_a and counts it (q tiles / kv tiles apart).
+//  2. every CTA, once the q tiles are all counted: q_norm of every row. One warp per row sums
+//     the squares in the LaneSum order (lane l: chunks l, l + 32, ...), then each worker
+//     normalises and act-quantises one chunk per pass (4 lanes = one 32-block) straight into the
+//     wq_b operand (the whole K, f16) and its scales; CTA t also stores row t's qr / codes /
+//     scales.
+//  3. the wq_b GEMM of tile c (v2's consumer loop, overlap 2, MT 2) over the weight ring, with the
+//     RoPE store epilogue of v2's kRope form into q_pad; meanwhile the window-K items, once the
+//     kv tiles are counted.
+// The QA weight slice lives in the last ring slots (it is consumed before the wq_b loop needs
+// them): the producer fills those slots only after the consumers' `qa_free` arrival.
+//
+// Why the one-shot phases are written as compact loops (one chunk per thread and pass, no
+// division in the loop, the act quant's division path out of line): they run once per launch with
+// a cold instruction cache; Nsight Compute's top stall in them was "no instruction" (session 8),
+// and the first form (one warp walking a row's 5 chunks, fully unrolled) took ~16 us for q_norm.
+//
+// Counters: tile[qa tiles] (the split-K arrivals, reset by the reducing CTA), q_done, kv_done,
+// exits. Each CTA counts its exit after its last wait on q_done / kv_done; the last one resets
+// all three, so the next launch (stream-ordered, its PDL wait waits for this grid) starts from 0.
+#include <cuda.h>
+
+#include <algorithm>
+#include <string>
+
+#include "gemm/gemm_internal.h"
+#include "gemm/hopper_ptx.cuh"
+#include "gemm/tensor_map.h"
+#include "gemm/wgmma_f16.cuh"
+#include "kernels/device_common.cuh"
+#include "kernels/prepare_common.cuh"
+#include "kernels/window_k_device.cuh"
+#include "runtime/launch.h"
+#include "runtime/phase_stamps.cuh"
+#include "v4attn/kernels/gemm.h"
+#include "v4attn/kernels/qchain.h"
+
+namespace v4attn::kernels {
+
+V4ATTN_STAMP_UNIT();
+
+namespace {
+
+using namespace hopper;
+
+constexpr int kThreads = 384;
+constexpr int kWorkers = 352;          // warps 1..11
+constexpr int kHelpers = 96;           // warps 1..3
+constexpr int kConsumerThreads = 256;  // warps 4..11
+constexpr uint32_t kBarConsumers = 1, kBarWorkers = 2, kBarHelpers = 3;
+constexpr int kStageK = 128;           // K bytes per stage (one 128B-swizzle row)
+constexpr int kBlocksPerStage = 4;
+constexpr int kQaBn = 128;             // QA tile: 2 consumer warpgroups x one m64 tile
+constexpr int kQbBn = 256;             // wq_b tile: 2 consumer warpgroups x two m64 tiles
+constexpr int kQbMt = 2;
+constexpr int kQaSlot = kQaBn * kStageK;   // 16 KB per QA stage
+constexpr int kQbSlot = kQbBn * kStageK;   // 32 KB per wq_b ring slot
+constexpr int kMaxRing = 8;
+constexpr int kRopeHeadDim = 512;
+constexpr int kSmemLimit = 227 * 1024;
+constexpr int kSmemAlign = 1024;
+constexpr int kKvCols = kPrepHeadDim;      // 512 kv columns after the q_rank q columns
+constexpr int kKvParts = (kKvCols / 2 + kHelpers - 1) / kHelpers;  // window-K work items per row (3)
+static_assert(kHelpers % 32 == 0, "window-K pairs in whole warps");
+
+enum Counter : int { kQDone = 0, kKvDone = 1, kExits = 2, kTile0 = 4 };  // words of the workspace
+constexpr int kCounterBytes = 256;         // kTile0 + up to 60 tiles
+
+struct SmemLayout {
+  uint32_t ring = 0, xf = 0, sw_b = 0, sa_b = 0, sw_a = 0, sa_a = 0, qn = 0, rope = 0, bar = 0, flag = 0, total = 0;
+};
+// ring slots, then the f16 operand of the whole wq_b K (the QA operand aliases its start: the QA
+// GEMM is done before q_norm writes it), scales, q_norm weights, barriers.
+__host__ __device__ constexpr SmemLayout smem_layout(int np, int ring, int qb_blocks, int qa_blocks, int q_rank) {
+  SmemLayout l;
+  uint32_t off = 0;
+  l.ring = off;
+  off += static_cast<uint32_t>(ring * kQbSlot);
+  l.xf = off;
+  off += static_cast<uint32_t>((qb_blocks / kBlocksPerStage) * 2 * np * kStageK);
+  l.sw_b = off;
+  off += static_cast<uint32_t>((kQbBn / 32) * qb_blocks * 4);
+  l.sa_b = off;
+  off += static_cast<uint32_t>(qb_blocks * np * 4);
+  l.sw_a = off;
+  off += static_cast<uint32_t>((kQaBn / 32) * qa_blocks * 4);
+  l.sa_a = off;
+  off += static_cast<uint32_t>(qa_blocks * np * 4);
+  l.qn = off;
+  off += static_cast<uint32_t>(q_rank * 4);
+  l.rope = off;  // [NP][64] table rows, NP row flags, [kQChainMaxRows] rstd
+  off += static_cast<uint32_t>(np * num::kRopeDim * 4 + np * 4 + kQChainMaxRows * 4);
+  off = (off + 7u) & ~7u;
+  l.bar = off;  // full[ring], empty[ring], qa_full, qa_free
+  off += static_cast<uint32_t>((2 * ring + 2) * 8);
+  l.flag = off;
+  off += 8;
+  l.total = off;
+  return l;
+}
+
+struct QcParams {
+  CUtensorMap tmap_qa;  // wqkv_a [n_qa][dim] bytes; box {128, 128}
+  CUtensorMap tmap_qb;  // wq_b [n_qb][q_rank] bytes; box {128, 256}
+  const bf16_t* x;
+  int64_t x_stride;
+  const uint8_t* qa_scale;
+  const uint8_t* qb_scale;
+  const float* q_norm;
+  float eps;
+  bf16_t* qkv_a;
+  int64_t qkv_a_stride;
+  bf16_t* qr;
+  uint8_t* qr_codes;
+  uint8_t* qr_scales;
+  bf16_t* q_pad;
+  int64_t q_pad_stride;
+  WindowKStoreParams kv;
+  uint32_t* counters;
+  float* partials;  // [S][T][n_qa]
+  int T;
+  int dim_blocks;   // K blocks of the QA GEMM
+  int n_qa, q_rank, n_qb;
+  int qa_tiles, q_tiles, qa_splits, qa_units, qa_max_blocks;
+  int ring;         // wq_b ring slots
+  int qa_slot0;     // first ring slot the QA weights occupy
+  int grid;
+};
+
+__device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void spin_until(const uint32_t* p, uint32_t target) {
+  while (ld_acquire_gpu(p) < target) {
+  }
+}
+__device__ __forceinline__ float f32_from_scale_exp(int e) { return num::f32_from_ue8m0(num::ue8m0_from_exp(e)); }
+
+// The f16 of 8 e4m3 codes (one 8-element chunk = half of a 16-byte code chunk) written at the
+// logical k of v2's converters: stage operand `xf` (2 K-halves of [NP][128 B], 128B swizzle),
+// block j of the stage, half sp of the block's 32 codes, half h of that 16-byte chunk, row n.
+template <int NP>
+__device__ __forceinline__ void put_codes_f16(uint8_t* xf, int j, int sub, int n, uint2 codes) {
+  const int sp = sub >> 1, h = sub & 1;
+  const int cb = (j & 1) * 4 + sp * 2;
+  uint8_t* row = xf + (j >> 1) * NP * kStageK + n * kStageK;
+  const uint2 lo = make_uint2(e4m3x2_lo_to_f16x2(codes.x), e4m3x2_lo_to_f16x2(codes.y));
+  const uint2 hi = make_uint2(e4m3x2_hi_to_f16x2(codes.x), e4m3x2_hi_to_f16x2(codes.y));
+  *reinterpret_cast<uint2*>(row + ((cb ^ (n & 7)) << 4) + 8 * h) = lo;
+  *reinterpret_cast<uint2*>(row + (((cb + 1) ^ (n & 7)) << 4) + 8 * h) = hi;
+}
+
+// One K block of MT m64 tiles: ldmatrix of the weight bytes widened to f16 A fragments
+// (v2's load_block), the two chained wgmmas (block sum from zero), the fold after the wait.
+template <int MT, int NP>
+struct BlockOps {
+  static constexpr int R = NP / 2;
+  uint32_t w_slot, xf_slot;
+  int wgc, w, ld_row, ld_chunk, t;
+  __device__ __forceinline__ void load(int j, uint32_t (&a)[MT][2][4]) const {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      const int row = (wgc * MT + mt) * 64 + ld_row;
+      const int chunk = 2 * j + ld_chunk;
+      uint32_t q[4];
+      ldmatrix_x4(q, w_slot + static_cast<uint32_t>(row * kStageK + ((chunk ^ (row & 7)) << 4)));
+      a[mt][0][0] = e4m3x2_lo_to_f16x2(q[0]);
+      a[mt][0][1] = e4m3x2_lo_to_f16x2(q[1]);
+      a[mt][0][2] = e4m3x2_hi_to_f16x2(q[0]);
+      a[mt][0][3] = e4m3x2_hi_to_f16x2(q[1]);
+      a[mt][1][0] = e4m3x2_lo_to_f16x2(q[2]);
+      a[mt][1][1] = e4m3x2_lo_to_f16x2(q[3]);
+      a[mt][1][2] = e4m3x2_hi_to_f16x2(q[2]);
+      a[mt][1][3] = e4m3x2_hi_to_f16x2(q[3]);
+    }
+  }
+  __device__ __forceinline__ void issue(int j, const uint32_t (&a)[MT][2][4], float (&d)[MT][R]) const {
+    const uint64_t desc0 = make_desc_sw128(xf_slot + static_cast<uint32_t>((j >> 1) * NP * kStageK + (j & 1) * 64));
+    const uint64_t desc1 = desc0 + 2;
+    wgmma_fence();
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      wgmma::WgmmaF16<NP>::mma(d[mt], a[mt][0], desc0, 0);
+      wgmma::WgmmaF16<NP>::mma(d[mt], a[mt][1], desc1, 1);
+    }
+    wgmma_commit();
+  }
+  // acc += blocksum * (sa * sw); sa_row = the block's activation scales [NP], swv per tile.
+  __device__ __forceinline__ void fold(const float* sa_row, const float (&swv)[MT], float (&d)[MT][R],
+                                       float (&acc)[MT][R]) const {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) fence_registers(d[mt]);
+#pragma unroll
+    for (int jj = 0; jj < NP / 8; ++jj) {
+      const float2 sa = *reinterpret_cast<const float2*>(sa_row + 8 * jj + 2 * t);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const float s0 = num::mul_rn(sa.x, swv[mt]), s1 = num::mul_rn(sa.y, swv[mt]);
+        acc[mt][4 * jj + 0] = __fmaf_rn(d[mt][4 * jj + 0], s0, acc[mt][4 * jj + 0]);
+        acc[mt][4 * jj + 1] = __fmaf_rn(d[mt][4 * jj + 1], s1, acc[mt][4 * jj + 1]);
+        acc[mt][4 * jj + 2] = __fmaf_rn(d[mt][4 * jj + 2], s0, acc[mt][4 * jj + 2]);
+        acc[mt][4 * jj + 3] = __fmaf_rn(d[mt][4 * jj + 3], s1, acc[mt][4 * jj + 3]);
+      }
+    }
+  }
+};
+
+__device__ __forceinline__ uint32_t atom_add_acq_rel_gpu(uint32_t* p, uint32_t v) {
+  uint32_t old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+__device__ __forceinline__ void red_add_release_gpu(uint32_t* p, uint32_t v) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// One full stage (4 K blocks) of MT m64 tiles, v2's overlap-2 pipeline: block j + 1's ldmatrix,
+// widening and wgmmas are issued before block j is folded (two block-sum sets), folds in block
+// order. sw_row(mt, b): the weight scale of tile mt's 32-row group at the stage's block b; sa: the
+// stage's activation scales [4][NP].
+template <int MT, int NP, class SwRow>
+__device__ __forceinline__ void run_full_stage(const BlockOps<MT, NP>& ops, SwRow sw_row, const float* sa,
+                                               float (&acc)[MT][NP / 2], float (&d)[MT][NP / 2], float (&d2)[MT][NP / 2]) {
+  constexpr int R = NP / 2;
+  uint32_t a[2][MT][2][4];
+  float sw[2][MT];
+  auto sums = [&](int j) -> float (&)[MT][R] { return (j & 1) ? d2 : d; };
+  auto load = [&](int j) {
+    ops.load(j, a[j & 1]);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) sw[j & 1][mt] = sw_row(mt, j);
+  };
+  load(0);
+  ops.issue(0, a[0], sums(0));
+#pragma unroll
+  for (int j = 0; j < kBlocksPerStage; ++j) {
+    if (j + 1 < kBlocksPerStage) {
+      load(j + 1);
+      ops.issue(j + 1, a[(j + 1) & 1], sums(j + 1));
+      wgmma_wait<1>();
+    } else {
+      wgmma_wait<0>();
+    }
+    ops.fold(sa + j * NP, sw[j & 1], sums(j), acc);
+  }
+}
+
+template <int NP>
+__global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_constant__ QcParams p) {
+  constexpr int R = NP / 2;
+  static_assert(NP == 8 || NP == 16, "the fused chain takes up to 16 rows");
+
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw_addr = smem_u32(smem_raw);
+  const uint32_t base = (raw_addr + (kSmemAlign - 1)) & ~static_cast<uint32_t>(kSmemAlign - 1);
+  uint8_t* smem = smem_raw + (base - raw_addr);
+  const int ST = p.ring;
+  const int qb_blocks = p.q_rank / 32;
+  const int qb_iters = qb_blocks / kBlocksPerStage;
+  const SmemLayout L = smem_layout(NP, ST, qb_blocks, p.qa_max_blocks, p.q_rank);
+  float* sw_b = reinterpret_cast<float*>(smem + L.sw_b);  // [8][qb_blocks]
+  float* sa_b = reinterpret_cast<float*>(smem + L.sa_b);  // [qb_blocks][NP]
+  float* sw_a = reinterpret_cast<float*>(smem + L.sw_a);  // [4][qa_max_blocks]
+  float* sa_a = reinterpret_cast<float*>(smem + L.sa_a);  // [qa_max_blocks][NP]
+  float* qn_w = reinterpret_cast<float*>(smem + L.qn);    // [q_rank]
+  float* rope_tab = reinterpret_cast<float*>(smem + L.rope);  // [NP][64]
+  int* rope_ok = reinterpret_cast<int*>(rope_tab + NP * num::kRopeDim);  // [NP]
+  float* s_rstd = reinterpret_cast<float*>(rope_ok + NP);  // [kQChainMaxRows]
+  int* s_flag = reinterpret_cast<int*>(smem + L.flag);
+  const uint32_t bar_full = base + L.bar, bar_empty = bar_full + 8u * ST, bar_qa_full = bar_empty + 8u * ST,
+                 bar_qa_free = bar_qa_full + 8u;
+
+  const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
+  const int c = static_cast<int>(blockIdx.x);
+  const bool qa_unit = c < p.qa_units;
+  const int qa_tile = c % p.qa_tiles, qa_split = c / p.qa_tiles;
+  const int kb_begin = qa_unit ? static_cast<int>(static_cast<int64_t>(qa_split) * p.dim_blocks / p.qa_splits) : 0;
+  const int kb_end = qa_unit ? static_cast<int>(static_cast<int64_t>(qa_split + 1) * p.dim_blocks / p.qa_splits) : 0;
+  const int nkb = kb_end - kb_begin;
+  const int qa_iters = (nkb + kBlocksPerStage - 1) / kBlocksPerStage;
+  const bool qb_unit = c * kQbBn < p.n_qb;
+  const int qb_row0 = c * kQbBn;
+  uint32_t* counters = p.counters;
+
+  // ---- phase 0: barriers, weights (constant data: before the PDL wait) ---------------------------
+  if (tid == 0) {
+    for (int s = 0; s < ST; ++s) {
+      mbar_init(bar_full + 8u * s, 1);
+      mbar_init(bar_empty + 8u * s, kConsumerThreads);
+    }
+    mbar_init(bar_qa_full, 1);
+    mbar_init(bar_qa_free, kConsumerThreads);
+    fence_mbarrier_init();
+    prefetch_tensormap(&p.tmap_qa);
+    prefetch_tensormap(&p.tmap_qb);
+  }
+  __syncthreads();  // the last CTA-wide barrier: warp 0 leaves the workers' barriers below
+
+  if (warp == 0) {
+    if (lane != 0) return;
+    // ======== producer ============================================================================
+    if (qa_unit) {
+      mbar_arrive_expect_tx(bar_qa_full, static_cast<uint32_t>(qa_iters * kQaSlot));
+      for (int i = 0; i < qa_iters; ++i)
+        tma_load_3d(base + L.ring + static_cast<uint32_t>(p.qa_slot0 * kQbSlot + i * kQaSlot), &p.tmap_qa, bar_qa_full,
+                    (kb_begin + i * kBlocksPerStage) * 32, qa_tile * kQaBn, 0);
+    }
+    if (!qb_unit) return;
+    const int first_free = qa_unit ? p.qa_slot0 : ST;  // slots not holding QA weights
+    for (int it = 0; it < qb_iters; ++it) {
+      const int s = it % ST;
+      if (it >= ST) mbar_wait(bar_empty + 8u * s, static_cast<uint32_t>((it / ST - 1) & 1));
+      else if (s >= first_free) mbar_wait(bar_qa_free, 0u);  // the QA weights are consumed
+      mbar_arrive_expect_tx(bar_full + 8u * s, static_cast<uint32_t>(kQbSlot));
+      tma_load_3d(base + L.ring + static_cast<uint32_t>(s * kQbSlot), &p.tmap_qb, bar_full + 8u * s, it * kStageK, qb_row0, 0);
+    }
+    return;
+  }
+
+  // ======== workers (warps 1..11) ==================================================================
+  const int wtid = tid - 32;  // 0..351
+  // Measurement builds (phase_stamps.cuh): phases 0-2, 7, 8, 12, 13 by worker 0; 3-6, 9-11 and
+  // 16 + stage (CTAs 0, 1) by consumer 0.
+  [[maybe_unused]] unsigned int stamp_rec = 0u;
+  if (wtid == 0 || tid == 128) V4ATTN_STAMP_BEGIN(stamp_rec, stamps::kQChain, tid == 128 ? 15 : 0);
+  {
+    if (qb_unit) {
+      const uint8_t* g = p.qb_scale + static_cast<int64_t>(qb_row0 / 32) * qb_blocks;
+      for (int i = wtid; i < (kQbBn / 32) * qb_blocks; i += kWorkers) sw_b[i] = num::f32_from_ue8m0(g[i]);
+    }
+    if (qa_unit) {
+      const uint8_t* g = p.qa_scale + static_cast<int64_t>(qa_tile * kQaBn / 32) * p.dim_blocks + kb_begin;
+      for (int i = wtid; i < (kQaBn / 32) * nkb; i += kWorkers) {
+        const int rg = i / nkb, b = i % nkb;
+        sw_a[rg * p.qa_max_blocks + b] = num::f32_from_ue8m0(g[rg * p.dim_blocks + b]);
+      }
+    }
+    for (int i = wtid; i < p.q_rank; i += kWorkers) qn_w[i] = __ldg(p.q_norm + i);
+    // The RoPE table rows of the step's positions (step metadata + constants), for the epilogue.
+    for (int idx = wtid; idx < NP * num::kRopeDim; idx += kWorkers) {
+      const int mr = idx / num::kRopeDim;
+      const int32_t pos = mr < p.T ? p.kv.pos[mr] : -1;
+      const bool ok = pos >= 0 && pos < p.kv.max_pos;
+      rope_tab[idx] = ok ? __ldg(p.kv.table + static_cast<int64_t>(pos) * num::kRopeDim + idx % num::kRopeDim) : 0.0f;
+      if (idx % num::kRopeDim == 0) rope_ok[mr] = ok ? 1 : 0;
+    }
+    // The operands' rows >= T stay zero (and their scales 0): the wgmmas read NP rows.
+    uint4* xf4 = reinterpret_cast<uint4*>(smem + L.xf);
+    for (int i = wtid; i < (qb_iters * 2 * NP * kStageK) / 16; i += kWorkers) xf4[i] = make_uint4(0u, 0u, 0u, 0u);
+    for (int i = wtid; i < qb_blocks * NP; i += kWorkers) sa_b[i] = 0.0f;
+    for (int i = wtid; i < p.qa_max_blocks * NP; i += kWorkers) sa_a[i] = 0.0f;
+  }
+  named_barrier_sync(kBarWorkers, kWorkers);
+
+  dev::pdl_wait();  // x is the predecessor's output
+  if (wtid == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kQChain, 1);
+
+  const int ctid = tid - 128;  // consumers: 0..255
+  const bool consumer = warp >= 4;
+  const int wgc = ctid >> 7, cw = (ctid >> 5) & 3, g4 = lane >> 2, t4 = lane & 3;
+  const int ld_row = 16 * cw + (lane & 7) + 8 * ((lane >> 3) & 1), ld_chunk = lane >> 4;
+
+  // ---- phase 1: QA units ----------------------------------------------------------------------------
+  if (qa_unit) {
+    {  // Act quant of the CTA's K range of x into the QA operand (f16) and its scales. Worker w
+       // takes chunk w % per_row of rows w / per_row + k * rows_per_pass (no division in the loop,
+       // a compact loop body: this code runs once per launch, cold in the instruction cache).
+      const int per_row = nkb * 4;
+      const int rows_per_pass = kWorkers / per_row;
+      const int sub_r = wtid / per_row, cr = wtid % per_row, jb = cr >> 2, sub = cr & 3;
+      uint8_t* xf_blk = smem + L.xf + (jb >> 2) * 2 * NP * kStageK;
+      const bf16_t* xg = p.x + (kb_begin + jb) * 32 + sub * 8;
+      const bool lane_live = sub_r < rows_per_pass;
+      auto load_row = [&](int r) {
+        return lane_live && r < p.T ? *reinterpret_cast<const uint4*>(xg + static_cast<int64_t>(r) * p.x_stride)
+                                    : make_uint4(0u, 0u, 0u, 0u);
+      };
+      uint4 next = load_row(sub_r);  // the next pass's chunk is loaded ahead
+#pragma unroll 1
+      for (int r0 = 0; r0 < p.T; r0 += rows_per_pass) {  // warp-uniform trip count
+        const int r = r0 + sub_r;
+        const bool act = lane_live && r < p.T;
+        float v[detail::kChunk];
+        detail::unpack_bf16x8(next, v);
+        next = load_row(r + rows_per_pass);
+        int e = 0;
+        const uint2 codes = detail::act_quant_chunk<4>(v, e);
+        if (act) {
+          put_codes_f16<NP>(xf_blk, jb & 3, sub, r, codes);
+          if (sub == 0) sa_a[jb * NP + r] = f32_from_scale_exp(e);
+        }
+      }
+      fence_proxy_async_smem();
+      named_barrier_sync(kBarWorkers, kWorkers);
+      if (wtid == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kQChain, 2);
+    }
+    if (consumer) {
+      BlockOps<1, NP> ops{0u, 0u, wgc, cw, ld_row, ld_chunk, t4};
+      float acc[1][R], d[1][R], d2[1][R];
+#pragma unroll
+      for (int i = 0; i < R; ++i) acc[0][i] = 0.0f;
+      const float* sw_grp = sw_a + (wgc * 2 + (cw >> 1)) * p.qa_max_blocks;
+      mbar_wait(bar_qa_full, 0u);
+      if (ctid == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kQChain, 3);
+      for (int it = 0; it < qa_iters; ++it) {
+        ops.w_slot = base + L.ring + static_cast<uint32_t>(p.qa_slot0 * kQbSlot + it * kQaSlot);
+        ops.xf_slot = base + L.xf + static_cast<uint32_t>(it * 2 * NP * kStageK);
+        const int b0 = it * kBlocksPerStage;
+        const int nb = min(kBlocksPerStage, nkb - b0);
+        if (nb == kBlocksPerStage) {
+          run_full_stage<1, NP>(ops, [&](int, int j) { return sw_grp[b0 + j]; }, sa_a + b0 * NP, acc, d, d2);
+        } else {
+          for (int j = 0; j < nb; ++j) {
+            uint32_t a[1][2][4];
+            const float swv[1] = {sw_grp[b0 + j]};
+            ops.load(j, a);
+            ops.issue(j, a, d);
+            wgmma_wait<0>();
+            ops.fold(sa_a + (b0 + j) * NP, swv, d, acc);
+          }
+        }
+      }
+      mbar_arrive(bar_qa_free);  // this thread's reads of the QA weights are done
+      if (ctid == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kQChain, 4);
+      // The fp32 partial tile, then the split-K reduction by the tile's last CTA (v3's order).
+      // Release / acquire: the barrier orders every consumer's partial stores before consumer 0's
+      // acq_rel arrival; the last arriver's acquire (and the barrier after it) orders the other
+      // splits' partials before its reads.
+      const int64_t tile_elems = static_cast<int64_t>(p.T) * p.n_qa;
+      float* part = p.partials + qa_split * tile_elems;
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        const int col = qa_tile * kQaBn + wgc * 64 + 16 * cw + g4 + ((i & 2) ? 8 : 0);
+        const int m = 8 * (i >> 2) + 2 * t4 + (i & 1);
+        if (m < p.T) part[static_cast<int64_t>(m) * p.n_qa + col] = acc[0][i];
+      }
+      named_barrier_sync(kBarConsumers, kConsumerThreads);
+      uint32_t* tile_counter = counters + kTile0 + qa_tile;
+      if (ctid == 0) *s_flag = atom_add_acq_rel_gpu(tile_counter, 1u) == static_cast<uint32_t>(p.qa_splits - 1) ? 1 : 0;
+      named_barrier_sync(kBarConsumers, kConsumerThreads);
+      if (ctid == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kQChain, 5);
+      if (*s_flag) {
+        // Every load of the thread's elements first (one L2 latency, not one per element), then
+        // the sums in split order ((P0 + P1) + P2) + ..., as v3.
+        constexpr int kPer = kQChainMaxRows * kQaBn / kConsumerThreads;  // elements per thread, at most
+        constexpr int kMaxSplits = 8;
+        float part_v[kPer][kMaxSplits];
+#pragma unroll
+        for (int e = 0; e < kPer; ++e) {
+          const int idx = ctid + e * kConsumerThreads;
+          if (idx >= p.T * kQaBn) break;
+          const int64_t off = static_cast<int64_t>(idx / kQaBn) * p.n_qa + qa_tile * kQaBn + idx % kQaBn;
+#pragma unroll
+          for (int sp = 0; sp < kMaxSplits; ++sp)
+            if (sp < p.qa_splits) part_v[e][sp] = __ldcg(p.partials + sp * tile_elems + off);
+        }
+#pragma unroll
+        for (int e = 0; e < kPer; ++e) {
+          const int idx = ctid + e * kConsumerThreads;
+          if (idx >= p.T * kQaBn) break;
+          float sum = part_v[e][0];
+#pragma unroll
+          for (int sp = 1; sp < kMaxSplits; ++sp)
+            if (sp < p.qa_splits) sum = num::add_rn(sum, part_v[e][sp]);
+          p.qkv_a[static_cast<int64_t>(idx / kQaBn) * p.qkv_a_stride + qa_tile * kQaBn + idx % kQaBn] = num::bf16_from_f32(sum);
+        }
+        named_barrier_sync(kBarConsumers, kConsumerThreads);
+        if (ctid == 0) {
+          *tile_counter = 0u;  // every split of the tile has arrived (read again only by the next launch)
+          red_add_release_gpu(counters + (qa_tile < p.q_tiles ? kQDone : kKvDone), 1u);
+          V4ATTN_STAMP_AT(stamp_rec, stamps::kQChain, 6);
+        }
+      }
+    }
+  }
+
+  // ---- phase 2: q_norm of every row into the wq_b operand -------------------------------------------
+  if (wtid == 0) {
+    spin_until(counters + kQDone, static_cast<uint32_t>(p.q_tiles));
+    V4ATTN_STAMP_AT(stamp_rec, stamps::kQChain, 7);
+  }
+  named_barrier_sync(kBarWorkers, kWorkers);  // also: the QA operand (aliased) is no longer read
+  {
+    // (b)'s mapping, and its first chunk loaded before (a) so that both loads overlap.
+    const int row_chunks = p.q_rank / 8;
+    const int rows_per_pass = kWorkers / row_chunks;
+    const int sub_r = wtid / row_chunks, ch = wtid % row_chunks, b = ch >> 2;
+    const bool lane_live = sub_r < rows_per_pass;
+    const bf16_t* qg = p.qkv_a + ch * 8;
+    auto load_row = [&](int r) {
+      return lane_live && r < p.T ? __ldcg(reinterpret_cast<const uint4*>(qg + static_cast<int64_t>(r) * p.qkv_a_stride))
+                                  : make_uint4(0u, 0u, 0u, 0u);
+    };
+    uint4 next = load_row(sub_r);
+    // (a) One warp per row: the sum of squares in the LaneSum order (lane l: chunks l, l + 32, ...;
+    //     all loads first), rstd into shared memory.
+    constexpr int kMaxPerLane = 8;  // q_rank <= 2048
+    const int per_lane = p.q_rank / 256;
+    for (int r = warp - 1; r < p.T; r += kWorkers / 32) {
+      const bf16_t* row = p.qkv_a + static_cast<int64_t>(r) * p.qkv_a_stride;
+      uint4 raw[kMaxPerLane];
+#pragma unroll
+      for (int i = 0; i < kMaxPerLane; ++i)
+        if (i < per_lane) raw[i] = __ldcg(reinterpret_cast<const uint4*>(row + (lane + 32 * i) * 8));
+      float ss = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kMaxPerLane; ++i) {
+        if (i >= per_lane) break;
+        float v[detail::kChunk];
+        detail::unpack_bf16x8(raw[i], v);
+#pragma unroll
+        for (int k = 0; k < detail::kChunk; ++k) ss = num::add_rn(ss, num::mul_rn(v[k], v[k]));
+      }
+      const float rstd = num::rmsnorm_rstd(dev::warp_lane_sum(ss), static_cast<int>(p.q_rank), p.eps);
+      if (lane == 0) s_rstd[r] = rstd;
+    }
+    named_barrier_sync(kBarWorkers, kWorkers);
+    // (b) Worker w normalises and quantises chunk w % row_chunks of rows w / row_chunks + k *
+    //     rows_per_pass (4 consecutive lanes = one 32-block); the next pass's chunk is loaded ahead.
+    float wv[detail::kChunk];
+#pragma unroll
+    for (int k = 0; k < detail::kChunk; ++k) wv[k] = qn_w[ch * 8 + k];
+    uint8_t* xf_blk = smem + L.xf + (b >> 2) * 2 * NP * kStageK;
+#pragma unroll 1
+    for (int r0 = 0; r0 < p.T; r0 += rows_per_pass) {  // warp-uniform trip count
+      const int r = r0 + sub_r;
+      const bool act = lane_live && r < p.T;
+      float v[detail::kChunk];
+      detail::unpack_bf16x8(next, v);
+      next = load_row(r + rows_per_pass);
+      detail::rmsnorm_apply_chunk(v, act ? s_rstd[r] : 1.0f, wv);
+      int e = 0;
+      const uint2 codes = detail::act_quant_chunk<4>(v, e);
+      if (!act) continue;  // lanes past the rows took part in the amax shuffles only
+      put_codes_f16<NP>(xf_blk, b & 3, ch & 3, r, codes);
+      if ((ch & 3) == 0) sa_b[b * NP + r] = f32_from_scale_exp(e);
+      if (c == r) {  // CTA r: row r's qr, codes and scales (the unfused chain's outputs)
+        detail::store_bf16x8(p.qr + static_cast<int64_t>(r) * p.q_rank + ch * 8, v);
+        *reinterpret_cast<uint2*>(p.qr_codes + static_cast<int64_t>(r) * p.q_rank + ch * 8) = codes;
+        if ((ch & 3) == 0) p.qr_scales[static_cast<int64_t>(r) * (p.q_rank / 32) + b] = num::ue8m0_from_exp(e);
+      }
+    }
+    fence_proxy_async_smem();
+  }
+  named_barrier_sync(kBarWorkers, kWorkers);
+  if (wtid == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kQChain, 8);
+
+  if (!consumer) {
+    // ======== helpers: the window-K row of this CTA, then the exit count ==========================
+    // Work item (row, part): pairs [96 part, 96 part + 96) of row `row`, one pair per helper (the
+    // exact chain of a pair is long, and it shares the SM with the wq_b loop), items on the last
+    // CTAs of the grid (the last ones are not QA units).
+    const int kv_item = p.grid - 1 - c;
+    if (kv_item < p.T * kKvParts) {
+      if (wtid == 0) {
+        spin_until(counters + kKvDone, static_cast<uint32_t>(p.qa_tiles - p.q_tiles));
+        V4ATTN_STAMP_AT(stamp_rec, stamps::kQChain, 12);
+      }
+      named_barrier_sync(kBarHelpers, kHelpers);
+      const int j = (kv_item % kKvParts) * kHelpers + wtid;  // whole 32-pair groups per warp
+      if (j < detail::window_k::kPairs) detail::window_k_store_pair<false>(p.kv, kv_item / kKvParts, j, lane);
+      if (wtid == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kQChain, 13);
+    }
+    if (wtid == 0) {
+      const uint32_t prev = atomicAdd(counters + kExits, 1u);
+      if (prev == static_cast<uint32_t>(p.grid - 1)) {  // every CTA is past its waits
+        counters[kQDone] = 0u;
+        counters[kKvDone] = 0u;
+        counters[kExits] = 0u;
+      }
+    }
+    return;
+  }
+  if (!qb_unit) return;
+
+  // ---- phase 3: the wq_b GEMM of tile c (v2's loop, overlap 2) + the RoPE store -------------------
+  BlockOps<kQbMt, NP> ops{0u, 0u, wgc, cw, ld_row, ld_chunk, t4};
+  float acc[kQbMt][R], d[kQbMt][R], d2[kQbMt][R];
+#pragma unroll
+  for (int mt = 0; mt < kQbMt; ++mt)
+#pragma unroll
+    for (int i = 0; i < R; ++i) acc[mt][i] = 0.0f;
+  for (int it = 0; it < qb_iters; ++it) {
+    const int s = it % ST;
+    mbar_wait(bar_full + 8u * s, static_cast<uint32_t>((it / ST) & 1));
+    if (ctid == 0 && (it == 0 || c < 2)) V4ATTN_STAMP_AT(stamp_rec, stamps::kQChain, it == 0 ? 9 : 16 + it);
+    ops.w_slot = base + L.ring + static_cast<uint32_t>(s * kQbSlot);
+    ops.xf_slot = base + L.xf + static_cast<uint32_t>(it * 2 * NP * kStageK);
+    const int b0 = it * kBlocksPerStage;
+    run_full_stage<kQbMt, NP>(
+        ops, [&](int mt, int j) { return sw_b[((wgc * kQbMt + mt) * 2 + (cw >> 1)) * qb_blocks + b0 + j]; },
+        sa_b + b0 * NP, acc, d, d2);
+    mbar_arrive(bar_empty + 8u * s);
+  }
+  dev::pdl_launch_dependents();
+  if (ctid == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kQChain, 10);
+
+  // RoPE store epilogue (v2's kRope form): column n = dim n % 512 of head n / 512; the pair
+  // partner (n ^ 1) is lane ^ 4's element. Table rows staged in phase 0.
+  if (c == 0 && ctid == 0)
+    for (int m = 0; m < p.T; ++m)
+      if (p.kv.pos[m] < 0 || p.kv.pos[m] >= p.kv.max_pos) dev::count_error(p.kv.err_count);
+#pragma unroll
+  for (int mt = 0; mt < kQbMt; ++mt)
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      const int n = qb_row0 + (wgc * kQbMt + mt) * 64 + 16 * cw + g4 + ((i & 2) ? 8 : 0);
+      const int m = 8 * (i >> 2) + 2 * t4 + (i & 1);
+      const float x = num::f32_from_bf16(num::bf16_from_f32(acc[mt][i]));
+      const float partner = __shfl_xor_sync(0xffffffffu, x, 4);
+      if (m < p.T && rope_ok[m]) {
+        const int hd = n % kRopeHeadDim;
+        float v = x;
+        if (hd >= kRopeHeadDim - num::kRopeDim) {
+          const int jp = (hd - (kRopeHeadDim - num::kRopeDim)) >> 1;
+          const float cs = rope_tab[m * num::kRopeDim + 2 * jp], sn = rope_tab[m * num::kRopeDim + 2 * jp + 1];
+          float re, im;
+          if ((n & 1) == 0) {
+            num::rope_rotate(x, partner, cs, sn, re, im);
+            v = re;
+          } else {
+            num::rope_rotate(partner, x, cs, sn, re, im);
+            v = im;
+          }
+        }
+        p.q_pad[static_cast<int64_t>(m) * p.q_pad_stride + n] = num::bf16_from_f32(v);
+      }
+    }
+  if (ctid == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kQChain, 11);
+}
+
+// Everything the launcher and qchain_fused_supported derive from a shape.
+struct QcPlan {
+  bool ok = false;
+  std::string why;
+  int np = 0, n_qa = 0, n_qb = 0, qa_tiles = 0, q_tiles = 0, qa_splits = 0, qa_units = 0, qa_max_blocks = 0;
+  int qb_tiles = 0, grid = 0, ring = 0, qa_slot0 = 0;
+  size_t smem = 0;
+};
+
+int device_sm_count(int device) {
+  if (device < 0) V4_CUDA_CHECK(cudaGetDevice(&device));
+  int sms = 0;
+  V4_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
+}
+
+QcPlan make_plan(int T, int64_t dim, int64_t q_rank, int H, int sm_count) {
+  QcPlan pl;
+  auto no = [&](const std::string& why) {
+    pl.why = why;
+    return pl;
+  };
+  if (T < 1 || T > kQChainMaxRows) return no("T must be 1.." + std::to_string(kQChainMaxRows));
+  if (dim <= 0 || dim % 128 != 0) return no("dim must be a positive multiple of 128");
+  if (q_rank <= 0 || q_rank % 256 != 0 || q_rank > 2048) return no("q_rank must be a multiple of 256, <= 2048");
+  if (H <= 0) return no("H must be positive");
+  pl.np = T <= 8 ? 8 : 16;
+  pl.n_qa = static_cast<int>(q_rank) + kKvCols;
+  pl.n_qb = H * kRopeHeadDim;
+  const GemmPlan qa = plan_gemm(GemmVersion::kWgmmaPipelined, T, pl.n_qa, dim, 1);
+  if (qa.block_n != kQaBn) return no("the QA GEMM's v3 plan does not use 128-column tiles");
+  pl.qa_tiles = qa.tiles_n;
+  pl.q_tiles = static_cast<int>(q_rank / kQaBn);
+  pl.qa_splits = qa.splits;
+  pl.qa_units = pl.qa_tiles * pl.qa_splits;
+  if (kTile0 + pl.qa_tiles > kCounterBytes / 4) return no("too many QA tiles");
+  const int dim_blocks = static_cast<int>(dim / 32);
+  pl.qa_max_blocks = (dim_blocks + pl.qa_splits - 1) / pl.qa_splits;
+  if (!gemm_v2_rope_store_supported(T, pl.n_qb, q_rank)) return no("the wq_b GEMM has no one-split rope-store plan");
+  const GemmPlan qb = plan_gemm(GemmVersion::kWgmma, T, pl.n_qb, q_rank, 1);
+  if (qb.block_n != kQbBn || qb.splits != 1) return no("the wq_b GEMM's v2 plan is not one split of 256-column tiles");
+  pl.qb_tiles = qb.tiles_n;
+  pl.grid = std::max({pl.qb_tiles, pl.qa_units, T * kKvParts});
+  if (pl.grid > sm_count)
+    return no("grid " + std::to_string(pl.grid) + " exceeds the " + std::to_string(sm_count) + " SMs (co-residency)");
+  const int qb_blocks = static_cast<int>(q_rank / 32);
+  const int qa_stage_bytes = ((pl.qa_max_blocks + 3) / 4) * kQaSlot;
+  const int qa_slots = (qa_stage_bytes + kQbSlot - 1) / kQbSlot;
+  const SmemLayout fixed = smem_layout(pl.np, 0, qb_blocks, pl.qa_max_blocks, static_cast<int>(q_rank));
+  const int fixed_bytes = static_cast<int>(fixed.total) + kSmemAlign + 2 * kMaxRing * 8;
+  pl.ring = std::min(kMaxRing, (kSmemLimit - fixed_bytes) / kQbSlot);
+  pl.ring = std::min(pl.ring, qb_blocks / kBlocksPerStage);
+  if (pl.ring < qa_slots + 1) return no("shared memory holds too few ring slots beside the QA weights");
+  pl.qa_slot0 = pl.ring - qa_slots;
+  pl.smem = smem_layout(pl.np, pl.ring, qb_blocks, pl.qa_max_blocks, static_cast<int>(q_rank)).total + kSmemAlign;
+  pl.ok = true;
+  return pl;
+}
+
+size_t partial_bytes(int T_max, int64_t q_rank, int splits) {
+  return static_cast<size_t>(splits) * static_cast<size_t>(T_max) * static_cast<size_t>(q_rank + kKvCols) * sizeof(float);
+}
+
+}  // namespace
+
+bool qchain_fused_supported(int T, int64_t dim, int64_t q_rank, int H, int device) {
+  return make_plan(T, dim, q_rank, H, device_sm_count(device)).ok;
+}
+
+size_t qchain_fused_workspace_bytes(int T_max, int64_t dim, int64_t q_rank) {
+  if (T_max < 1 || T_max > kQChainMaxRows || dim <= 0 || q_rank <= 0) return 0;
+  // v3's split count depends on (n, k) only; take it at T_max.
+  const GemmPlan qa = plan_gemm(GemmVersion::kWgmmaPipelined, T_max, q_rank + kKvCols, dim, 1);
+  return kCounterBytes + partial_bytes(T_max, q_rank, qa.splits);
+}
+
+void init_qchain_workspace(void* workspace, size_t bytes, cudaStream_t stream) {
+  if (workspace == nullptr || bytes < static_cast<size_t>(kCounterBytes))
+    throw std::invalid_argument("init_qchain_workspace: workspace of at least " + std::to_string(kCounterBytes) + " bytes");
+  V4_CUDA_CHECK(cudaMemsetAsync(workspace, 0, kCounterBytes, stream));
+}
+
+void run_qchain_fused(const QChainFusedParams& p, cudaStream_t stream, bool pdl) {
+  using detail::require;
+  using detail::require_aligned;
+  using detail::require_ptr;
+  const char* who = "run_qchain_fused";
+  const QcPlan pl = make_plan(p.T, p.dim, p.q_rank, p.H, device_sm_count(-1));
+  require(pl.ok, who, "unsupported shape: " + pl.why);
+  require_ptr(p.x, who, "x");
+  require_ptr(p.wqkv_a, who, "wqkv_a");
+  require_ptr(p.wqkv_a_scale, who, "wqkv_a_scale");
+  require_ptr(p.q_norm, who, "q_norm");
+  require_ptr(p.wq_b, who, "wq_b");
+  require_ptr(p.wq_b_scale, who, "wq_b_scale");
+  require_ptr(p.qkv_a, who, "qkv_a");
+  require_ptr(p.qr, who, "qr");
+  require_ptr(p.qr_codes, who, "qr_codes");
+  require_ptr(p.qr_scales, who, "qr_scales");
+  require_ptr(p.q_pad, who, "q_pad");
+  require_ptr(p.workspace, who, "workspace");
+  require(p.x_stride >= p.dim && p.x_stride % 8 == 0, who, "x_stride must be >= dim and a multiple of 8");
+  require(p.qkv_a_stride >= pl.n_qa && p.qkv_a_stride % 8 == 0, who, "qkv_a_stride must be >= q_rank + 512, a multiple of 8");
+  require(p.q_pad_stride >= pl.n_qb, who, "q_pad_stride must be >= H * 512");
+  require_aligned(p.x, 16, who, "x");
+  require_aligned(p.wqkv_a, 16, who, "wqkv_a");
+  require_aligned(p.wq_b, 16, who, "wq_b");
+  require_aligned(p.qkv_a, 16, who, "qkv_a");
+  require_aligned(p.qr, 16, who, "qr");
+  require_aligned(p.qr_codes, 8, who, "qr_codes");
+  require(p.workspace_bytes >= kCounterBytes + partial_bytes(p.T, p.q_rank, pl.qa_splits), who,
+          "workspace too small (qchain_fused_workspace_bytes)");
+  require_aligned(p.workspace, 256, who, "workspace");
+  // The window-K part: the same checks as run_window_k_store.
+  WindowKStoreParams kv = p.kv;
+  kv.kv = p.qkv_a + p.q_rank;
+  kv.kv_row_stride = p.qkv_a_stride;
+  kv.T = p.T;
+  require(kv.kind == CacheKind::kWindowV41 || kv.kind == CacheKind::kWindowV4, who, "kv.kind must be kWindowV41 or kWindowV4");
+  detail::require_cache(kv.layout, kv.kind, kv.cache, kv.n_slots, who);
+  require_ptr(kv.kv_norm, who, "kv.kv_norm");
+  require_aligned(kv.kv_norm, 16, who, "kv.kv_norm");
+  require_ptr(kv.pos, who, "kv.pos");
+  require_ptr(kv.swa_loc, who, "kv.swa_loc");
+  detail::require_table(kv.table, kv.max_pos, who);
+
+  QcParams t{};
+  t.tmap_qa = detail::make_byte_tensor_map_sw128(who, p.wqkv_a, static_cast<uint64_t>(p.dim), static_cast<uint64_t>(pl.n_qa), 1,
+                                                 static_cast<uint64_t>(p.dim), static_cast<uint64_t>(p.dim) * pl.n_qa, kStageK, kQaBn);
+  t.tmap_qb = detail::make_byte_tensor_map_sw128(who, p.wq_b, static_cast<uint64_t>(p.q_rank), static_cast<uint64_t>(pl.n_qb), 1,
+                                                 static_cast<uint64_t>(p.q_rank), static_cast<uint64_t>(p.q_rank) * pl.n_qb, kStageK,
+                                                 kQbBn);
+  t.x = p.x;
+  t.x_stride = p.x_stride;
+  t.qa_scale = p.wqkv_a_scale;
+  t.qb_scale = p.wq_b_scale;
+  t.q_norm = p.q_norm;
+  t.eps = p.eps;
+  t.qkv_a = p.qkv_a;
+  t.qkv_a_stride = p.qkv_a_stride;
+  t.qr = p.qr;
+  t.qr_codes = p.qr_codes;
+  t.qr_scales = p.qr_scales;
+  t.q_pad = p.q_pad;
+  t.q_pad_stride = p.q_pad_stride;
+  t.kv = kv;
+  t.counters = static_cast<uint32_t*>(p.workspace);
+  t.partials = reinterpret_cast<float*>(static_cast<uint8_t*>(p.workspace) + kCounterBytes);
+  t.T = p.T;
+  t.dim_blocks = static_cast<int>(p.dim / 32);
+  t.n_qa = pl.n_qa;
+  t.q_rank = static_cast<int>(p.q_rank);
+  t.n_qb = pl.n_qb;
+  t.qa_tiles = pl.qa_tiles;
+  t.q_tiles = pl.q_tiles;
+  t.qa_splits = pl.qa_splits;
+  t.qa_units = pl.qa_units;
+  t.qa_max_blocks = pl.qa_max_blocks;
+  t.ring = pl.ring;
+  t.qa_slot0 = pl.qa_slot0;
+  t.grid = pl.grid;
+  auto kernel = pl.np == 8 ? qchain_fused_kernel<8> : qchain_fused_kernel<16>;
+  detail::set_max_dynamic_smem(kernel, pl.smem);
+  LaunchConfig cfg;
+  cfg.grid = dim3(static_cast<unsigned>(pl.grid));
+  cfg.block = dim3(kThreads);
+  cfg.smem_bytes = pl.smem;
+  cfg.stream = stream;
+  cfg.pdl = pdl;
+  launch_kernel("qchain_fused", kernel, cfg, t);
+}
+
+}  // namespace v4attn::kernels

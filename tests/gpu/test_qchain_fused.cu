@@ -1,0 +1,352 @@
+// The fused Q chain (run_qchain_fused) against the unfused chain it replaces, at the V4.1 shapes
+// (dim 5120, q_rank 1280, 64 heads): act quant -> v3 GEMM (cvt widening, v3_int_mask 0) ->
+// rmsnorm + act quant -> v2 wq_b GEMM with the RoPE store -> window-K store. Every output byte for
+// byte (qkv_a, qr, its codes and scales, the head-padded q_pad with its padding and a row past the
+// RoPE table left poison, the window cache with a skipped row), the error counts, eager and in a
+// replayed CUDA graph (the arrival counters must return to zero after every launch), PDL on / off.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "gpu_test_util.h"
+#include "prepare/stack_kernels.h"
+#include "v4attn/cache_layout.h"
+#include "v4attn/kernels/gemm.h"
+#include "v4attn/kernels/norm_kernels.h"
+#include "v4attn/kernels/prepare_kernels.h"
+#include "v4attn/kernels/qchain.h"
+
+namespace v4attn::kernels {
+namespace {
+
+using test_util::to_device;
+using test_util::to_host;
+namespace pd = prepare::detail;
+
+constexpr int64_t kDim = 5120, kQRank = 1280, kHd = 512;
+constexpr int kHeads = 64, kHeadsPad = 72;
+constexpr int64_t kQa = kQRank + kHd;
+constexpr int64_t kMaxPos = 4096;
+constexpr int64_t kSlots = 48;
+constexpr uint8_t kPoison = 0xAB;
+
+struct Weights {
+  DeviceBuffer<uint8_t> wqkv_a{static_cast<size_t>(kQa * kDim)}, wqkv_a_s{static_cast<size_t>((kQa / 32) * (kDim / 32))};
+  DeviceBuffer<uint8_t> wq_b{static_cast<size_t>(kHeads * kHd * kQRank)},
+      wq_b_s{static_cast<size_t>((kHeads * kHd / 32) * (kQRank / 32))};
+  DeviceBuffer<float> q_norm{static_cast<size_t>(kQRank)}, kv_norm{static_cast<size_t>(kHd)};
+  DeviceBuffer<float> table{static_cast<size_t>(kMaxPos * 64)};
+  explicit Weights(uint64_t seed) {
+    pd::init_fp8_weight(wqkv_a.get(), wqkv_a_s.get(), kQa, kDim, seed * 11 + 1, nullptr);
+    pd::init_fp8_weight(wq_b.get(), wq_b_s.get(), kHeads * kHd, kQRank, seed * 11 + 2, nullptr);
+    pd::init_norm(q_norm.get(), kQRank, seed * 11 + 3, nullptr);
+    pd::init_norm(kv_norm.get(), kHd, seed * 11 + 4, nullptr);
+    pd::init_f32(table.get(), kMaxPos * 64, 1.0f, seed * 11 + 5, nullptr);
+  }
+};
+
+// The outputs of one chain (unfused or fused), poisoned beforehand.
+struct Outputs {
+  int T;
+  CacheLayout layout = cache_layout(CacheKind::kWindowV41);
+  DeviceBuffer<bf16_t> qkv_a, qr, q_pad;
+  DeviceBuffer<uint8_t> qrq, qrs, cache;
+  DeviceBuffer<unsigned long long> err{1};
+  explicit Outputs(int t)
+      : T(t),
+        qkv_a(static_cast<size_t>(t) * (kQa + 8)),
+        qr(static_cast<size_t>(t) * kQRank),
+        q_pad(static_cast<size_t>(t + 1) * kHeadsPad * kHd),
+        qrq(static_cast<size_t>(t) * kQRank),
+        qrs(static_cast<size_t>(t) * (kQRank / 32)),
+        cache(static_cast<size_t>(layout.pool_bytes(kSlots))) {
+    poison();
+  }
+  void poison() {
+    qkv_a.fill_bytes(kPoison);
+    qr.fill_bytes(kPoison);
+    q_pad.fill_bytes(kPoison);
+    qrq.fill_bytes(kPoison);
+    qrs.fill_bytes(kPoison);
+    cache.fill_bytes(kPoison);
+    err.fill_bytes(0);
+  }
+};
+
+struct Step {
+  int T;
+  DeviceBuffer<bf16_t> x;
+  DeviceBuffer<int32_t> pos, loc;
+  Step(int t, uint64_t seed) : T(t), x(static_cast<size_t>(t) * (kDim + 64)) {
+    pd::init_bf16(x.get(), static_cast<int64_t>(t) * (kDim + 64), 1.0f, seed * 13 + 7, nullptr);
+    std::vector<int32_t> hp(static_cast<size_t>(t)), hl(static_cast<size_t>(t));
+    for (int i = 0; i < t; ++i) {
+      hp[static_cast<size_t>(i)] = static_cast<int32_t>((seed * 977 + static_cast<uint64_t>(i) * 131) % kMaxPos);
+      hl[static_cast<size_t>(i)] = static_cast<int32_t>((i * 5 + 3) % kSlots);
+    }
+    if (t > 2) hp[1] = static_cast<int32_t>(kMaxPos);  // past the table: no q row, no window row, counted by both
+    if (t > 3) hl[3] = -1;                             // no window write
+    pos = to_device(hp);
+    loc = to_device(hl);
+  }
+};
+
+WindowKStoreParams window_params(const Weights& w, const Step& s, Outputs& o) {
+  WindowKStoreParams p;
+  p.kv = o.qkv_a.get() + kQRank;
+  p.kv_row_stride = kQa + 8;
+  p.kv_norm = w.kv_norm.get();
+  p.eps = 1e-6f;
+  p.pos = s.pos.get();
+  p.table = w.table.get();
+  p.max_pos = kMaxPos;
+  p.swa_loc = s.loc.get();
+  p.kind = CacheKind::kWindowV41;
+  p.layout = o.layout;
+  p.cache = o.cache.get();
+  p.n_slots = kSlots;
+  p.T = s.T;
+  p.err_count = o.err.get();
+  return p;
+}
+
+void run_unfused(const Weights& w, const Step& s, Outputs& o, bool pdl) {
+  const int T = s.T;
+  DeviceBuffer<uint8_t> xq(static_cast<size_t>(T) * kDim), xs(static_cast<size_t>(T) * (kDim / 32));
+  ActQuantParams a;
+  a.x = s.x.get();
+  a.x_stride = kDim + 64;
+  a.q = xq.get();
+  a.q_stride = kDim;
+  a.scale = xs.get();
+  a.scale_stride = kDim / 32;
+  a.m = T;
+  a.k = kDim;
+  run_act_quant_fp8(a, nullptr, pdl);
+  Fp8GemmParams g;
+  g.a_q = xq.get();
+  g.a_stride = kDim;
+  g.a_scale = xs.get();
+  g.a_scale_stride = kDim / 32;
+  g.w = w.wqkv_a.get();
+  g.w_scale = w.wqkv_a_s.get();
+  g.out = o.qkv_a.get();
+  g.out_stride = kQa + 8;
+  g.m = T;
+  g.n = kQa;
+  g.k = kDim;
+  g.v3_int_mask = 0;
+  run_gemm_fp8(g, GemmWorkspace{}, GemmVersion::kWgmmaPipelined, nullptr, pdl);
+  RmsNormParams n;
+  n.x = o.qkv_a.get();
+  n.x_stride = kQa + 8;
+  n.w = w.q_norm.get();
+  n.eps = 1e-6f;
+  n.y = o.qr.get();
+  n.y_stride = kQRank;
+  n.q_codes = o.qrq.get();
+  n.q_stride = kQRank;
+  n.q_scales = o.qrs.get();
+  n.s_stride = kQRank / 32;
+  n.rows = T;
+  n.n = kQRank;
+  run_rmsnorm(n, nullptr, pdl);
+  Fp8GemmParams b;
+  b.a_q = o.qrq.get();
+  b.a_stride = kQRank;
+  b.a_scale = o.qrs.get();
+  b.a_scale_stride = kQRank / 32;
+  b.w = w.wq_b.get();
+  b.w_scale = w.wq_b_s.get();
+  b.out = o.q_pad.get();
+  b.out_stride = static_cast<int64_t>(kHeadsPad) * kHd;
+  b.m = T;
+  b.n = static_cast<int64_t>(kHeads) * kHd;
+  b.k = kQRank;
+  b.rope_pos = s.pos.get();
+  b.rope_table = w.table.get();
+  b.rope_max_pos = kMaxPos;
+  b.rope_err = o.err.get();
+  run_gemm_fp8_rope_store(b, nullptr, pdl);
+  run_window_k_store(window_params(w, s, o), nullptr, pdl);
+  V4_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+QChainFusedParams fused_params(const Weights& w, const Step& s, Outputs& o, const DeviceBuffer<uint8_t>& ws) {
+  QChainFusedParams p;
+  p.x = s.x.get();
+  p.x_stride = kDim + 64;
+  p.wqkv_a = w.wqkv_a.get();
+  p.wqkv_a_scale = w.wqkv_a_s.get();
+  p.q_norm = w.q_norm.get();
+  p.eps = 1e-6f;
+  p.wq_b = w.wq_b.get();
+  p.wq_b_scale = w.wq_b_s.get();
+  p.qkv_a = o.qkv_a.get();
+  p.qkv_a_stride = kQa + 8;
+  p.qr = o.qr.get();
+  p.qr_codes = o.qrq.get();
+  p.qr_scales = o.qrs.get();
+  p.q_pad = o.q_pad.get();
+  p.q_pad_stride = static_cast<int64_t>(kHeadsPad) * kHd;
+  p.kv = window_params(w, s, o);
+  p.T = s.T;
+  p.dim = kDim;
+  p.q_rank = kQRank;
+  p.H = kHeads;
+  p.workspace = ws.get();
+  p.workspace_bytes = ws.size();
+  return p;
+}
+
+template <class T>
+size_t count_diff(const DeviceBuffer<T>& want, const DeviceBuffer<T>& got, const char* what, int T_rows) {
+  const std::vector<T> a = to_host(want), b = to_host(got);
+  size_t differ = 0;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (a[i] != b[i] && differ++ < 4)
+      ADD_FAILURE() << what << " element " << i << " (T " << T_rows << "): fused " << +b[i] << ", unfused " << +a[i];
+  return differ;
+}
+
+void expect_same(const Outputs& want, const Outputs& got, const std::string& label) {
+  SCOPED_TRACE(label);
+  EXPECT_EQ(count_diff(want.qkv_a, got.qkv_a, "qkv_a", want.T), 0u);
+  EXPECT_EQ(count_diff(want.qr, got.qr, "qr", want.T), 0u);
+  EXPECT_EQ(count_diff(want.qrq, got.qrq, "qr codes", want.T), 0u);
+  EXPECT_EQ(count_diff(want.qrs, got.qrs, "qr scales", want.T), 0u);
+  EXPECT_EQ(count_diff(want.q_pad, got.q_pad, "q_pad", want.T), 0u);
+  EXPECT_EQ(count_diff(want.cache, got.cache, "window cache", want.T), 0u);
+  EXPECT_EQ(to_host(want.err)[0], to_host(got.err)[0]) << "error counts";
+}
+
+// The unfused chain wrote what it should (so equality is not poison == poison).
+void expect_written(const Outputs& o) {
+  const std::vector<bf16_t> q = to_host(o.q_pad);
+  size_t written = 0;
+  for (bf16_t v : q) written += v != static_cast<bf16_t>(0xABAB);
+  const size_t live_rows = static_cast<size_t>(o.T > 2 ? o.T - 1 : o.T);
+  EXPECT_EQ(written, live_rows * kHeads * kHd) << "q_pad rows written by the unfused chain";
+  const std::vector<uint8_t> c = to_host(o.cache);
+  size_t cw = 0;
+  for (uint8_t v : c) cw += v != kPoison;
+  EXPECT_GT(cw, 0u);
+}
+
+TEST(GpuQChainFused, MatchesUnfusedChainBytes) {
+  V4_REQUIRE_GPU();
+  const Weights w(41);
+  const size_t ws_bytes = qchain_fused_workspace_bytes(kQChainMaxRows, kDim, kQRank);
+  ASSERT_GT(ws_bytes, 0u);
+  DeviceBuffer<uint8_t> ws(ws_bytes);
+  ws.fill_bytes(0xCD);  // the partials may hold anything; the counters must start at zero
+  init_qchain_workspace(ws.get(), ws.size(), nullptr);
+  uint64_t seed = 70;
+  for (int T : {1, 6, 8, 9, 16}) {
+    ASSERT_TRUE(qchain_fused_supported(T, kDim, kQRank, kHeads)) << T;
+    for (bool pdl : {false, true}) {
+      const Step s(T, ++seed);
+      Outputs want(T), got(T);
+      run_unfused(w, s, want, pdl);
+      expect_written(want);
+      run_qchain_fused(fused_params(w, s, got, ws), nullptr, pdl);
+      V4_CUDA_CHECK(cudaDeviceSynchronize());
+      expect_same(want, got, "eager T " + std::to_string(T) + (pdl ? " pdl" : ""));
+      // Again on the same workspace: the counters were left at zero.
+      got.poison();
+      run_qchain_fused(fused_params(w, s, got, ws), nullptr, pdl);
+      V4_CUDA_CHECK(cudaDeviceSynchronize());
+      expect_same(want, got, "second launch T " + std::to_string(T));
+    }
+  }
+}
+
+TEST(GpuQChainFused, GraphReplaysMatch) {
+  V4_REQUIRE_GPU();
+  const Weights w(43);
+  DeviceBuffer<uint8_t> ws(qchain_fused_workspace_bytes(kQChainMaxRows, kDim, kQRank));
+  init_qchain_workspace(ws.get(), ws.size(), nullptr);
+  for (int T : {6, 16}) {
+    const Step s(T, 500 + static_cast<uint64_t>(T));
+    Outputs want(T), got(T);
+    run_unfused(w, s, want, true);
+    cudaStream_t st;
+    V4_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    cudaGraph_t graph;
+    V4_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+    // Three chains back to back (PDL between them): each waits for the previous one's grid.
+    for (int i = 0; i < 3; ++i) run_qchain_fused(fused_params(w, s, got, ws), st, true);
+    V4_CUDA_CHECK(cudaStreamEndCapture(st, &graph));
+    cudaGraphExec_t exec;
+    V4_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int rep = 0; rep < 3; ++rep) {
+      got.poison();
+      V4_CUDA_CHECK(cudaGraphLaunch(exec, st));
+      V4_CUDA_CHECK(cudaStreamSynchronize(st));
+      // Each of the 3 launches counted the bad row once (the unfused chain: once).
+      const unsigned long long e = to_host(got.err)[0];
+      EXPECT_EQ(e, 3 * to_host(want.err)[0]);
+      got.err.fill_bytes(0);
+      want.err.fill_bytes(0);
+      expect_same(want, got, "graph replay " + std::to_string(rep) + " T " + std::to_string(T));
+      run_unfused(w, s, want, true);  // restore want's error count
+    }
+    V4_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    V4_CUDA_CHECK(cudaGraphDestroy(graph));
+    V4_CUDA_CHECK(cudaStreamDestroy(st));
+  }
+}
+
+TEST(GpuQChainFused, RefusesBadInput) {
+  V4_REQUIRE_GPU();
+  EXPECT_FALSE(qchain_fused_supported(0, kDim, kQRank, kHeads));
+  EXPECT_FALSE(qchain_fused_supported(kQChainMaxRows + 1, kDim, kQRank, kHeads));
+  EXPECT_FALSE(qchain_fused_supported(6, kDim + 32, kQRank, kHeads));   // dim % 128
+  EXPECT_FALSE(qchain_fused_supported(6, kDim, kQRank + 128, kHeads));  // q_rank % 256
+  const Weights w(45);
+  DeviceBuffer<uint8_t> ws(qchain_fused_workspace_bytes(kQChainMaxRows, kDim, kQRank));
+  init_qchain_workspace(ws.get(), ws.size(), nullptr);
+  const Step s(6, 9);
+  Outputs o(6);
+  const QChainFusedParams ok = fused_params(w, s, o, ws);
+  auto refused = [&](QChainFusedParams p, const char* what) {
+    EXPECT_THROW(run_qchain_fused(p, nullptr, false), std::invalid_argument) << what;
+  };
+  QChainFusedParams p = ok;
+  p.T = 0;
+  refused(p, "T 0");
+  p = ok;
+  p.T = 17;
+  refused(p, "T 17");
+  p = ok;
+  p.x = nullptr;
+  refused(p, "x null");
+  p = ok;
+  p.x_stride = kDim - 8;
+  refused(p, "x_stride < dim");
+  p = ok;
+  p.qkv_a_stride = kQa - 8;
+  refused(p, "qkv_a_stride < q_rank + 512");
+  p = ok;
+  p.q_pad_stride = 100;
+  refused(p, "q_pad_stride < H * 512");
+  p = ok;
+  p.workspace_bytes = 256;
+  refused(p, "workspace too small");
+  p = ok;
+  p.kv.n_slots = 0;
+  refused(p, "no cache slots");
+  p = ok;
+  p.kv.table = nullptr;
+  refused(p, "no table");
+  V4_CUDA_CHECK(cudaDeviceSynchronize());
+  // Nothing was written by the refused calls.
+  const std::vector<bf16_t> q = to_host(o.q_pad);
+  for (bf16_t v : q) ASSERT_EQ(v, static_cast<bf16_t>(0xABAB));
+}
+
+}  // namespace
+}  // namespace v4attn::kernels
