@@ -19,7 +19,6 @@
 #include "prepare/stack_kernels.h"
 #include "v4attn/cache_layout.h"
 #include "v4attn/kernels/gemm.h"
-#include "v4attn/kernels/norm_kernels.h"
 #include "v4attn/kernels/prepare_kernels.h"
 #include "v4attn/kernels/qchain.h"
 
@@ -106,65 +105,10 @@ struct Chain {
   }
   // The unfused chain (int_mask 0: the fused kernel's widening; -1: the stack's default v3).
   void unfused(const LayerWeights& w, cudaStream_t s, int int_mask) {
-    ActQuantParams a;
-    a.x = x.get();
-    a.x_stride = kDim;
-    a.q = xq.get();
-    a.q_stride = kDim;
-    a.scale = xs.get();
-    a.scale_stride = kDim / 32;
-    a.m = T;
-    a.k = kDim;
-    a.warps_per_cta = T == 1 ? 0 : T < 8 ? 16 : 32;  // the stack's automatic rule
-    run_act_quant_fp8(a, s, true);
-    Fp8GemmParams g;
-    g.a_q = xq.get();
-    g.a_stride = kDim;
-    g.a_scale = xs.get();
-    g.a_scale_stride = kDim / 32;
-    g.w = w.wqkv_a.get();
-    g.w_scale = w.wqkv_a_s.get();
-    g.out = qkv_a.get();
-    g.out_stride = kQa;
-    g.m = T;
-    g.n = kQa;
-    g.k = kDim;
-    g.v3_int_mask = int_mask;
-    run_gemm_fp8(g, GemmWorkspace{}, GemmVersion::kWgmmaPipelined, s, true);
-    RmsNormParams n;
-    n.x = qkv_a.get();
-    n.x_stride = kQa;
-    n.w = w.q_norm.get();
-    n.eps = 1e-6f;
-    n.y = qr.get();
-    n.y_stride = kQRank;
-    n.q_codes = qrq.get();
-    n.q_stride = kQRank;
-    n.q_scales = qrs.get();
-    n.s_stride = kQRank / 32;
-    n.rows = T;
-    n.n = kQRank;
-    run_rmsnorm(n, s, true);
-    Fp8GemmParams b;
-    b.a_q = qrq.get();
-    b.a_stride = kQRank;
-    b.a_scale = qrs.get();
-    b.a_scale_stride = kQRank / 32;
-    b.w = w.wq_b.get();
-    b.w_scale = w.wq_b_s.get();
-    b.out = q_pad.get();
-    b.out_stride = kHeads * kHd;
-    b.m = T;
-    b.n = kHeads * kHd;
-    b.k = kQRank;
-    b.rope_pos = pos.get();
-    b.rope_table = table.get();
-    b.rope_max_pos = kMaxPos;
-    b.rope_err = err.get();
-    run_gemm_fp8_rope_store(b, s, true);
-    run_window_k_store(window(w), s, true);
+    run_qchain_unfused(params(w), xq.get(), xs.get(), int_mask, s, true);
   }
-  void fused(const LayerWeights& w, cudaStream_t s) {
+  void fused(const LayerWeights& w, cudaStream_t s) { run_qchain_fused(params(w), s, true); }
+  QChainFusedParams params(const LayerWeights& w) {
     QChainFusedParams p;
     p.x = x.get();
     p.x_stride = kDim;
@@ -188,7 +132,7 @@ struct Chain {
     p.H = kHeads;
     p.workspace = ws.get();
     p.workspace_bytes = ws.size();
-    run_qchain_fused(p, s, true);
+    return p;
   }
 };
 

@@ -48,12 +48,14 @@
 #include "gemm/hopper_ptx.cuh"
 #include "gemm/tensor_map.h"
 #include "gemm/wgmma_f16.cuh"
+#include "gemm/wgmma_fp8_block.cuh"
 #include "kernels/device_common.cuh"
 #include "kernels/prepare_common.cuh"
 #include "kernels/window_k_device.cuh"
 #include "runtime/launch.h"
 #include "runtime/phase_stamps.cuh"
 #include "v4attn/kernels/gemm.h"
+#include "v4attn/kernels/norm_kernels.h"
 #include "v4attn/kernels/qchain.h"
 
 namespace v4attn::kernels {
@@ -173,60 +175,7 @@ __device__ __forceinline__ void put_codes_f16(uint8_t* xf, int j, int sub, int n
   *reinterpret_cast<uint2*>(row + (((cb + 1) ^ (n & 7)) << 4) + 8 * h) = hi;
 }
 
-// One K block of MT m64 tiles: ldmatrix of the weight bytes widened to f16 A fragments
-// (v2's load_block), the two chained wgmmas (block sum from zero), the fold after the wait.
-template <int MT, int NP>
-struct BlockOps {
-  static constexpr int R = NP / 2;
-  uint32_t w_slot, xf_slot;
-  int wgc, w, ld_row, ld_chunk, t;
-  __device__ __forceinline__ void load(int j, uint32_t (&a)[MT][2][4]) const {
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      const int row = (wgc * MT + mt) * 64 + ld_row;
-      const int chunk = 2 * j + ld_chunk;
-      uint32_t q[4];
-      ldmatrix_x4(q, w_slot + static_cast<uint32_t>(row * kStageK + ((chunk ^ (row & 7)) << 4)));
-      a[mt][0][0] = e4m3x2_lo_to_f16x2(q[0]);
-      a[mt][0][1] = e4m3x2_lo_to_f16x2(q[1]);
-      a[mt][0][2] = e4m3x2_hi_to_f16x2(q[0]);
-      a[mt][0][3] = e4m3x2_hi_to_f16x2(q[1]);
-      a[mt][1][0] = e4m3x2_lo_to_f16x2(q[2]);
-      a[mt][1][1] = e4m3x2_lo_to_f16x2(q[3]);
-      a[mt][1][2] = e4m3x2_hi_to_f16x2(q[2]);
-      a[mt][1][3] = e4m3x2_hi_to_f16x2(q[3]);
-    }
-  }
-  __device__ __forceinline__ void issue(int j, const uint32_t (&a)[MT][2][4], float (&d)[MT][R]) const {
-    const uint64_t desc0 = make_desc_sw128(xf_slot + static_cast<uint32_t>((j >> 1) * NP * kStageK + (j & 1) * 64));
-    const uint64_t desc1 = desc0 + 2;
-    wgmma_fence();
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      wgmma::WgmmaF16<NP>::mma(d[mt], a[mt][0], desc0, 0);
-      wgmma::WgmmaF16<NP>::mma(d[mt], a[mt][1], desc1, 1);
-    }
-    wgmma_commit();
-  }
-  // acc += blocksum * (sa * sw); sa_row = the block's activation scales [NP], swv per tile.
-  __device__ __forceinline__ void fold(const float* sa_row, const float (&swv)[MT], float (&d)[MT][R],
-                                       float (&acc)[MT][R]) const {
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) fence_registers(d[mt]);
-#pragma unroll
-    for (int jj = 0; jj < NP / 8; ++jj) {
-      const float2 sa = *reinterpret_cast<const float2*>(sa_row + 8 * jj + 2 * t);
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        const float s0 = num::mul_rn(sa.x, swv[mt]), s1 = num::mul_rn(sa.y, swv[mt]);
-        acc[mt][4 * jj + 0] = __fmaf_rn(d[mt][4 * jj + 0], s0, acc[mt][4 * jj + 0]);
-        acc[mt][4 * jj + 1] = __fmaf_rn(d[mt][4 * jj + 1], s1, acc[mt][4 * jj + 1]);
-        acc[mt][4 * jj + 2] = __fmaf_rn(d[mt][4 * jj + 2], s0, acc[mt][4 * jj + 2]);
-        acc[mt][4 * jj + 3] = __fmaf_rn(d[mt][4 * jj + 3], s1, acc[mt][4 * jj + 3]);
-      }
-    }
-  }
-};
+using wgmma_fp8::BlockOps;
 
 __device__ __forceinline__ uint32_t atom_add_acq_rel_gpu(uint32_t* p, uint32_t v) {
   uint32_t old;
@@ -248,11 +197,7 @@ __device__ __forceinline__ void run_full_stage(const BlockOps<MT, NP>& ops, SwRo
   uint32_t a[2][MT][2][4];
   float sw[2][MT];
   auto sums = [&](int j) -> float (&)[MT][R] { return (j & 1) ? d2 : d; };
-  auto load = [&](int j) {
-    ops.load(j, a[j & 1]);
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) sw[j & 1][mt] = sw_row(mt, j);
-  };
+  auto load = [&](int j) { ops.load(j, a[j & 1], [&](int mt) { sw[j & 1][mt] = sw_row(mt, j); }); };
   load(0);
   ops.issue(0, a[0], sums(0));
 #pragma unroll
@@ -436,7 +381,7 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
           for (int j = 0; j < nb; ++j) {
             uint32_t a[1][2][4];
             const float swv[1] = {sw_grp[b0 + j]};
-            ops.load(j, a);
+            ops.load(j, a, [](int) {});
             ops.issue(j, a, d);
             wgmma_wait<0>();
             ops.fold(sa_a + (b0 + j) * NP, swv, d, acc);
@@ -632,20 +577,7 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
       const float x = num::f32_from_bf16(num::bf16_from_f32(acc[mt][i]));
       const float partner = __shfl_xor_sync(0xffffffffu, x, 4);
       if (m < p.T && rope_ok[m]) {
-        const int hd = n % kRopeHeadDim;
-        float v = x;
-        if (hd >= kRopeHeadDim - num::kRopeDim) {
-          const int jp = (hd - (kRopeHeadDim - num::kRopeDim)) >> 1;
-          const float cs = rope_tab[m * num::kRopeDim + 2 * jp], sn = rope_tab[m * num::kRopeDim + 2 * jp + 1];
-          float re, im;
-          if ((n & 1) == 0) {
-            num::rope_rotate(x, partner, cs, sn, re, im);
-            v = re;
-          } else {
-            num::rope_rotate(partner, x, cs, sn, re, im);
-            v = im;
-          }
-        }
+        const float v = wgmma_fp8::rope_head_value(x, partner, n, rope_tab + m * num::kRopeDim);
         p.q_pad[static_cast<int64_t>(m) * p.q_pad_stride + n] = num::bf16_from_f32(v);
       }
     }
@@ -732,6 +664,67 @@ void init_qchain_workspace(void* workspace, size_t bytes, cudaStream_t stream) {
   if (workspace == nullptr || bytes < static_cast<size_t>(kCounterBytes))
     throw std::invalid_argument("init_qchain_workspace: workspace of at least " + std::to_string(kCounterBytes) + " bytes");
   V4_CUDA_CHECK(cudaMemsetAsync(workspace, 0, kCounterBytes, stream));
+}
+
+void run_qchain_unfused(const QChainFusedParams& p, uint8_t* x_codes, uint8_t* x_scales, int v3_int_mask,
+                        cudaStream_t stream, bool pdl) {
+  const int64_t n_qa = p.q_rank + kKvCols, n_qb = static_cast<int64_t>(p.H) * kRopeHeadDim;
+  ActQuantParams a;
+  a.x = p.x;
+  a.x_stride = p.x_stride;
+  a.q = x_codes;
+  a.q_stride = p.dim;
+  a.scale = x_scales;
+  a.scale_stride = p.dim / 32;
+  a.m = p.T;
+  a.k = p.dim;
+  a.warps_per_cta = p.T == 1 ? 0 : p.T < 8 ? 16 : 32;  // the stack's automatic rule (GpuStackOptions::aq_warps)
+  run_act_quant_fp8(a, stream, pdl);
+  // The two fp8 GEMMs: activations (codes, ue8m0 scales, dense rows of k) x a dense [n, k] weight.
+  auto fp8 = [&p](const uint8_t* a_q, const uint8_t* a_scale, int64_t k, const uint8_t* w, const uint8_t* w_scale,
+                  bf16_t* out, int64_t out_stride, int64_t n) {
+    Fp8GemmParams g;
+    g.a_q = a_q;
+    g.a_stride = k;
+    g.a_scale = a_scale;
+    g.a_scale_stride = k / 32;
+    g.w = w;
+    g.w_scale = w_scale;
+    g.out = out;
+    g.out_stride = out_stride;
+    g.m = p.T;
+    g.n = n;
+    g.k = k;
+    return g;
+  };
+  Fp8GemmParams g = fp8(x_codes, x_scales, p.dim, p.wqkv_a, p.wqkv_a_scale, p.qkv_a, p.qkv_a_stride, n_qa);
+  g.v3_int_mask = v3_int_mask;
+  run_gemm_fp8(g, GemmWorkspace{}, GemmVersion::kWgmmaPipelined, stream, pdl);
+  RmsNormParams n;
+  n.x = p.qkv_a;
+  n.x_stride = p.qkv_a_stride;
+  n.w = p.q_norm;
+  n.eps = p.eps;
+  n.y = p.qr;
+  n.y_stride = p.q_rank;
+  n.q_codes = p.qr_codes;
+  n.q_stride = p.q_rank;
+  n.q_scales = p.qr_scales;
+  n.s_stride = p.q_rank / 32;
+  n.rows = p.T;
+  n.n = static_cast<int>(p.q_rank);
+  run_rmsnorm(n, stream, pdl);
+  Fp8GemmParams b = fp8(p.qr_codes, p.qr_scales, p.q_rank, p.wq_b, p.wq_b_scale, p.q_pad, p.q_pad_stride, n_qb);
+  b.rope_pos = p.kv.pos;
+  b.rope_table = p.kv.table;
+  b.rope_max_pos = p.kv.max_pos;
+  b.rope_err = p.kv.err_count;
+  run_gemm_fp8_rope_store(b, stream, pdl);
+  WindowKStoreParams kv = p.kv;
+  kv.kv = p.qkv_a + p.q_rank;
+  kv.kv_row_stride = p.qkv_a_stride;
+  kv.T = p.T;
+  run_window_k_store(kv, stream, pdl);
 }
 
 void run_qchain_fused(const QChainFusedParams& p, cudaStream_t stream, bool pdl) {

@@ -70,6 +70,7 @@
 #include "gemm/hopper_ptx.cuh"
 #include "gemm/tensor_map.h"
 #include "gemm/wgmma_f16.cuh"
+#include "gemm/wgmma_fp8_block.cuh"
 #include "kernels/device_common.cuh"
 #include "runtime/launch.h"
 #include "runtime/phase_stamps.cuh"
@@ -325,57 +326,17 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
     const uint32_t w_slot = base + L.w + static_cast<uint32_t>(s * BN * kStageK);
     const uint32_t xf_slot = base + L.xf + static_cast<uint32_t>(x * NP * kStageK * 2);
     const int nb = min(kBlocksPerStage, nkb - it * kBlocksPerStage);
-    // The three steps of one K block j of this stage (b = it * 4 + j):
+    // The three steps of one K block j of this stage (b = it * 4 + j), wgmma_fp8::BlockOps:
     //  load: ldmatrix.x4 of the weight bytes, widened to the f16 A fragments; the weight scales;
     //  issue: the two chained wgmmas per tile (the first with scale-d = 0: the block sum from zero);
     //  fold: after the wait, acc += blocksum * (sa * sw), one rounding per block, blocks in order.
+    const wgmma_fp8::BlockOps<MT, NP> ops{w_slot, xf_slot, wgc, w, ld_row, ld_chunk, t};
     auto load_block = [&](int j, uint32_t (&a)[MT][2][4], float (&swv)[MT]) {
-      const int b = it * kBlocksPerStage + j;
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        const int row = (wgc * MT + mt) * 64 + ld_row;
-        const int chunk = 2 * j + ld_chunk;
-        uint32_t q[4];
-        ldmatrix_x4(q, w_slot + static_cast<uint32_t>(row * kStageK + ((chunk ^ (row & 7)) << 4)));
-        a[mt][0][0] = e4m3x2_lo_to_f16x2(q[0]);
-        a[mt][0][1] = e4m3x2_lo_to_f16x2(q[1]);
-        a[mt][0][2] = e4m3x2_hi_to_f16x2(q[0]);
-        a[mt][0][3] = e4m3x2_hi_to_f16x2(q[1]);
-        a[mt][1][0] = e4m3x2_lo_to_f16x2(q[2]);
-        a[mt][1][1] = e4m3x2_lo_to_f16x2(q[3]);
-        a[mt][1][2] = e4m3x2_hi_to_f16x2(q[2]);
-        a[mt][1][3] = e4m3x2_hi_to_f16x2(q[3]);
-        swv[mt] = sw_s[((wgc * MT + mt) * 2 + (w >> 1)) * msb + b];
-      }
+      ops.load(j, a, [&](int mt) { swv[mt] = sw_s[((wgc * MT + mt) * 2 + (w >> 1)) * msb + it * kBlocksPerStage + j]; });
     };
-    auto issue_block = [&](int j, const uint32_t (&a)[MT][2][4], float (&d)[MT][R]) {
-      const uint64_t desc0 = make_desc_sw128(xf_slot + static_cast<uint32_t>((j >> 1) * NP * kStageK + (j & 1) * 64));
-      const uint64_t desc1 = desc0 + 2;  // + 32 bytes: the second 16 logical k of the block
-      wgmma_fence();  // A fragments and accumulators were written by ordinary instructions
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        wgmma::WgmmaF16<NP>::mma(d[mt], a[mt][0], desc0, 0);  // block sum from zero
-        wgmma::WgmmaF16<NP>::mma(d[mt], a[mt][1], desc1, 1);
-      }
-      wgmma_commit();
-    };
+    auto issue_block = [&](int j, const uint32_t (&a)[MT][2][4], float (&d)[MT][R]) { ops.issue(j, a, d); };
     auto fold_block = [&](int j, const float (&swv)[MT], float (&d)[MT][R]) {
-      const int b = it * kBlocksPerStage + j;
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) fence_registers(d[mt]);
-      // acc += blocksum * (sa * sw): sa * sw is a power of two (exact), one rounding per block.
-#pragma unroll
-      for (int jj = 0; jj < NP / 8; ++jj) {
-        const float2 sa = *reinterpret_cast<const float2*>(sa_s + b * NP + 8 * jj + 2 * t);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          const float s0 = num::mul_rn(sa.x, swv[mt]), s1 = num::mul_rn(sa.y, swv[mt]);
-          acc[mt][4 * jj + 0] = __fmaf_rn(d[mt][4 * jj + 0], s0, acc[mt][4 * jj + 0]);
-          acc[mt][4 * jj + 1] = __fmaf_rn(d[mt][4 * jj + 1], s1, acc[mt][4 * jj + 1]);
-          acc[mt][4 * jj + 2] = __fmaf_rn(d[mt][4 * jj + 2], s0, acc[mt][4 * jj + 2]);
-          acc[mt][4 * jj + 3] = __fmaf_rn(d[mt][4 * jj + 3], s1, acc[mt][4 * jj + 3]);
-        }
-      }
+      ops.fold(sa_s + (it * kBlocksPerStage + j) * NP, swv, d, acc);
     };
     const bool full_stage = nb == kBlocksPerStage;
     // Full stages run straight-line code (the loops below unroll) with every wgmma waited for
@@ -469,21 +430,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
         const float partner = __shfl_xor_sync(0xffffffffu, x, 4);           // column n ^ 1
         if (m < p.m && n < p.n) {
           if (!row_ok[m]) continue;
-          const int hd = n % kRopeHeadDim;
-          float v = x;
-          if (hd >= kRopeHeadDim - num::kRopeDim) {
-            const int j = (hd - (kRopeHeadDim - num::kRopeDim)) >> 1;
-            const float c = tab[m * num::kRopeDim + 2 * j];
-            const float sn = tab[m * num::kRopeDim + 2 * j + 1];
-            float re, im;
-            if ((n & 1) == 0) {
-              num::rope_rotate(x, partner, c, sn, re, im);
-              v = re;
-            } else {
-              num::rope_rotate(partner, x, c, sn, re, im);
-              v = im;
-            }
-          }
+          const float v = wgmma_fp8::rope_head_value(x, partner, n, tab + m * num::kRopeDim);
           out[m * p.out_stride + n] = num::bf16_from_f32(v);
         }
       }

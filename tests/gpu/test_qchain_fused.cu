@@ -1,6 +1,6 @@
-// The fused Q chain (run_qchain_fused) against the unfused chain it replaces, at the V4.1 shapes
-// (dim 5120, q_rank 1280, 64 heads): act quant -> v3 GEMM (cvt widening, v3_int_mask 0) ->
-// rmsnorm + act quant -> v2 wq_b GEMM with the RoPE store -> window-K store. Every output byte for
+// The fused Q chain (run_qchain_fused) against the unfused chain it replaces (run_qchain_unfused:
+// act quant -> v3 GEMM (cvt widening, v3_int_mask 0) -> rmsnorm + act quant -> v2 wq_b GEMM with
+// the RoPE store -> window-K store), at the V4.1 shapes (dim 5120, q_rank 1280, 64 heads). Every output byte for
 // byte (qkv_a, qr, its codes and scales, the head-padded q_pad with its padding and a row past the
 // RoPE table left poison, the window cache with a skipped row), the error counts, eager and in a
 // replayed CUDA graph (the arrival counters must return to zero after every launch), PDL on / off.
@@ -15,7 +15,6 @@
 #include "prepare/stack_kernels.h"
 #include "v4attn/cache_layout.h"
 #include "v4attn/kernels/gemm.h"
-#include "v4attn/kernels/norm_kernels.h"
 #include "v4attn/kernels/prepare_kernels.h"
 #include "v4attn/kernels/qchain.h"
 
@@ -113,68 +112,6 @@ WindowKStoreParams window_params(const Weights& w, const Step& s, Outputs& o) {
   return p;
 }
 
-void run_unfused(const Weights& w, const Step& s, Outputs& o, bool pdl) {
-  const int T = s.T;
-  DeviceBuffer<uint8_t> xq(static_cast<size_t>(T) * kDim), xs(static_cast<size_t>(T) * (kDim / 32));
-  ActQuantParams a;
-  a.x = s.x.get();
-  a.x_stride = kDim + 64;
-  a.q = xq.get();
-  a.q_stride = kDim;
-  a.scale = xs.get();
-  a.scale_stride = kDim / 32;
-  a.m = T;
-  a.k = kDim;
-  run_act_quant_fp8(a, nullptr, pdl);
-  Fp8GemmParams g;
-  g.a_q = xq.get();
-  g.a_stride = kDim;
-  g.a_scale = xs.get();
-  g.a_scale_stride = kDim / 32;
-  g.w = w.wqkv_a.get();
-  g.w_scale = w.wqkv_a_s.get();
-  g.out = o.qkv_a.get();
-  g.out_stride = kQa + 8;
-  g.m = T;
-  g.n = kQa;
-  g.k = kDim;
-  g.v3_int_mask = 0;
-  run_gemm_fp8(g, GemmWorkspace{}, GemmVersion::kWgmmaPipelined, nullptr, pdl);
-  RmsNormParams n;
-  n.x = o.qkv_a.get();
-  n.x_stride = kQa + 8;
-  n.w = w.q_norm.get();
-  n.eps = 1e-6f;
-  n.y = o.qr.get();
-  n.y_stride = kQRank;
-  n.q_codes = o.qrq.get();
-  n.q_stride = kQRank;
-  n.q_scales = o.qrs.get();
-  n.s_stride = kQRank / 32;
-  n.rows = T;
-  n.n = kQRank;
-  run_rmsnorm(n, nullptr, pdl);
-  Fp8GemmParams b;
-  b.a_q = o.qrq.get();
-  b.a_stride = kQRank;
-  b.a_scale = o.qrs.get();
-  b.a_scale_stride = kQRank / 32;
-  b.w = w.wq_b.get();
-  b.w_scale = w.wq_b_s.get();
-  b.out = o.q_pad.get();
-  b.out_stride = static_cast<int64_t>(kHeadsPad) * kHd;
-  b.m = T;
-  b.n = static_cast<int64_t>(kHeads) * kHd;
-  b.k = kQRank;
-  b.rope_pos = s.pos.get();
-  b.rope_table = w.table.get();
-  b.rope_max_pos = kMaxPos;
-  b.rope_err = o.err.get();
-  run_gemm_fp8_rope_store(b, nullptr, pdl);
-  run_window_k_store(window_params(w, s, o), nullptr, pdl);
-  V4_CUDA_CHECK(cudaDeviceSynchronize());
-}
-
 QChainFusedParams fused_params(const Weights& w, const Step& s, Outputs& o, const DeviceBuffer<uint8_t>& ws) {
   QChainFusedParams p;
   p.x = s.x.get();
@@ -200,6 +137,14 @@ QChainFusedParams fused_params(const Weights& w, const Step& s, Outputs& o, cons
   p.workspace = ws.get();
   p.workspace_bytes = ws.size();
   return p;
+}
+
+// The unfused chain (run_qchain_unfused with the fused kernel's widening) into o.
+void run_unfused(const Weights& w, const Step& s, Outputs& o, bool pdl) {
+  DeviceBuffer<uint8_t> xq(static_cast<size_t>(s.T) * kDim), xs(static_cast<size_t>(s.T) * (kDim / 32));
+  DeviceBuffer<uint8_t> no_ws(1);
+  run_qchain_unfused(fused_params(w, s, o, no_ws), xq.get(), xs.get(), 0, nullptr, pdl);
+  V4_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 template <class T>

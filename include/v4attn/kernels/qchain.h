@@ -79,5 +79,12 @@ size_t qchain_fused_workspace_bytes(int T_max, int64_t dim, int64_t q_rank);
 void init_qchain_workspace(void* workspace, size_t bytes, cudaStream_t stream);
 // Validates everything (std::invalid_argument, nothing launched) and launches one kernel.
 void run_qchain_fused(const QChainFusedParams& p, cudaStream_t stream, bool pdl);
+// The unfused chain the fused kernel replaces, on the same parameters (the tests' and the bench's
+// reference): run_act_quant_fp8 -> run_gemm_fp8 (v3 with v3_int_mask) -> run_rmsnorm with its act
+// quant -> run_gemm_fp8_rope_store (v2) -> run_window_k_store, five launches. x_codes [T, dim] and
+// x_scales [T, dim / 32] (dense) are its act quant's scratch; p.workspace is not used. With
+// v3_int_mask 0 it writes the fused kernel's bytes; -1 is the stack's default v3.
+void run_qchain_unfused(const QChainFusedParams& p, uint8_t* x_codes, uint8_t* x_scales, int v3_int_mask,
+                        cudaStream_t stream, bool pdl);
 
 }  // namespace v4attn::kernels

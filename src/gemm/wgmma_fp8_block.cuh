@@ -1,0 +1,94 @@
+// One K block of the fp8 wgmma GEMMs' consumer loop (v2 gemm_wgmma.cu, the fused Q chain
+// gemm_qchain.cu): the weight bytes of MT m64 tiles ldmatrix'ed from a 128B-swizzled stage and
+// widened to f16 A fragments, the two chained k16 wgmmas of the block sum (the first from zero),
+// and the fold acc += blocksum * (sa * sw) after the wait. Numerics and the K permutation: the
+// header of gemm_wgmma.cu.
+#pragma once
+
+#include <cstdint>
+
+#include "gemm/hopper_ptx.cuh"
+#include "gemm/wgmma_f16.cuh"
+#include "v4attn/numerics.h"
+
+namespace v4attn::kernels::wgmma_fp8 {
+
+constexpr int kStageBytes = 128;  // K bytes per stage row (one 128B-swizzle row)
+
+template <int MT, int NP>
+struct BlockOps {
+  static constexpr int R = NP / 2;
+  uint32_t w_slot, xf_slot;        // the stage's weight slot and f16 operand slot (shared addresses)
+  int wgc, w, ld_row, ld_chunk, t;  // consumer warpgroup, its warp, ldmatrix row / chunk, lane % 4
+  // per_tile(mt) runs right after tile mt's widening (the callers load the tile's weight scale
+  // there).
+  template <class PerTile>
+  __device__ __forceinline__ void load(int j, uint32_t (&a)[MT][2][4], PerTile&& per_tile) const {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      const int row = (wgc * MT + mt) * 64 + ld_row;
+      const int chunk = 2 * j + ld_chunk;
+      uint32_t q[4];
+      hopper::ldmatrix_x4(q, w_slot + static_cast<uint32_t>(row * kStageBytes + ((chunk ^ (row & 7)) << 4)));
+      a[mt][0][0] = hopper::e4m3x2_lo_to_f16x2(q[0]);
+      a[mt][0][1] = hopper::e4m3x2_lo_to_f16x2(q[1]);
+      a[mt][0][2] = hopper::e4m3x2_hi_to_f16x2(q[0]);
+      a[mt][0][3] = hopper::e4m3x2_hi_to_f16x2(q[1]);
+      a[mt][1][0] = hopper::e4m3x2_lo_to_f16x2(q[2]);
+      a[mt][1][1] = hopper::e4m3x2_lo_to_f16x2(q[3]);
+      a[mt][1][2] = hopper::e4m3x2_hi_to_f16x2(q[2]);
+      a[mt][1][3] = hopper::e4m3x2_hi_to_f16x2(q[3]);
+      per_tile(mt);
+    }
+  }
+  __device__ __forceinline__ void issue(int j, const uint32_t (&a)[MT][2][4], float (&d)[MT][R]) const {
+    const uint64_t desc0 = hopper::make_desc_sw128(xf_slot + static_cast<uint32_t>((j >> 1) * NP * kStageBytes + (j & 1) * 64));
+    const uint64_t desc1 = desc0 + 2;  // + 32 bytes: the second 16 logical k of the block
+    hopper::wgmma_fence();  // A fragments and accumulators were written by ordinary instructions
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      wgmma::WgmmaF16<NP>::mma(d[mt], a[mt][0], desc0, 0);  // block sum from zero
+      wgmma::WgmmaF16<NP>::mma(d[mt], a[mt][1], desc1, 1);
+    }
+    hopper::wgmma_commit();
+  }
+  // acc += blocksum * (sa * sw): sa * sw is a power of two (exact), one rounding per block.
+  // sa_row: the block's activation scales [NP]; swv: the tile's weight scale per m64 tile.
+  __device__ __forceinline__ void fold(const float* sa_row, const float (&swv)[MT], float (&d)[MT][R],
+                                       float (&acc)[MT][R]) const {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) hopper::fence_registers(d[mt]);
+#pragma unroll
+    for (int jj = 0; jj < NP / 8; ++jj) {
+      const float2 sa = *reinterpret_cast<const float2*>(sa_row + 8 * jj + 2 * t);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const float s0 = num::mul_rn(sa.x, swv[mt]), s1 = num::mul_rn(sa.y, swv[mt]);
+        acc[mt][4 * jj + 0] = __fmaf_rn(d[mt][4 * jj + 0], s0, acc[mt][4 * jj + 0]);
+        acc[mt][4 * jj + 1] = __fmaf_rn(d[mt][4 * jj + 1], s1, acc[mt][4 * jj + 1]);
+        acc[mt][4 * jj + 2] = __fmaf_rn(d[mt][4 * jj + 2], s0, acc[mt][4 * jj + 2]);
+        acc[mt][4 * jj + 3] = __fmaf_rn(d[mt][4 * jj + 3], s1, acc[mt][4 * jj + 3]);
+      }
+    }
+  }
+};
+
+// The RoPE store's value for the bf16 GEMM output x at column n (dim n % 512 of its head; dims
+// 448..511 rotate in (even, odd) pairs) given its pair partner (column n ^ 1) and the row's table
+// entries (64 floats, (cos, sin) interleaved): q_rope_store's arithmetic on the same values.
+__device__ __forceinline__ float rope_head_value(float x, float partner, int n, const float* tab_row) {
+  constexpr int kHeadDim = 512;
+  const int hd = n % kHeadDim;
+  if (hd < kHeadDim - num::kRopeDim) return x;
+  const int j = (hd - (kHeadDim - num::kRopeDim)) >> 1;
+  const float c = tab_row[2 * j], sn = tab_row[2 * j + 1];
+  float re, im;
+  if ((n & 1) == 0) {
+    num::rope_rotate(x, partner, c, sn, re, im);
+    return re;
+  }
+  num::rope_rotate(partner, x, c, sn, re, im);
+  return im;
+}
+
+}  // namespace v4attn::kernels::wgmma_fp8
