@@ -16,7 +16,13 @@
 // every output below (tested: GpuQChainFused). The QA GEMM's split-K structure is v3's plan for
 // the shape (so a token's output never depends on the batch), its block sums the cvt-widened f16
 // wgmma of v2 / v3 (int_mask 0); against v3's default integer-widened blocks it may differ by
-// 1 bf16 ulp in rare elements (spec section 6), like any two GEMM versions.
+// 1 bf16 ulp in rare elements (spec section 6), like any two GEMM versions (on the H200 the
+// stack's whole cycle came out identical: GpuStackFull).
+//
+// Speed (docs/perf.md, session 8): per layer, layers back to back, 24.8 vs 29.1 us at 1 row,
+// equal at 6, slower at 16 (its q_norm runs in every CTA); in the three-lane cycle not faster,
+// because it holds every SM while the index layers' side lanes need some. GpuStackOptions::
+// fuse_qchain (off by default) runs it in the stack.
 //
 // Co-residency: the counters are waited on by spinning CTAs, so every CTA must be resident at
 // once. The grid is at most the device's SM count with one CTA per SM (~200 KB of shared memory
