@@ -245,6 +245,26 @@ TEST(GpuQChainFused, GraphReplaysMatch) {
   }
 }
 
+// The shape rule, without a GPU (runs in CI): the V4.1 TP1 shapes need 128 CTAs (the wq_b tiles;
+// 14 x 8 = 112 QA units), so 132 SMs take them and 127 do not; rows 1..16 only; TP4 (16 heads:
+// wq_b at v2's one-m64-tile plan) and shapes off the tiling are refused. The workspace: counters
+// plus the partials of 8 splits.
+TEST(GpuQChainHost, ShapeRuleAndWorkspace) {
+  for (int T : {1, 6, 8, 9, 16}) EXPECT_EQ(qchain_fused_grid(T, kDim, kQRank, kHeads, 132), 128) << T;
+  EXPECT_EQ(qchain_fused_grid(6, kDim, kQRank, kHeads, 128), 128);
+  EXPECT_EQ(qchain_fused_grid(6, kDim, kQRank, kHeads, 127), 0);
+  EXPECT_EQ(qchain_fused_grid(0, kDim, kQRank, kHeads, 132), 0);
+  EXPECT_EQ(qchain_fused_grid(kQChainMaxRows + 1, kDim, kQRank, kHeads, 132), 0);
+  EXPECT_EQ(qchain_fused_grid(6, kDim, kQRank, 16, 132), 0);           // TP4
+  EXPECT_EQ(qchain_fused_grid(6, kDim + 32, kQRank, kHeads, 132), 0);  // dim % 128
+  EXPECT_EQ(qchain_fused_grid(6, kDim, kQRank + 128, kHeads, 132), 0); // q_rank % 256
+  EXPECT_EQ(qchain_fused_grid(6, kDim, kQRank, 0, 132), 0);
+  EXPECT_EQ(qchain_fused_workspace_bytes(kQChainMaxRows, kDim, kQRank),
+            256u + 8u * kQChainMaxRows * static_cast<size_t>(kQa) * sizeof(float));
+  EXPECT_EQ(qchain_fused_workspace_bytes(0, kDim, kQRank), 0u);
+  EXPECT_THROW(init_qchain_workspace(nullptr, 1024, nullptr), std::invalid_argument);
+}
+
 TEST(GpuQChainFused, RefusesBadInput) {
   V4_REQUIRE_GPU();
   EXPECT_FALSE(qchain_fused_supported(0, kDim, kQRank, kHeads));

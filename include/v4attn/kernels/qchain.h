@@ -81,6 +81,9 @@ struct QChainFusedParams {
 // (one split, 256-column tiles), the QA GEMM's v3 plan with 128-column tiles, and a grid of at
 // most the device's SM count.
 bool qchain_fused_supported(int T, int64_t dim, int64_t q_rank, int H, int device = -1);
+// The same rule for a device of `sm_count` SMs, without asking the driver (host only; what the
+// CPU tests pin). The grid it needs: max(wq_b tiles, QA tiles x splits, 3 T); 0 when unsupported.
+int qchain_fused_grid(int T, int64_t dim, int64_t q_rank, int H, int sm_count);
 size_t qchain_fused_workspace_bytes(int T_max, int64_t dim, int64_t q_rank);
 void init_qchain_workspace(void* workspace, size_t bytes, cudaStream_t stream);
 // Validates everything (std::invalid_argument, nothing launched) and launches one kernel.
