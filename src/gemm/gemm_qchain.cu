@@ -71,7 +71,7 @@ constexpr int kWorkers = 352;          // warps 1..11
 constexpr int kHelpers = 96;           // warps 1..3
 constexpr int kConsumerThreads = 256;  // warps 4..11
 constexpr uint32_t kBarConsumers = 1, kBarWorkers = 2, kBarHelpers = 3;
-constexpr int kStageK = 128;           // K bytes per stage (one 128B-swizzle row)
+constexpr int kStageK = wgmma_fp8::kStageBytes;  // K bytes per stage (one 128B-swizzle row)
 constexpr int kBlocksPerStage = 4;
 constexpr int kQaBn = 128;             // QA tile: 2 consumer warpgroups x one m64 tile
 constexpr int kQbBn = 256;             // wq_b tile: 2 consumer warpgroups x two m64 tiles
@@ -79,7 +79,7 @@ constexpr int kQbMt = 2;
 constexpr int kQaSlot = kQaBn * kStageK;   // 16 KB per QA stage
 constexpr int kQbSlot = kQbBn * kStageK;   // 32 KB per wq_b ring slot
 constexpr int kMaxRing = 8;
-constexpr int kRopeHeadDim = 512;
+constexpr int kRopeHeadDim = wgmma_fp8::kRopeHeadDim;
 constexpr int kSmemLimit = 227 * 1024;
 constexpr int kSmemAlign = 1024;
 constexpr int kKvCols = kPrepHeadDim;      // 512 kv columns after the q_rank q columns
@@ -174,6 +174,35 @@ __device__ __forceinline__ void put_codes_f16(uint8_t* xf, int j, int sub, int n
   *reinterpret_cast<uint2*>(row + ((cb ^ (n & 7)) << 4) + 8 * h) = lo;
   *reinterpret_cast<uint2*>(row + (((cb + 1) ^ (n & 7)) << 4) + 8 * h) = hi;
 }
+
+// The row passes of a one-shot elementwise phase (act quant of x, q_norm): each worker owns one
+// 8-element chunk (a fixed column offset, `chunk0` in row 0) of rows sub_r, sub_r + rows_per_pass,
+// ... A compact loop body with no division in it, the next pass's chunk loaded ahead: this code
+// runs once per launch, cold in the instruction cache. body(r, act, v): act = this worker has row
+// r; the others run the same code on zeros (the act quant's 4-lane amax needs every lane).
+template <bool kL2Only>  // __ldcg: rows written by other CTAs of this launch
+struct RowChunks {
+  const bf16_t* chunk0;
+  int64_t stride;
+  int T, sub_r, rows_per_pass;
+  __device__ __forceinline__ uint4 load(int r) const {
+    if (sub_r >= rows_per_pass || r >= T) return make_uint4(0u, 0u, 0u, 0u);
+    const uint4* q = reinterpret_cast<const uint4*>(chunk0 + static_cast<int64_t>(r) * stride);
+    return kL2Only ? __ldcg(q) : *q;
+  }
+  template <class Body>
+  __device__ __forceinline__ void passes(uint4 first, Body&& body) const {
+    uint4 next = first;
+#pragma unroll 1
+    for (int r0 = 0; r0 < T; r0 += rows_per_pass) {  // warp-uniform trip count
+      const int r = r0 + sub_r;
+      float v[detail::kChunk];
+      detail::unpack_bf16x8(next, v);
+      next = load(r + rows_per_pass);
+      body(r, sub_r < rows_per_pass && r < T, v);
+    }
+  }
+};
 
 using wgmma_fp8::BlockOps;
 
@@ -330,34 +359,21 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
 
   // ---- phase 1: QA units ----------------------------------------------------------------------------
   if (qa_unit) {
-    {  // Act quant of the CTA's K range of x into the QA operand (f16) and its scales. Worker w
-       // takes chunk w % per_row of rows w / per_row + k * rows_per_pass (no division in the loop,
-       // a compact loop body: this code runs once per launch, cold in the instruction cache).
+    {  // Act quant of the CTA's K range of x into the QA operand (f16) and its scales: worker w
+       // takes chunk w % per_row of rows w / per_row + k * rows_per_pass.
       const int per_row = nkb * 4;
-      const int rows_per_pass = kWorkers / per_row;
-      const int sub_r = wtid / per_row, cr = wtid % per_row, jb = cr >> 2, sub = cr & 3;
+      const int cr = wtid % per_row, jb = cr >> 2, sub = cr & 3;
       uint8_t* xf_blk = smem + L.xf + (jb >> 2) * 2 * NP * kStageK;
-      const bf16_t* xg = p.x + (kb_begin + jb) * 32 + sub * 8;
-      const bool lane_live = sub_r < rows_per_pass;
-      auto load_row = [&](int r) {
-        return lane_live && r < p.T ? *reinterpret_cast<const uint4*>(xg + static_cast<int64_t>(r) * p.x_stride)
-                                    : make_uint4(0u, 0u, 0u, 0u);
-      };
-      uint4 next = load_row(sub_r);  // the next pass's chunk is loaded ahead
-#pragma unroll 1
-      for (int r0 = 0; r0 < p.T; r0 += rows_per_pass) {  // warp-uniform trip count
-        const int r = r0 + sub_r;
-        const bool act = lane_live && r < p.T;
-        float v[detail::kChunk];
-        detail::unpack_bf16x8(next, v);
-        next = load_row(r + rows_per_pass);
+      const RowChunks<false> rows{p.x + (kb_begin + jb) * 32 + sub * 8, p.x_stride, p.T, wtid / per_row,
+                                  kWorkers / per_row};
+      rows.passes(rows.load(rows.sub_r), [&](int r, bool act, float (&v)[detail::kChunk]) {
         int e = 0;
         const uint2 codes = detail::act_quant_chunk<4>(v, e);
         if (act) {
           put_codes_f16<NP>(xf_blk, jb & 3, sub, r, codes);
           if (sub == 0) sa_a[jb * NP + r] = f32_from_scale_exp(e);
         }
-      }
+      });
       fence_proxy_async_smem();
       named_barrier_sync(kBarWorkers, kWorkers);
       if (wtid == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kQChain, 2);
@@ -451,15 +467,9 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
   {
     // (b)'s mapping, and its first chunk loaded before (a) so that both loads overlap.
     const int row_chunks = p.q_rank / 8;
-    const int rows_per_pass = kWorkers / row_chunks;
-    const int sub_r = wtid / row_chunks, ch = wtid % row_chunks, b = ch >> 2;
-    const bool lane_live = sub_r < rows_per_pass;
-    const bf16_t* qg = p.qkv_a + ch * 8;
-    auto load_row = [&](int r) {
-      return lane_live && r < p.T ? __ldcg(reinterpret_cast<const uint4*>(qg + static_cast<int64_t>(r) * p.qkv_a_stride))
-                                  : make_uint4(0u, 0u, 0u, 0u);
-    };
-    uint4 next = load_row(sub_r);
+    const int ch = wtid % row_chunks, b = ch >> 2;
+    const RowChunks<true> rows{p.qkv_a + ch * 8, p.qkv_a_stride, p.T, wtid / row_chunks, kWorkers / row_chunks};
+    const uint4 first = rows.load(rows.sub_r);
     // (a) One warp per row: the sum of squares in the LaneSum order (lane l: chunks l, l + 32, ...;
     //     all loads first), rstd into shared memory.
     constexpr int kMaxPerLane = 8;  // q_rank <= 2048
@@ -484,22 +494,16 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
     }
     named_barrier_sync(kBarWorkers, kWorkers);
     // (b) Worker w normalises and quantises chunk w % row_chunks of rows w / row_chunks + k *
-    //     rows_per_pass (4 consecutive lanes = one 32-block); the next pass's chunk is loaded ahead.
+    //     rows_per_pass (4 consecutive lanes = one 32-block).
     float wv[detail::kChunk];
 #pragma unroll
     for (int k = 0; k < detail::kChunk; ++k) wv[k] = qn_w[ch * 8 + k];
     uint8_t* xf_blk = smem + L.xf + (b >> 2) * 2 * NP * kStageK;
-#pragma unroll 1
-    for (int r0 = 0; r0 < p.T; r0 += rows_per_pass) {  // warp-uniform trip count
-      const int r = r0 + sub_r;
-      const bool act = lane_live && r < p.T;
-      float v[detail::kChunk];
-      detail::unpack_bf16x8(next, v);
-      next = load_row(r + rows_per_pass);
+    rows.passes(first, [&](int r, bool act, float (&v)[detail::kChunk]) {
       detail::rmsnorm_apply_chunk(v, act ? s_rstd[r] : 1.0f, wv);
       int e = 0;
       const uint2 codes = detail::act_quant_chunk<4>(v, e);
-      if (!act) continue;  // lanes past the rows took part in the amax shuffles only
+      if (!act) return;  // lanes past the rows took part in the amax shuffles only
       put_codes_f16<NP>(xf_blk, b & 3, ch & 3, r, codes);
       if ((ch & 3) == 0) sa_b[b * NP + r] = f32_from_scale_exp(e);
       if (c == r) {  // CTA r: row r's qr, codes and scales (the unfused chain's outputs)
@@ -507,7 +511,7 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
         *reinterpret_cast<uint2*>(p.qr_codes + static_cast<int64_t>(r) * p.q_rank + ch * 8) = codes;
         if ((ch & 3) == 0) p.qr_scales[static_cast<int64_t>(r) * (p.q_rank / 32) + b] = num::ue8m0_from_exp(e);
       }
-    }
+    });
     fence_proxy_async_smem();
   }
   named_barrier_sync(kBarWorkers, kWorkers);
@@ -622,10 +626,10 @@ QcPlan make_plan(int T, int64_t dim, int64_t q_rank, int H, int sm_count) {
   if (kTile0 + pl.qa_tiles > kCounterBytes / 4) return no("too many QA tiles");
   const int dim_blocks = static_cast<int>(dim / 32);
   pl.qa_max_blocks = (dim_blocks + pl.qa_splits - 1) / pl.qa_splits;
+  // The predicate holds exactly when v2's plan is one split of 256-column tiles (two m64 tiles per
+  // warpgroup), the layout of phase 3 and its RoPE epilogue.
   if (!gemm_v2_rope_store_supported(T, pl.n_qb, q_rank)) return no("the wq_b GEMM has no one-split rope-store plan");
-  const GemmPlan qb = plan_gemm(GemmVersion::kWgmma, T, pl.n_qb, q_rank, 1);
-  if (qb.block_n != kQbBn || qb.splits != 1) return no("the wq_b GEMM's v2 plan is not one split of 256-column tiles");
-  pl.qb_tiles = qb.tiles_n;
+  pl.qb_tiles = pl.n_qb / kQbBn;
   pl.grid = std::max({pl.qb_tiles, pl.qa_units, T * kKvParts});
   if (pl.grid > sm_count)
     return no("grid " + std::to_string(pl.grid) + " exceeds the " + std::to_string(sm_count) + " SMs (co-residency)");

@@ -14,6 +14,7 @@
 namespace v4attn::kernels::wgmma_fp8 {
 
 constexpr int kStageBytes = 128;  // K bytes per stage row (one 128B-swizzle row)
+constexpr int kRopeHeadDim = 512;  // wq_b output columns are heads of 512 dims, RoPE on the last 64
 
 template <int MT, int NP>
 struct BlockOps {
@@ -77,10 +78,9 @@ struct BlockOps {
 // 448..511 rotate in (even, odd) pairs) given its pair partner (column n ^ 1) and the row's table
 // entries (64 floats, (cos, sin) interleaved): q_rope_store's arithmetic on the same values.
 __device__ __forceinline__ float rope_head_value(float x, float partner, int n, const float* tab_row) {
-  constexpr int kHeadDim = 512;
-  const int hd = n % kHeadDim;
-  if (hd < kHeadDim - num::kRopeDim) return x;
-  const int j = (hd - (kHeadDim - num::kRopeDim)) >> 1;
+  const int hd = n % kRopeHeadDim;
+  if (hd < kRopeHeadDim - num::kRopeDim) return x;
+  const int j = (hd - (kRopeHeadDim - num::kRopeDim)) >> 1;
   const float c = tab_row[2 * j], sn = tab_row[2 * j + 1];
   float re, im;
   if ((n & 1) == 0) {
