@@ -67,9 +67,10 @@ __global__ void __launch_bounds__(kThreads) gemm_f32_warp_kernel(const __grid_co
 #pragma unroll
   for (int r = 0; r < kRows; ++r) wcur[r] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   int64_t q = q_begin + lane;
+  const uint64_t stream = dev::l2_policy_stream();  // weights: read once per cycle
   if (q < q_end) {
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) wcur[r] = __ldg(wrow[r] + q);
+    for (int r = 0; r < kRows; ++r) wcur[r] = dev::ldg_stream(wrow[r] + q, stream);
   }
   dev::pdl_wait();  // x is the predecessor's output
 
@@ -82,7 +83,7 @@ __global__ void __launch_bounds__(kThreads) gemm_f32_warp_kernel(const __grid_co
     const bool more = q + 32 < q_end;
     if (more) {
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) wnext[r] = __ldg(wrow[r] + q + 32);
+      for (int r = 0; r < kRows; ++r) wnext[r] = dev::ldg_stream(wrow[r] + q + 32, stream);
     }
 #pragma unroll
     for (int tm = 0; tm < kTokens; ++tm) {

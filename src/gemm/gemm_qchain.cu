@@ -299,7 +299,7 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
     if (qa_unit) {
       mbar_arrive_expect_tx(bar_qa_full, static_cast<uint32_t>(qa_iters * kQaSlot));
       for (int i = 0; i < qa_iters; ++i)
-        tma_load_3d(base + L.ring + static_cast<uint32_t>(p.qa_slot0 * kQbSlot + i * kQaSlot), &p.tmap_qa, bar_qa_full,
+        tma_load_weights_3d(base + L.ring + static_cast<uint32_t>(p.qa_slot0 * kQbSlot + i * kQaSlot), &p.tmap_qa, bar_qa_full,
                     (kb_begin + i * kBlocksPerStage) * 32, qa_tile * kQaBn, 0);
     }
     if (!qb_unit) return;
@@ -309,7 +309,7 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
       if (it >= ST) mbar_wait(bar_empty + 8u * s, static_cast<uint32_t>((it / ST - 1) & 1));
       else if (s >= first_free) mbar_wait(bar_qa_free, 0u);  // the QA weights are consumed
       mbar_arrive_expect_tx(bar_full + 8u * s, static_cast<uint32_t>(kQbSlot));
-      tma_load_3d(base + L.ring + static_cast<uint32_t>(s * kQbSlot), &p.tmap_qb, bar_full + 8u * s, it * kStageK, qb_row0, 0);
+      tma_load_weights_3d(base + L.ring + static_cast<uint32_t>(s * kQbSlot), &p.tmap_qb, bar_full + 8u * s, it * kStageK, qb_row0, 0);
     }
     return;
   }

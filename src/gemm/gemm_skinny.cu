@@ -201,6 +201,7 @@ __global__ void __launch_bounds__(kThreads) gemm_bf16_skinny_kernel(const __grid
   const int depth = p.depth;
   const uint32_t bar0 = hopper::smem_u32(smem + p.bar_offset) + 8u * static_cast<uint32_t>(warp * depth);
   const bool w_lane = lane < kLoaderLanes;
+  const uint64_t stream = dev::l2_policy_stream();  // weights: read once per cycle
 
   // Block `it` of the part into slot it % D: this lane's share (weights or activations), then its
   // arrival on the slot's barrier.
@@ -211,7 +212,8 @@ __global__ void __launch_bounds__(kThreads) gemm_bf16_skinny_kernel(const __grid
       for (int i = 0; i < BN * 4 / kLoaderLanes; ++i) {
         const int c = lane + kLoaderLanes * i, r = c >> 2, ch = c & 3;
         if (r < rows_valid)
-          cp_async_16(dst + static_cast<uint32_t>(r * kBf16RowBytes + ch * 16), w + r * k + it * kGemmBlock + ch * 8);
+          dev::cp_async16_stream(dst + static_cast<uint32_t>(r * kBf16RowBytes + ch * 16), w + r * k + it * kGemmBlock + ch * 8,
+                                 stream);
       }
     } else {
       load_x_rows(dst + BN * kBf16RowBytes, x, p.x_stride, p.m, it, lane - kLoaderLanes);
@@ -331,6 +333,7 @@ __global__ void __launch_bounds__(kThreads) gemm_f32_skinny_kernel(const __grid_
   float* xf = reinterpret_cast<float*>(ring + depth * p.slot_bytes);  // [m][32] widened activations
   const uint32_t bar0 = hopper::smem_u32(smem + p.bar_offset) + 8u * static_cast<uint32_t>(warp * depth);
   const bool w_lane = lane < kLoaderLanes;
+  const uint64_t stream = dev::l2_policy_stream();  // weights: read once per cycle
 
   // As bf16; weight chunk c of row r goes to chunk c ^ (r % 8) of the row.
   auto load = [&](int it) {
@@ -340,8 +343,8 @@ __global__ void __launch_bounds__(kThreads) gemm_f32_skinny_kernel(const __grid_
       for (int i = 0; i < BN * kChunks / kLoaderLanes; ++i) {
         const int c = lane + kLoaderLanes * i, r = c / kChunks, ch = c % kChunks;
         if (r < rows_valid)
-          cp_async_16(dst + static_cast<uint32_t>(r * kF32RowBytes + ((ch ^ (r & 7)) << 4)),
-                      w + r * k + it * kGemmBlock + ch * 4);
+          dev::cp_async16_stream(dst + static_cast<uint32_t>(r * kF32RowBytes + ((ch ^ (r & 7)) << 4)),
+                                 w + r * k + it * kGemmBlock + ch * 4, stream);
       }
     } else {
       load_x_rows(dst + BN * kF32RowBytes, x, p.x_stride, p.m, it, lane - kLoaderLanes);

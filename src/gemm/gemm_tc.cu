@@ -151,6 +151,7 @@ __global__ void __launch_bounds__(kThreads) gemm_tc_kernel(const __grid_constant
   float* sw_s = reinterpret_cast<float*>(smem + kStages * kStageBytes);  // [BN/32][max_split_blocks]
   float* sa_s = sw_s + (BN / 32) * p.max_split_blocks;                    // [max_split_blocks][BM]
 
+  const uint64_t stream = dev::l2_policy_stream();  // weights: read once per cycle
   auto load_w = [&](int it) {  // weight rows of stage `it` -> slot it % kStages
     uint8_t* dst = smem + (it % kStages) * kStageBytes;
     const int kb0 = it * kBps;
@@ -160,8 +161,8 @@ __global__ void __launch_bounds__(kThreads) gemm_tc_kernel(const __grid_constant
       const int c = tid + i * kThreads;
       const int r = c / kChunksPerRow, ch = c % kChunksPerRow;
       if (r < rows_valid && ch < chunks_valid)
-        cp_async_16(smem_u32(dst + r * kRowBytes + swizzle<kFp8>(r, ch) * 16),
-                    w_tile + r * w_row_bytes + kb0 * kBlockBytes + ch * 16);
+        dev::cp_async16_stream(smem_u32(dst + r * kRowBytes + swizzle<kFp8>(r, ch) * 16),
+                               w_tile + r * w_row_bytes + kb0 * kBlockBytes + ch * 16, stream);
     }
   };
   auto load_a = [&](int it) {  // token rows < m of stage `it`

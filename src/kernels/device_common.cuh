@@ -56,6 +56,39 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
+// ---- L2 policy of streamed bytes -----------------------------------------------------------------------
+// A prepare cycle streams 2.16 GB of weights (and the index-K cache) through a 50 MB L2, each byte
+// once. Loaded under the default policy they push out, every layer, what IS reused: the kernels'
+// code (every launch fetched its instructions from DRAM again), activations, split-K partials,
+// hand-off counters, the scores between the scores kernel and the top-k. Loads of bytes read once
+// per cycle take this policy (evict first) instead; the bytes are the same, only L2 replacement
+// changes. createpolicy is one instruction: kernels make it once and pass it on.
+__device__ __forceinline__ uint64_t l2_policy_stream() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+// cp.async of 16 bytes (L2 only) under `policy`; src_bytes < 16 zero-fills the rest (0: no read).
+__device__ __forceinline__ void cp_async16_stream(uint32_t dst, const void* src, uint64_t policy, int src_bytes = 16) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src), "r"(src_bytes),
+               "l"(policy)
+               : "memory");
+}
+// cp.async of 4 bytes (L1 + L2) under `policy`; src_bytes 0 zero-fills without reading.
+__device__ __forceinline__ void cp_async4_stream(uint32_t dst, const void* src, uint64_t policy, int src_bytes = 4) {
+  asm volatile("cp.async.ca.shared.global.L2::cache_hint [%0], [%1], 4, %2, %3;\n" ::"r"(dst), "l"(src), "r"(src_bytes),
+               "l"(policy)
+               : "memory");
+}
+// __ldg of a float4 under `policy`.
+__device__ __forceinline__ float4 ldg_stream(const float4* p, uint64_t policy) {
+  float4 v;
+  asm volatile("ld.global.nc.L2::cache_hint.v4.f32 {%0, %1, %2, %3}, [%4], %5;\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "l"(p), "l"(policy));
+  return v;
+}
+
 // Kernels never write outside the cache they are given: a slot outside [0, n_slots) is skipped
 // and counted here (one counter per error class; the host reads and resets it).
 struct ErrorCounters {

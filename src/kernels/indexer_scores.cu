@@ -149,15 +149,6 @@ __device__ __forceinline__ int chunk_swizzle(int p) { return (p >> 1) & 3; }
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
-// src_bytes = 0 zero-fills the destination without reading the source.
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_4(void* dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes)
-               : "memory");
-}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
@@ -287,9 +278,12 @@ __device__ __forceinline__ void issue_step(const IndexerScoresParams& p, int pag
     const uint8_t* codes = page + in_page * kIndexerCodeBytes;
     uint32_t* kd = kd_warp + buf * (kStepPositions * 16) + lane * 16;
     const int n = ok ? 16 : 0;
+    // The index-K cache is read once per cycle: dev::l2_policy_stream.
+    const uint64_t stream = dev::l2_policy_stream();
 #pragma unroll
-    for (int ch = 0; ch < 4; ++ch) cp_async_16(&kd[(ch ^ chunk_swizzle(lane)) * 4], codes + 16 * ch, n);
-    cp_async_4(&ks_warp[buf * kStepPositions + lane], page + scale_base + in_page * kIndexerScaleBytes, ok ? 4 : 0);
+    for (int ch = 0; ch < 4; ++ch) dev::cp_async16_stream(smem_addr(&kd[(ch ^ chunk_swizzle(lane)) * 4]), codes + 16 * ch, stream, n);
+    dev::cp_async4_stream(smem_addr(&ks_warp[buf * kStepPositions + lane]), page + scale_base + in_page * kIndexerScaleBytes,
+                          stream, ok ? 4 : 0);
   }
   cp_async_commit();
 }
