@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """Per-layer view of one prepare cycle from the Chrome / Perfetto trace of `v4attn bench --trace F`.
 
-A layer starts where its QA act-quant kernel starts (the first kernel of each layer's Q chain) and
-ends where the next layer's starts (the last layer: at the last kernel's end). Per layer it prints
-the time, when the main lane's q_rope_store ends, when the layer's last kernel ends and which one
-that is, and the "tail": how long the side lanes run past the q_rope_store (the index-source
-layers' selection, typically). `--detail 20,24` lists every kernel of those layers (stream, start,
+A layer starts where its QA act-quant kernel, or its fused Q chain kernel, starts (the first kernel
+of each layer's Q chain) and ends where the next layer's starts (the last layer: at the last
+kernel's end). Per layer it prints the time, when the main lane's q_rope_store (or fused chain)
+ends, when the layer's last kernel ends and which one that is, and the "tail": how long the side
+lanes run past the q_rope_store (the index-source layers' selection, typically). `--detail 20,24` lists every kernel of those layers (stream, start,
 end, relative to the layer's start); `--json F` writes the table. Times are those of the traced
 cycle (CUPTI tracing inflates them: compare layers with each other, not with event-timed cycles).
 
@@ -45,16 +45,18 @@ def short_name(name):
 
 
 def layers_of(kernels):
-    starts = [e["ts"] for e in kernels if "act_quant" in e["name"]]
+    # A layer's first kernel: its QA act quant, or the fused Q chain (kernels/qchain.h), which is
+    # the whole layer's main lane and also plays q_rope_store's part below.
+    starts = [e["ts"] for e in kernels if "act_quant" in e["name"] or "qchain_fused" in e["name"]]
     if not starts:
-        raise ValueError("no act_quant kernel in the trace: cannot find the layers")
+        raise ValueError("no act_quant or qchain_fused kernel in the trace: cannot find the layers")
     end_all = max(e["ts"] + e["dur"] for e in kernels)
     rows = []
     for i, s in enumerate(starts):
         nxt = starts[i + 1] if i + 1 < len(starts) else end_all
         ks = [e for e in kernels if s <= e["ts"] < nxt]
         last = max(ks, key=lambda e: e["ts"] + e["dur"])
-        rope = [e["ts"] + e["dur"] - s for e in ks if "q_rope_store" in e["name"]]
+        rope = [e["ts"] + e["dur"] - s for e in ks if "q_rope_store" in e["name"] or "qchain_fused" in e["name"]]
         rope_end = max(rope) if rope else None
         last_end = last["ts"] + last["dur"] - s
         rows.append({

@@ -41,6 +41,7 @@ namespace {
 
 using prepare::GpuPrepareStack;
 using prepare::GpuStackOptions;
+using prepare::QChainFusion;
 
 // CUDA events for the timed cycles (start / stop per cycle), destroyed on every path.
 class CycleEvents {
@@ -243,7 +244,7 @@ struct BenchCliOptions {
   int aq_warps = -1;
   bool idx_scores_main = false;
   bool fuse_rope_store = false;
-  bool fuse_qchain = false;
+  std::string fuse_qchain = "auto";
   uint64_t seed = 1;
   std::string json_path;
   std::string trace_path;
@@ -300,7 +301,8 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
   out << (c.verify ? "verify" : "decode") << " step: bs " << c.bs << " x " << v << " row" << (v > 1 ? "s" : "") << " = "
       << info.rows << " rows at context " << c.context << "; " << (c.graph ? "CUDA graph replay" : "eager launches")
       << ", PDL " << (c.knobs.pdl ? (c.knobs.pdl_everywhere ? "all" : "on") : "off") << ", GEMM " << kernels::gemm_version_name(c.knobs.gemm) << ", S fork "
-      << s_fork_name(c.knobs.s_fork) << (c.knobs.lane_prologue ? ", lane prologue" : "") << "\n";
+      << s_fork_name(c.knobs.s_fork) << (c.knobs.lane_prologue ? ", lane prologue" : "") << ", fused Q chain "
+      << to_string(c.knobs.fuse_qchain) << "\n";
   out << "device memory: " << fmt("%.2f", static_cast<double>(stack.device_bytes()) / 1e9) << " GB ("
       << fmt("%.2f", static_cast<double>(stack.weight_bytes()) / 1e9) << " GB weights, device-random)\n";
 
@@ -390,7 +392,7 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
     j["aq_warps"] = c.knobs.aq_warps;
     j["idx_scores_on_main"] = c.knobs.idx_scores_on_main;
     j["fuse_rope_store"] = c.knobs.fuse_rope_store;
-    j["fuse_qchain"] = c.knobs.fuse_qchain;
+    j["fuse_qchain"] = to_string(c.knobs.fuse_qchain);
     j["seed"] = c.knobs.seed;
     j["device_bytes"] = stack.device_bytes();
     j["weight_bytes"] = stack.weight_bytes();
@@ -519,10 +521,12 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
   sub->add_flag("--fuse-rope-store", o->fuse_rope_store,
                 "q_rope_store fused into the wq_b GEMM's epilogue (v2; experiment knob: the per-layer trace figures "
                 "key on the q_rope_store kernel)");
-  sub->add_flag("--fuse-qchain", o->fuse_qchain,
-                "Plain layers with <= 16 rows as ONE kernel (act quant, wq_a|wkv, q_norm, wq_b + RoPE, window-K; "
-                "kernels/qchain.h). Its QA GEMM widens with cvt only: bytes may differ from the default by 1 bf16 ulp in "
-                "rare elements");
+  sub->add_option("--fuse-qchain", o->fuse_qchain,
+                  "Plain layers as ONE kernel (act quant, wq_a|wkv, q_norm, wq_b + RoPE, window-K; kernels/qchain.h): "
+                  "auto (steps of <= 4 rows, where it measured faster), on (<= 16 rows) or off. Its QA GEMM widens with "
+                  "cvt only: bytes may differ from the unfused chain's by 1 bf16 ulp in rare elements")
+      ->check(CLI::IsMember({"auto", "on", "off"}))
+      ->capture_default_str();
   sub->add_flag("--idx-scores-main", o->idx_scores_main,
                 "Reindex layers: weights_proj, q pack and the indexer scores on main before the wq_b GEMM (experiment knob)");
   sub->add_flag("--qnorm-trigger-late", o->qnorm_trigger_late,
@@ -613,7 +617,9 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       c.knobs.aq_warps = o->aq_warps;
       c.knobs.idx_scores_on_main = o->idx_scores_main && c.knobs.idx_gemm_on_main;
       c.knobs.fuse_rope_store = o->fuse_rope_store;
-      c.knobs.fuse_qchain = o->fuse_qchain;
+      c.knobs.fuse_qchain = o->fuse_qchain == "on"    ? QChainFusion::kOn
+                            : o->fuse_qchain == "off" ? QChainFusion::kOff
+                                                      : QChainFusion::kAuto;
       c.knobs.gemm_small = o->gemm_small == "tc"       ? kernels::GemmVersion::kTensorCore
                      : o->gemm_small == "skinny" ? kernels::GemmVersion::kSkinny
                                                  : kernels::GemmVersion::kAuto;

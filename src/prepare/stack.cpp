@@ -112,6 +112,15 @@ const char* to_string(WeightSource w) {
   return "?";
 }
 
+const char* to_string(QChainFusion f) {
+  switch (f) {
+    case QChainFusion::kOff: return "off";
+    case QChainFusion::kAuto: return "auto";
+    case QChainFusion::kOn: return "on";
+  }
+  return "?";
+}
+
 void validate_options(const ModelPlan& plan, const GpuStackOptions& o) {
   const ModelConfig& c = plan.config;
   if (c.n_layers < 1) fail("the config has no backbone layer");
@@ -824,7 +833,12 @@ void GpuPrepareStack::Impl::issue_qb(int L, int T, cudaStream_t s) {
 }
 
 bool GpuPrepareStack::Impl::qchain_fused_layer(int L, int T) const {
-  return o.fuse_qchain && qchain_ws != nullptr && lp(L).work == (kWorkQA | kWorkQB | kWorkKV) &&
+  // kAuto only where the GEMMs are the automatic choice too: a forced GEMM version (kSimple for
+  // the reference's bytes, a version under measurement) keeps the unfused chain that runs it.
+  const int max_rows = o.fuse_qchain == QChainFusion::kOn ? kn::kQChainMaxRows
+                       : o.fuse_qchain == QChainFusion::kAuto && o.gemm == kn::GemmVersion::kAuto ? kQChainAutoRows
+                                                                                                   : 0;
+  return T <= max_rows && qchain_ws != nullptr && lp(L).work == (kWorkQA | kWorkQB | kWorkKV) &&
          kn::qchain_fused_supported(T, dim, q_rank, H);
 }
 
@@ -1192,10 +1206,10 @@ void GpuPrepareStack::set_fuse_rope_store(bool on) {
   impl_->o.fuse_rope_store = on;
 }
 
-void GpuPrepareStack::set_fuse_qchain(bool on) {
-  if (on == impl_->o.fuse_qchain) return;
+void GpuPrepareStack::set_fuse_qchain(QChainFusion f) {
+  if (f == impl_->o.fuse_qchain) return;
   impl_->invalidate_graphs();
-  impl_->o.fuse_qchain = on;
+  impl_->o.fuse_qchain = f;
 }
 
 void GpuPrepareStack::set_lane_prologue(bool on) {

@@ -45,6 +45,7 @@ using prepare::CacheState;
 using prepare::GpuPrepareStack;
 using prepare::GpuStackOptions;
 using prepare::WeightSource;
+using prepare::QChainFusion;
 
 constexpr uint8_t kPoison = 0xAB;
 constexpr bf16_t kPoisonBf16 = 0xABAB;
@@ -641,7 +642,7 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
     bool graph;
     bool pdl;
     bool fuse_rope_store = false;  // q_rope_store in the wq_b GEMM's epilogue (v2)
-    bool fuse_qchain = false;      // plain layers as one kernel (kernels/qchain.h)
+    QChainFusion fuse_qchain = QChainFusion::kOff;  // plain layers as one kernel (kernels/qchain.h)
   };
   const Config configs[] = {{Schedule::kSerial, false, false},
                             {Schedule::kThreeLane, true, true},
@@ -649,8 +650,9 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
                             {Schedule::kThreeLane, false, true},
                             {Schedule::kThreeLane, true, true, true},
                             {Schedule::kSerial, false, false, true},
-                            {Schedule::kThreeLane, true, true, false, true},
-                            {Schedule::kSerial, false, false, false, true}};
+                            {Schedule::kThreeLane, true, true, false, QChainFusion::kOn},
+                            {Schedule::kSerial, false, false, false, QChainFusion::kOn},
+                            {Schedule::kThreeLane, true, true, false, QChainFusion::kAuto}};
   // The fused form must really run here (wq_b at this config and bucket), or the configs above
   // that ask for it would silently compare the unfused path with itself.
   if (tp == 1) {
@@ -665,7 +667,7 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
   const int rows = bs * v;
   for (size_t c = 0; c < std::size(configs); ++c) {
     const std::string name = std::string(to_string(configs[c].schedule)) + (configs[c].graph ? " graph" : " eager") +
-                             (configs[c].fuse_rope_store ? " fused-rope" : "") + (configs[c].fuse_qchain ? " fused-qchain" : "");
+                             (configs[c].fuse_rope_store ? " fused-rope" : "") + (configs[c].fuse_qchain != QChainFusion::kOff ? std::string(" fused-qchain ") + to_string(configs[c].fuse_qchain) : "");
     SCOPED_TRACE(name);
     gpu.upload_caches(initial);
     gpu.set_schedule(configs[c].schedule);
@@ -705,6 +707,11 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
 TEST(GpuStackFull, V41FlashTp1VerifyAgreesAcrossSchedules) {
   V4_REQUIRE_GPU();
   run_full_config(1, StepKind::kVerify, 2, {16});  // 12 live rows, 4 padded
+}
+
+TEST(GpuStackFull, V41FlashTp1DecodeAgreesAcrossSchedules) {
+  V4_REQUIRE_GPU();
+  run_full_config(1, StepKind::kDecode, 3, {4});  // 3 live rows, 1 padded: QChainFusion::kAuto fuses here
 }
 
 TEST(GpuStackFull, V41FlashTp4DecodeAgreesAcrossSchedules) {

@@ -89,6 +89,19 @@ class RefStack;
 namespace prepare {
 
 enum class WeightSource : uint8_t { kReference, kDeviceRandom };
+// GpuStackOptions::fuse_qchain: when a plain layer runs as the fused Q chain (kernels/qchain.h).
+enum class QChainFusion : uint8_t {
+  kOff,   // never: the five-kernel chain with its window-K on lane K
+  kAuto,  // at most kQChainAutoRows rows (where it measured faster in the three-lane cycle), and
+          // only with GpuStackOptions::gemm kAuto (a forced GEMM version keeps the unfused chain)
+  kOn,    // at most kernels::kQChainMaxRows rows
+};
+// kAuto's row limit. Measured (docs/perf.md, session 9, three-lane, with the L2 stream policy):
+// decode bs 1 / 2 / 3 / 4 -1.8 / -5.4 / -3.2 / -3.2 %, bs 6 / 8 +1.8 / +3.1 %, verify bs 1 (6 rows)
+// +2 %: the kernel's per-row work (act quant of its K range, q_norm of every row in every CTA)
+// grows with the rows, and it holds every SM while the index layers' side lanes want some.
+constexpr int kQChainAutoRows = 4;
+const char* to_string(QChainFusion f);
 const char* to_string(WeightSource w);
 
 struct GpuStackOptions {
@@ -181,16 +194,15 @@ struct GpuStackOptions {
   // The wq_b GEMM (v2) writes q_pad with the RoPE itself (q_rope_store fused into its epilogue;
   // same bytes). Experiment knob: the trace report's per-layer figures key on q_rope_store.
   bool fuse_rope_store = false;
-  // Plain layers (work QA | QB | KV, no compressor / indexer) with at most kQChainMaxRows rows:
+  // Plain layers (work QA | QB | KV, no compressor / indexer) with at most kQChainAutoRows (kAuto)
+  // or kQChainMaxRows (kOn) rows, on a device where the grid fits (qchain_fused_supported):
   // the whole layer as ONE kernel (kernels/qchain.h: act quant, wq_a|wkv GEMM, q_norm, wq_b GEMM +
   // RoPE store, window-K store, with in-kernel hand-offs) on the main lane, no side lane. Its QA
   // GEMM widens every block with cvt (v3_int_mask 0), so a cycle's bytes can differ from the
   // default chain's by 1 bf16 ulp in rare elements (spec section 6); bit-identical to the unfused
   // chain with that mask (tested at the kernel; the stack test finds the whole cycle identical to
-  // the default's). Off by default: measured (docs/perf.md, session 8) decode bs 1 -4.5 % serial
-  // but within noise three-lane, verify bs 1 +4.3 %, decode bs 8 +3.6 % three-lane (the kernel
-  // holds every SM while the index layers' side lanes need some).
-  bool fuse_qchain = false;
+  // the default's). kAuto by default since session 9 (kQChainAutoRows: where it measured).
+  QChainFusion fuse_qchain = QChainFusion::kAuto;
   // Index-source layers: run the indexer's wq_b GEMM (qr -> qi) on the main lane right after
   // q_norm instead of first on lane S (experiment knob; docs/perf.md).
   // Default since run 20: verify bs 1 1688.7 vs 1703.8 us, decode bs 32 4615.6 vs 4668.1 us.
@@ -262,7 +274,7 @@ class GpuPrepareStack {
   void set_s_fork(LayerIssue::SFork f);
   void set_lane_prologue(bool on);
   void set_fuse_rope_store(bool on);  // GpuStackOptions::fuse_rope_store
-  void set_fuse_qchain(bool on);      // GpuStackOptions::fuse_qchain
+  void set_fuse_qchain(QChainFusion f);  // GpuStackOptions::fuse_qchain
 
   // --- caches ------------------------------------------------------------------------------------
   // Device-side synthetic prefill (the full config at 64K would take minutes on the host): as if
