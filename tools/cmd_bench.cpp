@@ -236,7 +236,7 @@ struct BenchCliOptions {
   bool no_idx_gemm_main = false;
   int select_cluster = 0;
   bool no_select_pair = false;
-  bool idx_x_on_k = false;
+  bool no_idx_x_on_k = false;
   bool qnorm_trigger_late = false;
   int qb_prewait_stages = -1;
   int qb_overlap = -1;
@@ -554,9 +554,9 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
                   "Selection v3: CTAs per row (thread-block cluster size) 1, 2, 4, 8 or 16; 0: automatic")
       ->check(CLI::IsMember({0, 1, 2, 4, 8, 16}))
       ->capture_default_str();
-  sub->add_flag("--idx-x-on-k", o->idx_x_on_k,
-                "Three-lane, index sources with a compressor: weights_proj on lane K at the layer's start (not behind the "
-                "compressor on lane S); same bytes");
+  sub->add_flag("--no-idx-x-on-k", o->no_idx_x_on_k,
+                "Three-lane, index sources with a compressor: weights_proj behind the compressor on lane S (default: on "
+                "lane K at the layer's start); same bytes");
   sub->add_flag("--no-select-pair", o->no_select_pair,
                 "Selection v3, the candidate source: the candidate mask then the top-k as two launches (default: one "
                 "launch for both when they fit one wave; same bytes)");
@@ -609,7 +609,7 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       c.knobs.idx_gemm_on_main = !o->no_idx_gemm_main && o->s_fork != "idx-gemms-on-k";
       c.knobs.select_cluster = o->select_cluster;
       c.knobs.select_pair = !o->no_select_pair;
-      c.knobs.idx_x_on_k = o->idx_x_on_k;
+      c.knobs.idx_x_on_k = !o->no_idx_x_on_k;
       c.knobs.qnorm_trigger_late = o->qnorm_trigger_late;
       c.knobs.qb_prewait_stages = o->qb_prewait_stages;
       c.knobs.qb_overlap = o->qb_overlap;

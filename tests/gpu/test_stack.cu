@@ -463,7 +463,7 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
     bool scores_masked = true;
     int scores_mask_tile = 0;
     bool select_pair = true;
-    bool idx_x_on_k = false;
+    bool idx_x_on_k = true;  // the stack's default
   };
   using SF = LayerIssue::SFork;
   std::vector<Config> configs;
@@ -527,11 +527,11 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
   // Session 7: the candidate source's mask and top-k as two launches (default: one pair launch).
   with([](Config& c) { c.select_pair = false; });
   with([](Config& c) { c.scores_mask_tile = 64; });  // decode bs 32 takes 256 automatically now
-  // weights_proj on lane K in the layers with a compressor (cross-lane event), eager and in graph,
-  // and on schedules where it has no effect.
-  with([](Config& c) { c.idx_x_on_k = true; });
-  with([](Config& c) { c.idx_x_on_k = true; }, Schedule::kThreeLane, false);
-  with([](Config& c) { c.idx_x_on_k = true; }, Schedule::kSourcesSide);
+  // weights_proj behind the compressor on lane S (the default puts it on lane K, through a
+  // cross-lane event), eager and in graph, and on a schedule where it has no effect.
+  with([](Config& c) { c.idx_x_on_k = false; });
+  with([](Config& c) { c.idx_x_on_k = false; }, Schedule::kThreeLane, false);
+  with([](Config& c) { c.idx_x_on_k = false; }, Schedule::kSourcesSide);
   with([](Config& c) { c.select_pair = false, c.select_cluster = 16; }, Schedule::kSerial, false);
 
   std::vector<Snapshot> first;  // per step, of the first configuration
@@ -548,7 +548,7 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
         std::to_string(c.side_priority) + (c.qnorm_trigger_late ? " qnorm-late" : "") +
         (c.idx_scores_on_main ? " idx-scores-main" : "") + " qb-prewait " + std::to_string(c.qb_prewait_stages) + " qb-overlap " + std::to_string(c.qb_overlap) + " qb-pace " + std::to_string(c.qb_prewait_pace_ns) + " aq-warps " + std::to_string(c.aq_warps) +
         (c.scores_masked ? "" : " scores-unmasked") + " mask-tile " + std::to_string(c.scores_mask_tile) +
-        (c.select_pair ? "" : " select-unpaired") + (c.idx_x_on_k ? " idx-x-on-k" : "");
+        (c.select_pair ? "" : " select-unpaired") + (c.idx_x_on_k ? "" : " idx-x-on-s");
     SCOPED_TRACE(name);
     // A fresh stack per configuration: the device inputs of padded rows depend on the step count.
     go.schedule = c.schedule;

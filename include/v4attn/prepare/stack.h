@@ -166,8 +166,10 @@ struct GpuStackOptions {
   bool select_pair = true;
   // Three-lane, the index sources with a compressor (2, 8, 14, 20 in V4.1): weights_proj (reads
   // only x) on lane K at the layer's start instead of behind the compressor on lane S; the
-  // indexer waits for it through an event (LayerIssue::idx_x_on_k). Same bytes.
-  bool idx_x_on_k = false;
+  // indexer waits for it through an event (LayerIssue::idx_x_on_k). Same bytes. Default since
+  // session 9 (with the L2 stream policy, same run: verify bs 1 -0.5 %, verify bs 4 -1.3 %, decode
+  // bs 32 -1.5 %, decode bs 1 -0.3 %; docs/perf.md).
+  bool idx_x_on_k = true;
   // q_norm lets the wq_b GEMM launch only after its last store (no early weight prefetch by the
   // GEMM competing with q_norm's loads); experiment knob.
   bool qnorm_trigger_late = false;
