@@ -18,7 +18,7 @@
 //
 // Rows per shape and m:
 //   fp8:  act_quant (bf16 x -> codes + scales), v0, v1, v2, v3 (GEMM on quantized x; v3 once per
-//         --v3-masks entry: "v3" = the default widening mask 0b1010, "v3 int<mask>" otherwise, e.g.
+//         --v3-masks entry: "v3" = the default widening mask (0, all cvt), "v3 int<mask>" otherwise, e.g.
 //         "v3 int0" = all cvt, "v3 int15" = all integer), v1+quant / v2+quant / v3+quant
 //         (act_quant then the GEMM; with PDL in the event and gpdl columns), "v3 fused-quant"
 //         (run_gemm_fp8_fused_quant: the act quant inside v3, where gemm_v3_fused_quant_supported;
@@ -780,7 +780,7 @@ int main(int argc, char** argv) {
                  "v2: weight stages fetched before the PDL wait (-1 = the whole first ring fill)")
       ->check(CLI::Range(-1, 8));
   app.add_option("--v3-masks", env.v3_masks,
-                 "v3 rows: one per integer-widening mask (-1 = default 0b1010, 0 = all cvt, 15 = all integer; bit j = "
+                 "v3 rows: one per integer-widening mask (-1 = default (0), 0 = all cvt, 15 = all integer; bit j = "
                  "block j of each 4-block stage)")
       ->delimiter(',')
       ->check(CLI::Range(-1, 15));

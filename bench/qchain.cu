@@ -103,7 +103,8 @@ struct Chain {
     p.err_count = err.get();
     return p;
   }
-  // The unfused chain (int_mask 0: the fused kernel's widening; -1: the stack's default v3).
+  // The unfused chain (int_mask 0 = -1, v3's default: the fused kernel's widening; 0xA: half the
+  // blocks widened with integer ops, the default before session 9).
   void unfused(const LayerWeights& w, cudaStream_t s, int int_mask) {
     run_qchain_unfused(params(w), xq.get(), xs.get(), int_mask, s, true);
   }
@@ -206,8 +207,8 @@ int main(int argc, char** argv) {
       const bool valid = outputs(c) == want;
       all_valid = all_valid && valid;
       const std::pair<const char*, std::function<void(int, cudaStream_t)>> variants[] = {
-          {"unfused (v3 default widening)", [&](int l, cudaStream_t st) { c.unfused(*w[static_cast<size_t>(l)], st, -1); }},
-          {"unfused (v3 cvt widening)", [&](int l, cudaStream_t st) { c.unfused(*w[static_cast<size_t>(l)], st, 0); }},
+          {"unfused (v3 default: cvt)", [&](int l, cudaStream_t st) { c.unfused(*w[static_cast<size_t>(l)], st, -1); }},
+          {"unfused (v3 mask 0b1010)", [&](int l, cudaStream_t st) { c.unfused(*w[static_cast<size_t>(l)], st, 0xA); }},
           {"fused (one kernel)", [&](int l, cudaStream_t st) { c.fused(*w[static_cast<size_t>(l)], st); }},
       };
       for (const auto& [name, issue] : variants) {

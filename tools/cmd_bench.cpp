@@ -39,9 +39,12 @@ namespace v4attn::cli {
 
 namespace {
 
+using prepare::Fusion;
 using prepare::GpuPrepareStack;
 using prepare::GpuStackOptions;
-using prepare::QChainFusion;
+
+// A fusion knob's value (CLI-checked: auto, on or off).
+Fusion fusion_from(const std::string& v) { return v == "on" ? Fusion::kOn : v == "off" ? Fusion::kOff : Fusion::kAuto; }
 
 // CUDA events for the timed cycles (start / stop per cycle), destroyed on every path.
 class CycleEvents {
@@ -221,7 +224,8 @@ struct BenchCliOptions {
   bool eager = false;
   std::string pdl = "all";
   std::string gemm = "auto";
-  bool fuse_x_quant = false;
+  std::string fuse_x_quant = "auto";
+  int v3_int_mask = -1;
   std::string s_fork = "at-layer-start";
   bool lane_prologue = false;
   int scores_group_rows = 0;
@@ -368,7 +372,8 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
     j["graph"] = c.graph;
     j["pdl"] = c.knobs.pdl;
     j["pdl_everywhere"] = c.knobs.pdl_everywhere;
-    j["fuse_x_quant"] = c.knobs.fuse_x_quant;
+    j["fuse_x_quant"] = to_string(c.knobs.fuse_x_quant);
+    j["v3_int_mask"] = c.knobs.v3_int_mask;
     j["gemm"] = kernels::gemm_version_name(c.knobs.gemm);
     j["s_fork"] = s_fork_name(c.knobs.s_fork);
     j["lane_prologue"] = c.knobs.lane_prologue;
@@ -481,8 +486,16 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       ->check(CLI::IsMember({"at-layer-start", "after-q-norm", "idx-on-k", "idx-gemms-on-k"}))
       ->capture_default_str();
   sub->add_flag("--lane-prologue", o->lane_prologue, "Anchor both side lanes at the cycle start (lanes.h experiment)");
-  sub->add_flag("--fuse-x-quant", o->fuse_x_quant,
-                "Let the wq_a|wkv v3 GEMM quantise x itself instead of a separate act-quant kernel (measured slower)");
+  sub->add_option("--fuse-x-quant", o->fuse_x_quant,
+                  "Let the wq_a|wkv v3 GEMM quantise x itself instead of a separate act-quant kernel: auto (steps of <= 8 "
+                  "rows, where it measured faster), on or off; same bytes")
+      ->check(CLI::IsMember({"auto", "on", "off"}))
+      ->capture_default_str();
+  sub->add_option("--v3-int-mask", o->v3_int_mask,
+                  "v3 GEMM: K blocks of each 4-block stage widened with integer ops (bit j = block j; -1: the kernel's "
+                  "default; tuning knob, may move rare outputs by 1 bf16 ulp)")
+      ->check(CLI::Range(-1, 15))
+      ->capture_default_str();
   sub->add_option("--scores-group-rows", o->scores_group_rows,
                   "Indexer scores: rows per CTA, 1..8 (0: a request's rows in verify, 1 in decode; tuning knob)")
       ->check(CLI::Range(0, 8))
@@ -523,8 +536,8 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
                 "key on the q_rope_store kernel)");
   sub->add_option("--fuse-qchain", o->fuse_qchain,
                   "Plain layers as ONE kernel (act quant, wq_a|wkv, q_norm, wq_b + RoPE, window-K; kernels/qchain.h): "
-                  "auto (steps of <= 4 rows, where it measured faster), on (<= 16 rows) or off. Its QA GEMM widens with "
-                  "cvt only: bytes may differ from the unfused chain's by 1 bf16 ulp in rare elements")
+                  "auto (steps of <= 4 rows, where it measured faster), on (<= 16 rows) or off; the unfused chain's bytes "
+                  "(with the default --v3-int-mask)")
       ->check(CLI::IsMember({"auto", "on", "off"}))
       ->capture_default_str();
   sub->add_flag("--idx-scores-main", o->idx_scores_main,
@@ -585,7 +598,8 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       c.graph = !o->eager;
       c.knobs.pdl = o->pdl != "off";
       c.knobs.pdl_everywhere = o->pdl == "all";
-      c.knobs.fuse_x_quant = o->fuse_x_quant;
+      c.knobs.fuse_x_quant = fusion_from(o->fuse_x_quant);
+      c.knobs.v3_int_mask = o->v3_int_mask;
       c.knobs.gemm = o->gemm == "simple" ? kernels::GemmVersion::kSimple
                : o->gemm == "tc"   ? kernels::GemmVersion::kTensorCore
                : o->gemm == "wgmma-pipelined" ? kernels::GemmVersion::kWgmmaPipelined
@@ -617,9 +631,7 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       c.knobs.aq_warps = o->aq_warps;
       c.knobs.idx_scores_on_main = o->idx_scores_main && c.knobs.idx_gemm_on_main;
       c.knobs.fuse_rope_store = o->fuse_rope_store;
-      c.knobs.fuse_qchain = o->fuse_qchain == "on"    ? QChainFusion::kOn
-                            : o->fuse_qchain == "off" ? QChainFusion::kOff
-                                                      : QChainFusion::kAuto;
+      c.knobs.fuse_qchain = fusion_from(o->fuse_qchain);
       c.knobs.gemm_small = o->gemm_small == "tc"       ? kernels::GemmVersion::kTensorCore
                      : o->gemm_small == "skinny" ? kernels::GemmVersion::kSkinny
                                                  : kernels::GemmVersion::kAuto;

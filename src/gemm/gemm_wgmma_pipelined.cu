@@ -43,7 +43,11 @@
 //    2^-17 * 2^-9), and the scale product of that block carries the 2^8 back: ss = sa * (sw * 2^8).
 //  Why both: Hopper's conversion pipe (F2FP) is slow, so a consumer that widens everything with
 //  cvt is bound by it; the integer path costs ~3.5 ALU instructions per pair instead of one F2FP.
-//  Mixing them (default: blocks 1 and 3 of every stage integer, 0b1010) loads both pipes.
+//  Mixing them (blocks 1 and 3 of every stage integer, 0b1010) loads both pipes; that was the
+//  default until session 9, when all-cvt (0) measured faster alone (bench_gemm wq_a|wkv m = 1..64:
+//  -0.4 to -0.5 us) and in the cycle (three-lane verify bs 1 -1.4 %, verify bs 4 / decode bs 8 /
+//  decode bs 32 -0.7 to -0.9 %; digests unchanged), once the L2 stream policy had removed the
+//  instruction-fetch and operand waits that made the conversion pipe look like the limit.
 //
 // Numerics (identical to v1 / v2 up to the order of additions inside a block, spec section 6):
 //  - per block b, the tensor core forms the block sum of the 32 exact products (fp32 accumulation)
@@ -105,7 +109,7 @@ constexpr int kSmemAlign = 1024;        // 128B-swizzle atoms (TMA destination, 
 constexpr int kMaxClusterSplits = 8;    // portable cluster size: S <= 8
 constexpr int64_t kOneWaveCtas = 120;   // automatic plans: at most this many CTAs in clusters ...
 constexpr int64_t kClusterCtas = 96;    // ... else two tiles per warpgroup and about this many
-constexpr int kDefaultIntMask = 0xA;    // blocks 1 and 3 of each stage widened with integer ops
+constexpr int kDefaultIntMask = 0;      // every block widened with cvt (see "Weight widening")
 constexpr uint32_t kConsumerBarrierId = 1;  // named barrier of the 256 consumers
 constexpr uint32_t kProducerRegs = 40, kConsumerRegs = 232;
 constexpr float kIntWidenScale = 256.0f;  // integer-widened weights are x * 2^-8

@@ -112,11 +112,11 @@ const char* to_string(WeightSource w) {
   return "?";
 }
 
-const char* to_string(QChainFusion f) {
+const char* to_string(Fusion f) {
   switch (f) {
-    case QChainFusion::kOff: return "off";
-    case QChainFusion::kAuto: return "auto";
-    case QChainFusion::kOn: return "on";
+    case Fusion::kOff: return "off";
+    case Fusion::kAuto: return "auto";
+    case Fusion::kOn: return "on";
   }
   return "?";
 }
@@ -738,7 +738,9 @@ void GpuPrepareStack::Impl::issue_qa(int L, int T, cudaStream_t s) {
   kn::Fp8GemmParams g;
   // fuse_x_quant: when the QA GEMM runs v3 and its plan holds a CTA's whole K range, v3 quantises x
   // itself (the same bytes as act quant + v3), which takes the act-quant launch off the main lane.
-  if (o.fuse_x_quant && fp8_version(T, qkv_w, dim) == kn::GemmVersion::kWgmmaPipelined &&
+  const bool fuse_x = o.fuse_x_quant == Fusion::kOn || (o.fuse_x_quant == Fusion::kAuto && T <= kXQuantAutoRows);
+  g.v3_int_mask = o.v3_int_mask;
+  if (fuse_x && fp8_version(T, qkv_w, dim) == kn::GemmVersion::kWgmmaPipelined &&
       kn::gemm_v3_fused_quant_supported(T, qkv_w, dim)) {
     g.a_bf16 = x(L);
     g.a_bf16_stride = dim;
@@ -835,8 +837,8 @@ void GpuPrepareStack::Impl::issue_qb(int L, int T, cudaStream_t s) {
 bool GpuPrepareStack::Impl::qchain_fused_layer(int L, int T) const {
   // kAuto only where the GEMMs are the automatic choice too: a forced GEMM version (kSimple for
   // the reference's bytes, a version under measurement) keeps the unfused chain that runs it.
-  const int max_rows = o.fuse_qchain == QChainFusion::kOn ? kn::kQChainMaxRows
-                       : o.fuse_qchain == QChainFusion::kAuto && o.gemm == kn::GemmVersion::kAuto ? kQChainAutoRows
+  const int max_rows = o.fuse_qchain == Fusion::kOn ? kn::kQChainMaxRows
+                       : o.fuse_qchain == Fusion::kAuto && o.gemm == kn::GemmVersion::kAuto ? kQChainAutoRows
                                                                                                    : 0;
   return T <= max_rows && qchain_ws != nullptr && lp(L).work == (kWorkQA | kWorkQB | kWorkKV) &&
          kn::qchain_fused_supported(T, dim, q_rank, H);
@@ -991,6 +993,7 @@ void GpuPrepareStack::Impl::issue_idx_gemms(int L, int T, cudaStream_t s) {
     g.m = T;
     g.n = static_cast<int64_t>(Hi) * kIdxHd;
     g.k = q_rank;
+    g.v3_int_mask = o.v3_int_mask;
     kn::run_gemm_fp8(g, wsp, o.gemm, s, pdl_rest());
   }
 }
@@ -1206,7 +1209,7 @@ void GpuPrepareStack::set_fuse_rope_store(bool on) {
   impl_->o.fuse_rope_store = on;
 }
 
-void GpuPrepareStack::set_fuse_qchain(QChainFusion f) {
+void GpuPrepareStack::set_fuse_qchain(Fusion f) {
   if (f == impl_->o.fuse_qchain) return;
   impl_->invalidate_graphs();
   impl_->o.fuse_qchain = f;

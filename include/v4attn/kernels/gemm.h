@@ -241,7 +241,8 @@ struct Fp8GemmParams {
   int force_stages = 0;                    // v2, v3: TMA ring depth override (0 = automatic; capped by what fits)
   // v3 tuning (outputs do not depend on it beyond the rare 1-ulp intra-block reordering): bit j
   // (j = 0..3) set = K block j of every 128-byte stage widens its weight codes with integer ops
-  // (ALU pipe) instead of cvt (conversion pipe). -1 = default (0b1010: half on each pipe).
+  // (ALU pipe) instead of cvt (conversion pipe). -1 = default (0 since session 9: all cvt; it
+  // was 0b1010, half on each pipe).
   int v3_int_mask = -1;
   // v2 / v3: weight stages of the first ring fill issued BEFORE the PDL wait (-1 = all of them,
   // the default; 0 = none). The rest of the first fill follows the wait. Tuning only: the early

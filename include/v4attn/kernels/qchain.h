@@ -15,9 +15,8 @@
 // -> run_rmsnorm (with its act quant) -> run_gemm_fp8_rope_store (v2) -> run_window_k_store, on
 // every output below (tested: GpuQChainFused). The QA GEMM's split-K structure is v3's plan for
 // the shape (so a token's output never depends on the batch), its block sums the cvt-widened f16
-// wgmma of v2 / v3 (int_mask 0); against v3's default integer-widened blocks it may differ by
-// 1 bf16 ulp in rare elements (spec section 6), like any two GEMM versions (on the H200 the
-// stack's whole cycle came out identical: GpuStackFull).
+// wgmma of v2 / v3 (int_mask 0, v3's default since session 9; against v3 with integer-widened
+// blocks it may differ by 1 bf16 ulp in rare elements, spec section 6).
 //
 // Speed (docs/perf.md, session 8): per layer, layers back to back, 24.8 vs 29.1 us at 1 row,
 // equal at 6, slower at 16 (its q_norm runs in every CTA); in the three-lane cycle not faster,
@@ -92,7 +91,7 @@ void run_qchain_fused(const QChainFusedParams& p, cudaStream_t stream, bool pdl)
 // reference): run_act_quant_fp8 -> run_gemm_fp8 (v3 with v3_int_mask) -> run_rmsnorm with its act
 // quant -> run_gemm_fp8_rope_store (v2) -> run_window_k_store, five launches. x_codes [T, dim] and
 // x_scales [T, dim / 32] (dense) are its act quant's scratch; p.workspace is not used. With
-// v3_int_mask 0 it writes the fused kernel's bytes; -1 is the stack's default v3.
+// v3_int_mask 0 (or -1, the default, the same mask now) it writes the fused kernel's bytes.
 void run_qchain_unfused(const QChainFusedParams& p, uint8_t* x_codes, uint8_t* x_scales, int v3_int_mask,
                         cudaStream_t stream, bool pdl);
 

@@ -89,19 +89,18 @@ class RefStack;
 namespace prepare {
 
 enum class WeightSource : uint8_t { kReference, kDeviceRandom };
-// GpuStackOptions::fuse_qchain: when a plain layer runs as the fused Q chain (kernels/qchain.h).
-enum class QChainFusion : uint8_t {
-  kOff,   // never: the five-kernel chain with its window-K on lane K
-  kAuto,  // at most kQChainAutoRows rows (where it measured faster in the three-lane cycle), and
-          // only with GpuStackOptions::gemm kAuto (a forced GEMM version keeps the unfused chain)
-  kOn,    // at most kernels::kQChainMaxRows rows
-};
+// A fusion knob of GpuStackOptions (fuse_qchain, fuse_x_quant): never, by the measured rule of
+// the field (kAuto), or wherever the fused form takes the shape.
+enum class Fusion : uint8_t { kOff, kAuto, kOn };
 // kAuto's row limit. Measured (docs/perf.md, session 9, three-lane, with the L2 stream policy):
 // decode bs 1 / 2 / 3 / 4 -1.8 / -5.4 / -3.2 / -3.2 %, bs 6 / 8 +1.8 / +3.1 %, verify bs 1 (6 rows)
 // +2 %: the kernel's per-row work (act quant of its K range, q_norm of every row in every CTA)
 // grows with the rows, and it holds every SM while the index layers' side lanes want some.
 constexpr int kQChainAutoRows = 4;
-const char* to_string(QChainFusion f);
+// fuse_x_quant's kAuto row limit (docs/perf.md, session 9, three-lane, three repetitions: verify
+// bs 1 (6 rows) -0.5 %, decode bs 8 -0.8 %, decode bs 2 even, verify bs 2 (12 rows) +1.0 %).
+constexpr int kXQuantAutoRows = 8;
+const char* to_string(Fusion f);
 const char* to_string(WeightSource w);
 
 struct GpuStackOptions {
@@ -130,10 +129,14 @@ struct GpuStackOptions {
   // predecessor finishes). Measured 1.4-2.5 % per verify bs 1 cycle (docs/perf.md, run 12).
   bool pdl_everywhere = true;
   // The wq_a|wkv GEMM quantises x itself (kernels::run_gemm_fp8_fused_quant, the same bytes) when
-  // it runs v3 and gemm_v3_fused_quant_supported holds; false: act quant + GEMM as two kernels.
-  // Off by default: measured slower (docs/perf.md run 18: 2055.6 vs 1868.4 us per verify bs 1
-  // cycle; bench_gemm m=24: 18.4 vs 14.0 us).
-  bool fuse_x_quant = false;
+  // it runs v3 and gemm_v3_fused_quant_supported holds; else act quant + GEMM as two kernels.
+  // kAuto: at most kXQuantAutoRows rows. Was off (session 2, run 18: 2055.6 vs 1868.4 us per verify
+  // bs 1 cycle; bench_gemm m=24: 18.4 vs 14.0 us); with the L2 stream policy (session 9) it wins
+  // up to 8 rows and loses from 12.
+  Fusion fuse_x_quant = Fusion::kAuto;
+  // The v3 GEMM's integer-widened blocks (kernels::Fp8GemmParams::v3_int_mask; -1: its default).
+  // Another mask may move rare outputs by 1 bf16 ulp (spec section 6). Tuning knob.
+  int v3_int_mask = -1;
   kernels::GemmVersion gemm = kernels::GemmVersion::kAuto;  // every GEMM of the cycle (kAuto: by shape, gemm.h)
   // The bf16 / fp32 GEMMs only (compressor, weights_proj, wk); kAuto: follow `gemm`.
   kernels::GemmVersion gemm_small = kernels::GemmVersion::kAuto;
@@ -196,15 +199,19 @@ struct GpuStackOptions {
   // The wq_b GEMM (v2) writes q_pad with the RoPE itself (q_rope_store fused into its epilogue;
   // same bytes). Experiment knob: the trace report's per-layer figures key on q_rope_store.
   bool fuse_rope_store = false;
+  // When a plain layer runs as the fused Q chain (kernels/qchain.h). kOff: never, the five-kernel
+  // chain with its window-K on lane K; kAuto: at most kQChainAutoRows rows (where it measured faster
+  // in the three-lane cycle), and only with `gemm` kAuto (a forced GEMM version keeps the unfused
+  // chain); kOn: at most kernels::kQChainMaxRows rows.
   // Plain layers (work QA | QB | KV, no compressor / indexer) with at most kQChainAutoRows (kAuto)
   // or kQChainMaxRows (kOn) rows, on a device where the grid fits (qchain_fused_supported):
   // the whole layer as ONE kernel (kernels/qchain.h: act quant, wq_a|wkv GEMM, q_norm, wq_b GEMM +
   // RoPE store, window-K store, with in-kernel hand-offs) on the main lane, no side lane. Its QA
-  // GEMM widens every block with cvt (v3_int_mask 0), so a cycle's bytes can differ from the
-  // default chain's by 1 bf16 ulp in rare elements (spec section 6); bit-identical to the unfused
-  // chain with that mask (tested at the kernel; the stack test finds the whole cycle identical to
-  // the default's). kAuto by default since session 9 (kQChainAutoRows: where it measured).
-  QChainFusion fuse_qchain = QChainFusion::kAuto;
+  // GEMM widens every block with cvt (v3_int_mask 0, v3's default), so it writes the unfused
+  // chain's bytes (tested at the kernel and over whole cycles; with another v3_int_mask the bytes
+  // may differ by 1 bf16 ulp in rare elements, spec section 6). kAuto by default since session 9
+  // (kQChainAutoRows: where it measured).
+  Fusion fuse_qchain = Fusion::kAuto;
   // Index-source layers: run the indexer's wq_b GEMM (qr -> qi) on the main lane right after
   // q_norm instead of first on lane S (experiment knob; docs/perf.md).
   // Default since run 20: verify bs 1 1688.7 vs 1703.8 us, decode bs 32 4615.6 vs 4668.1 us.
@@ -276,7 +283,7 @@ class GpuPrepareStack {
   void set_s_fork(LayerIssue::SFork f);
   void set_lane_prologue(bool on);
   void set_fuse_rope_store(bool on);  // GpuStackOptions::fuse_rope_store
-  void set_fuse_qchain(QChainFusion f);  // GpuStackOptions::fuse_qchain
+  void set_fuse_qchain(Fusion f);  // GpuStackOptions::fuse_qchain
 
   // --- caches ------------------------------------------------------------------------------------
   // Device-side synthetic prefill (the full config at 64K would take minutes on the host): as if
