@@ -57,7 +57,7 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 }
 
 // ---- L2 policy of streamed bytes -----------------------------------------------------------------------
-// A prepare cycle streams 2.16 GB of weights (and the index-K cache) through a 50 MB L2, each byte
+// A prepare cycle streams 2.16 GB of weights (and the index-K cache) through a 60 MB L2, each byte
 // once. Loaded under the default policy they push out, every layer, what IS reused: the kernels'
 // code (every launch fetched its instructions from DRAM again), activations, split-K partials,
 // hand-off counters, the scores between the scores kernel and the top-k. Loads of bytes read once
