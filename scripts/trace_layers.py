@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """Per-layer view of one prepare cycle from the Chrome / Perfetto trace of `v4attn bench --trace F`.
 
-A layer starts where its QA act-quant kernel, or its fused Q chain kernel, starts (the first kernel
-of each layer's Q chain) and ends where the next layer's starts (the last layer: at the last
-kernel's end). Per layer it prints the time, when the main lane's q_rope_store (or fused chain)
-ends, when the layer's last kernel ends and which one that is, and the "tail": how long the side
-lanes run past the q_rope_store (the index-source layers' selection, typically). `--detail 20,24` lists every kernel of those layers (stream, start,
-end, relative to the layer's start); `--json F` writes the table. Times are those of the traced
-cycle (CUPTI tracing inflates them: compare layers with each other, not with event-timed cycles).
+A layer starts where its first main-lane kernel starts (its QA act quant, the QA GEMM that quantises
+x itself, or its fused Q chain kernel) and ends where the next layer's starts (the last layer: at
+the last kernel's end). Per layer it prints the time, when the main lane's q_rope_store (or fused
+chain) ends, when the layer's last kernel ends and which one that is, and the "tail": how long the
+side lanes run past the q_rope_store (the index-source layers' selection, typically). `--detail
+20,24` lists every kernel of those layers (stream, start, end, relative to the layer's start);
+`--json F` writes the table. Times are those of the traced cycle (CUPTI tracing inflates them:
+compare layers with each other, not with event-timed cycles).
 
     v4attn bench --mode verify --bs 1 --schedule three-lane --cycles 5 --trace-cycles 2 --trace t.json
     scripts/trace_layers.py t.json --detail 20,24
@@ -44,12 +45,18 @@ def short_name(name):
     return name[:cut].split("::")[-1]
 
 
+def starts_layer(name):
+    """A layer's first kernel on the main lane: its QA act quant; the wq_a|wkv v3 GEMM that quantises
+    x itself (template flag kFused = true, `--fuse-x-quant`); or the fused Q chain
+    (kernels/qchain.h), which is the whole layer's main lane and also plays q_rope_store's part."""
+    return ("act_quant" in name or "qchain_fused" in name
+            or re.search(r"gemm_fp8_wgmma3_kernel<\d+, \d+, true>", name) is not None)
+
+
 def layers_of(kernels):
-    # A layer's first kernel: its QA act quant, or the fused Q chain (kernels/qchain.h), which is
-    # the whole layer's main lane and also plays q_rope_store's part below.
-    starts = [e["ts"] for e in kernels if "act_quant" in e["name"] or "qchain_fused" in e["name"]]
+    starts = [e["ts"] for e in kernels if starts_layer(e["name"])]
     if not starts:
-        raise ValueError("no act_quant or qchain_fused kernel in the trace: cannot find the layers")
+        raise ValueError("no act_quant, x-quantising QA GEMM or qchain_fused kernel in the trace: cannot find the layers")
     end_all = max(e["ts"] + e["dur"] for e in kernels)
     rows = []
     for i, s in enumerate(starts):

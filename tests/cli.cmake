@@ -48,12 +48,13 @@ if(V4ATTN_PYTHON3)
                    "${CMAKE_SOURCE_DIR}/tests/data/trace_two_layers.json" --detail 1)
   set_tests_properties(scripts.trace_layers PROPERTIES PASS_REGULAR_EXPRESSION
     "1 +25\\.0 +12\\.0 +25\\.0 +13\\.0  indexer_topk_v3_kernel.*2 layers, 45\\.0 us; side lanes past q_rope_store: 13\\.0 us.*stream +28 +4\\.0 \\.\\. +10\\.0  indexer_scores_kernel<1, 1, 3, 0>")
-  # A fused Q chain layer (kernels/qchain.h) starts a layer and ends its main lane.
+  # A fused Q chain layer (kernels/qchain.h) starts a layer and ends its main lane; so does a QA
+  # GEMM that quantises x itself (its kFused flag), and a GEMM without it does not.
   add_test(NAME scripts.trace_layers_fused
            COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/trace_layers.py"
                    "${CMAKE_SOURCE_DIR}/tests/data/trace_fused_layer.json")
   set_tests_properties(scripts.trace_layers_fused PROPERTIES PASS_REGULAR_EXPRESSION
-    "0 +26\\.0 +24\\.0 +24\\.0 +0\\.0  qchain_fused_kernel<8>.*2 layers, 52\\.0 us")
+    "0 +26\\.0 +24\\.0 +24\\.0 +0\\.0  qchain_fused_kernel<8>.*1 +34\\.0 +26\\.0 +26\\.0 +0\\.0  q_rope_store_kernel.*2 +22\\.0 +22\\.0 +22\\.0 +0\\.0  q_rope_store_kernel.*3 layers, 82\\.0 us")
   add_test(NAME scripts.trace_layers_no_layers
            COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/trace_layers.py"
                    "${CMAKE_SOURCE_DIR}/tests/configs/missing_key.json")
