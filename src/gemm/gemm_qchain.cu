@@ -42,6 +42,7 @@
 #include <cuda.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <string>
 
 #include "gemm/gemm_internal.h"
@@ -299,8 +300,8 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
     if (qa_unit) {
       mbar_arrive_expect_tx(bar_qa_full, static_cast<uint32_t>(qa_iters * kQaSlot));
       for (int i = 0; i < qa_iters; ++i)
-        tma_load_weights_3d(base + L.ring + static_cast<uint32_t>(p.qa_slot0 * kQbSlot + i * kQaSlot), &p.tmap_qa, bar_qa_full,
-                    (kb_begin + i * kBlocksPerStage) * 32, qa_tile * kQaBn, 0);
+        tma_load_weights_3d(base + L.ring + static_cast<uint32_t>(p.qa_slot0 * kQbSlot + i * kQaSlot), &p.tmap_qa,
+                            bar_qa_full, (kb_begin + i * kBlocksPerStage) * 32, qa_tile * kQaBn, 0);
     }
     if (!qb_unit) return;
     const int first_free = qa_unit ? p.qa_slot0 : ST;  // slots not holding QA weights
@@ -309,7 +310,8 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
       if (it >= ST) mbar_wait(bar_empty + 8u * s, static_cast<uint32_t>((it / ST - 1) & 1));
       else if (s >= first_free) mbar_wait(bar_qa_free, 0u);  // the QA weights are consumed
       mbar_arrive_expect_tx(bar_full + 8u * s, static_cast<uint32_t>(kQbSlot));
-      tma_load_weights_3d(base + L.ring + static_cast<uint32_t>(s * kQbSlot), &p.tmap_qb, bar_full + 8u * s, it * kStageK, qb_row0, 0);
+      tma_load_weights_3d(base + L.ring + static_cast<uint32_t>(s * kQbSlot), &p.tmap_qb, bar_full + 8u * s, it * kStageK,
+                          qb_row0, 0);
     }
     return;
   }
@@ -597,10 +599,36 @@ struct QcPlan {
   size_t smem = 0;
 };
 
+// The SMs this process can have at once on `device`: the device's count, limited by the current
+// context's execution affinity when it is the device's (an MPS client context created with an SM
+// limit) and by CUDA_MPS_ACTIVE_THREAD_PERCENTAGE. The fused chain's CTAs spin on each other, so a
+// grid larger than what the process may hold at once would never finish: count low, never high.
 int device_sm_count(int device) {
-  if (device < 0) V4_CUDA_CHECK(cudaGetDevice(&device));
+  int current = 0;
+  V4_CUDA_CHECK(cudaGetDevice(&current));
+  if (device < 0) device = current;
   int sms = 0;
   V4_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  if (device == current) {
+    using GetAffinity = CUresult (*)(CUexecAffinityParam*, CUexecAffinityType);
+    static const GetAffinity get = [] {
+      void* f = nullptr;
+      cudaDriverEntryPointQueryResult q{};
+      if (cudaGetDriverEntryPointByVersion("cuCtxGetExecAffinity", &f, 11040, cudaEnableDefault, &q) != cudaSuccess ||
+          q != cudaDriverEntryPointSuccess) {
+        (void)cudaGetLastError();
+        return static_cast<GetAffinity>(nullptr);
+      }
+      return reinterpret_cast<GetAffinity>(f);
+    }();
+    CUexecAffinityParam aff{};
+    if (get != nullptr && get(&aff, CU_EXEC_AFFINITY_TYPE_SM_COUNT) == CUDA_SUCCESS && aff.param.smCount.val > 0)
+      sms = std::min(sms, static_cast<int>(aff.param.smCount.val));
+  }
+  if (const char* pct = std::getenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"); pct != nullptr && *pct != '\0') {
+    const double v = std::strtod(pct, nullptr);
+    if (v > 0.0 && v < 100.0) sms = std::min(sms, static_cast<int>(sms * v / 100.0));
+  }
   return sms;
 }
 

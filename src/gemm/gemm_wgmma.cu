@@ -213,7 +213,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
   auto issue_weight_stage = [&](int it) {
     mbar_arrive_expect_tx(bar_full + 8u * it, kStageTx);
     tma_load_weights_3d(base + L.w + static_cast<uint32_t>(it * BN * kStageK), &p.tmap_w, bar_full + 8u * it,
-                (kb_begin + it * kBlocksPerStage) * kGemmBlock, row0, grp);
+                        (kb_begin + it * kBlocksPerStage) * kGemmBlock, row0, grp);
   };
   if (tid == 0) {
     const uint64_t t_start = p.prewait_pace_ns > 0 ? dev::globaltimer_ns() : 0;
@@ -260,7 +260,8 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
           mbar_wait(bar_empty + 8u * s, static_cast<uint32_t>((it / ST - 1) & 1));  // slot consumed (it - ST)
           const int kx = (kb_begin + it * kBlocksPerStage) * kGemmBlock;
           mbar_arrive_expect_tx(bar_full + 8u * s, kStageTx);
-          tma_load_weights_3d(base + L.w + static_cast<uint32_t>(s * BN * kStageK), &p.tmap_w, bar_full + 8u * s, kx, row0, grp);
+          tma_load_weights_3d(base + L.w + static_cast<uint32_t>(s * BN * kStageK), &p.tmap_w, bar_full + 8u * s, kx, row0,
+                              grp);
           tma_load_3d(base + L.xc + static_cast<uint32_t>(s * NP * kStageK), &p.tmap_x, bar_full + 8u * s, kx, 0, grp);
         }
       }

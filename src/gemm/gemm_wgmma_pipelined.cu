@@ -381,7 +381,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
     for (int it = 0; it < prologue; ++it) {
       mbar_arrive_expect_tx(bar_full + 8u * it, stage_tx);
       tma_load_weights_3d(base + L.w + static_cast<uint32_t>(it * BN * kStageK), &p.tmap_w, bar_full + 8u * it,
-                  (kb_begin + it * kBlocksPerStage) * kGemmBlock, row0, grp);
+                          (kb_begin + it * kBlocksPerStage) * kGemmBlock, row0, grp);
     }
   }
   {  // weight scales of the tile's K range (rows >= n: 0, never stored). All loads of a round are
@@ -484,7 +484,8 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
           mbar_wait(bar_empty + 8u * s, static_cast<uint32_t>((it / ST - 1) & 1));  // slot consumed (it - ST)
           const int kx = (kb_begin + it * kBlocksPerStage) * kGemmBlock;
           mbar_arrive_expect_tx(bar_full + 8u * s, stage_tx);
-          tma_load_weights_3d(base + L.w + static_cast<uint32_t>(s * BN * kStageK), &p.tmap_w, bar_full + 8u * s, kx, row0, grp);
+          tma_load_weights_3d(base + L.w + static_cast<uint32_t>(s * BN * kStageK), &p.tmap_w, bar_full + 8u * s, kx, row0,
+                              grp);
           // Never reached when fused (stages >= n_iter: no refill), kept exact anyway.
           if (!fused)
             tma_load_3d(base + L.xc + static_cast<uint32_t>(s * NP * kStageK), &p.tmap_x, bar_full + 8u * s, kx, 0, grp);

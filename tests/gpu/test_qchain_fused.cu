@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -263,6 +264,22 @@ TEST(GpuQChainHost, ShapeRuleAndWorkspace) {
             256u + 8u * kQChainMaxRows * static_cast<size_t>(kQa) * sizeof(float));
   EXPECT_EQ(qchain_fused_workspace_bytes(0, kDim, kQRank), 0u);
   EXPECT_THROW(init_qchain_workspace(nullptr, 1024, nullptr), std::invalid_argument);
+}
+
+// The CTAs spin on each other: under an MPS share of the GPU smaller than the grid the chain must
+// be refused (the stack then runs the unfused chain), never launched. The driver reads the variable
+// only when an MPS client starts, so setting it here changes nothing but the rule.
+TEST(GpuQChainFused, RefusedUnderAnMpsShareSmallerThanTheGrid) {
+  V4_REQUIRE_GPU();
+  ASSERT_TRUE(qchain_fused_supported(6, kDim, kQRank, kHeads));  // 132 SMs, grid 128
+  const char* old = std::getenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE");
+  const std::string saved = old != nullptr ? old : "";
+  ASSERT_EQ(setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "50", 1), 0);
+  EXPECT_FALSE(qchain_fused_supported(6, kDim, kQRank, kHeads));
+  ASSERT_EQ(setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "100", 1), 0);
+  EXPECT_TRUE(qchain_fused_supported(6, kDim, kQRank, kHeads));
+  if (old != nullptr) setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", saved.c_str(), 1);
+  else unsetenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE");
 }
 
 TEST(GpuQChainFused, RefusesBadInput) {

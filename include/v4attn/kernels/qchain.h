@@ -26,8 +26,12 @@
 // Co-residency: the counters are waited on by spinning CTAs, so every CTA must be resident at
 // once. The grid is at most the device's SM count with one CTA per SM (~200 KB of shared memory
 // each): resident as soon as the SMs are free. Other kernels running on the device (side lanes)
-// only delay CTAs, never block them for good, as long as no running kernel waits on this one. Not
-// for use under MPS / green contexts that give the process fewer SMs than the grid.
+// only delay CTAs, never block them for good, as long as no running kernel waits on this one. The
+// SM count the rule uses is what the process may hold: the current context's execution affinity
+// (an MPS client context with an SM limit) and CUDA_MPS_ACTIVE_THREAD_PERCENTAGE lower it, and a
+// grid above it is refused (the stack then runs the unfused chain). Green contexts created by the
+// caller through the driver API are not seen: do not run the fused chain inside one smaller than
+// the grid.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -199,13 +199,12 @@ struct GpuStackOptions {
   // The wq_b GEMM (v2) writes q_pad with the RoPE itself (q_rope_store fused into its epilogue;
   // same bytes). Experiment knob: the trace report's per-layer figures key on q_rope_store.
   bool fuse_rope_store = false;
-  // When a plain layer runs as the fused Q chain (kernels/qchain.h). kOff: never, the five-kernel
-  // chain with its window-K on lane K; kAuto: at most kQChainAutoRows rows (where it measured faster
-  // in the three-lane cycle), and only with `gemm` kAuto (a forced GEMM version keeps the unfused
-  // chain); kOn: at most kernels::kQChainMaxRows rows.
-  // Plain layers (work QA | QB | KV, no compressor / indexer) with at most kQChainAutoRows (kAuto)
-  // or kQChainMaxRows (kOn) rows, on a device where the grid fits (qchain_fused_supported):
-  // the whole layer as ONE kernel (kernels/qchain.h: act quant, wq_a|wkv GEMM, q_norm, wq_b GEMM +
+  // When a plain layer (work QA | QB | KV, no compressor / indexer) runs as the fused Q chain. kOff:
+  // never, the five-kernel chain with its window-K on lane K; kAuto: at most kQChainAutoRows rows
+  // (where it measured faster in the three-lane cycle), and only with `gemm` kAuto (a forced GEMM
+  // version keeps the unfused chain); kOn: at most kernels::kQChainMaxRows rows. Always only on a
+  // device where its grid fits (qchain_fused_supported). The fused chain is the whole layer as ONE
+  // kernel (kernels/qchain.h: act quant, wq_a|wkv GEMM, q_norm, wq_b GEMM +
   // RoPE store, window-K store, with in-kernel hand-offs) on the main lane, no side lane. Its QA
   // GEMM widens every block with cvt (v3_int_mask 0, v3's default), so it writes the unfused
   // chain's bytes (tested at the kernel and over whole cycles; with another v3_int_mask the bytes
