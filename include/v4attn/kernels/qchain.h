@@ -18,10 +18,11 @@
 // wgmma of v2 / v3 (int_mask 0, v3's default since session 9; against v3 with integer-widened
 // blocks it may differ by 1 bf16 ulp in rare elements, spec section 6).
 //
-// Speed (docs/perf.md, session 8): per layer, layers back to back, 24.8 vs 29.1 us at 1 row,
-// equal at 6, slower at 16 (its q_norm runs in every CTA); in the three-lane cycle not faster,
-// because it holds every SM while the index layers' side lanes need some. GpuStackOptions::
-// fuse_qchain (off by default) runs it in the stack.
+// Speed (docs/perf.md, sessions 8-9): per layer, layers back to back, 24.4 vs 26.7 us at 1 row,
+// 25.9 vs 27.7 at 4, equal at 6, slower at 16 (its q_norm runs in every CTA). In the three-lane
+// cycle, with the weights' evict-first L2 policy of session 9, faster up to 4 rows (decode bs 1 /
+// 2 / 4: -1.8 / -5.4 / -3.2 %) and slower from 6 (it holds every SM while the index layers' side
+// lanes want some): GpuStackOptions::fuse_qchain runs it by default at <= 4 rows (Fusion::kAuto).
 //
 // Co-residency: the counters are waited on by spinning CTAs, so every CTA must be resident at
 // once. The grid is at most the device's SM count with one CTA per SM (~200 KB of shared memory
