@@ -133,3 +133,8 @@ v4attn_cli_test(main_dump_layers_out_of_range --exit 2 --stderr-lines 1
 v4attn_cli_test(bench_help --exit 0 --stderr-lines 0 --stdout "Usage: v4attn bench" --stdout "--schedule" -- bench --help)
 v4attn_cli_test(bench_bad_mode --exit 2 --stderr-lines 1 --stderr "mode" -- bench --mode sideways)
 v4attn_cli_test(bench_bad_schedule --exit 2 --stderr-lines 1 --stderr "schedule" -- bench --schedule fastest)
+v4attn_cli_test(bench_bad_fuse_qchain --exit 2 --stderr-lines 1 --stderr "fuse-qchain" -- bench --fuse-qchain always)
+v4attn_cli_test(bench_bad_fuse_x_quant --exit 2 --stderr-lines 1 --stderr "fuse-x-quant" -- bench --fuse-x-quant yes)
+v4attn_cli_test(bench_bad_v3_int_mask --exit 2 --stderr-lines 1 --stderr "v3-int-mask" -- bench --v3-int-mask 16)
+v4attn_cli_test(bench_help_fusion_knobs --exit 0 --stderr-lines 0 --stdout "--fuse-qchain TEXT:\\{auto,on,off\\}=auto"
+  --stdout "--fuse-x-quant TEXT:\\{auto,on,off\\}=auto" --stdout "--no-idx-x-on-k" -- bench --help)
