@@ -169,6 +169,8 @@ void validate_options(const ModelPlan& plan, const GpuStackOptions& o) {
   if (o.qb_overlap < -1 || o.qb_overlap > 2) fail("qb_overlap must be -1, 0, 1 or 2 (got " + std::to_string(o.qb_overlap) + ")");
   if (o.aq_warps < -1 || o.aq_warps > 32)
     fail("aq_warps must be -1 (automatic) or 0..32 (got " + std::to_string(o.aq_warps) + ")");
+  if (o.v3_int_mask < -1 || o.v3_int_mask > 15)
+    fail("v3_int_mask must be -1 (the v3 default) or 0..15 (got " + std::to_string(o.v3_int_mask) + ")");
   if (o.qb_prewait_pace_ns < -1 || o.qb_prewait_pace_ns > 100000)
     fail("qb_prewait_pace_ns must be -1 (automatic) or 0..100000 (got " + std::to_string(o.qb_prewait_pace_ns) + ")");
   if (!kn::indexer_scores_mask_tile_ok(o.scores_mask_tile))
@@ -1213,6 +1215,12 @@ void GpuPrepareStack::set_fuse_qchain(Fusion f) {
   if (f == impl_->o.fuse_qchain) return;
   impl_->invalidate_graphs();
   impl_->o.fuse_qchain = f;
+}
+
+void GpuPrepareStack::set_fuse_x_quant(Fusion f) {
+  if (f == impl_->o.fuse_x_quant) return;
+  impl_->invalidate_graphs();
+  impl_->o.fuse_x_quant = f;
 }
 
 void GpuPrepareStack::set_lane_prologue(bool on) {

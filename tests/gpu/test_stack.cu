@@ -152,6 +152,8 @@ TEST(GpuStackHost, ValidateOptionsRefusesWhatTheStackCannotRun) {
   refused([](GpuStackOptions& o) { o.qb_overlap = 3; }, "qb_overlap");
   refused([](GpuStackOptions& o) { o.qb_prewait_pace_ns = -2; }, "qb_prewait_pace_ns");
   refused([](GpuStackOptions& o) { o.aq_warps = 33; }, "aq_warps");
+  refused([](GpuStackOptions& o) { o.v3_int_mask = 16; }, "v3_int_mask");
+  refused([](GpuStackOptions& o) { o.v3_int_mask = -2; }, "v3_int_mask");
   refused([](GpuStackOptions& o) { o.scores_mask_tile = 48; }, "scores_mask_tile");
   refused(
       [](GpuStackOptions& o) {
@@ -464,8 +466,6 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
     int scores_mask_tile = 0;
     bool select_pair = true;
     bool idx_x_on_k = true;  // the stack's default
-    Fusion fuse_x_quant = Fusion::kAuto;
-    Fusion fuse_qchain = Fusion::kAuto;
   };
   using SF = LayerIssue::SFork;
   std::vector<Config> configs;
@@ -535,11 +535,8 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
   with([](Config& c) { c.idx_x_on_k = false; }, Schedule::kThreeLane, false);
   with([](Config& c) { c.idx_x_on_k = false; }, Schedule::kSourcesSide);
   with([](Config& c) { c.select_pair = false, c.select_cluster = 16; }, Schedule::kSerial, false);
-  // Session 9: x quantised inside the wq_a|wkv GEMM (kAuto: up to 8 rows) against the act-quant
-  // kernel, and forced on; the fused Q chain off (kAuto: up to 4 rows).
-  with([](Config& c) { c.fuse_x_quant = Fusion::kOff; });
-  with([](Config& c) { c.fuse_x_quant = Fusion::kOn; }, Schedule::kSerial, false);
-  with([](Config& c) { c.fuse_qchain = Fusion::kOff; });
+  // (The fused Q chain and x quantised inside the QA GEMM need the automatic fp8 GEMMs, not v1:
+  // GpuStackFull compares them.)
 
   std::vector<Snapshot> first;  // per step, of the first configuration
   std::string first_name;
@@ -555,8 +552,7 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
         std::to_string(c.side_priority) + (c.qnorm_trigger_late ? " qnorm-late" : "") +
         (c.idx_scores_on_main ? " idx-scores-main" : "") + " qb-prewait " + std::to_string(c.qb_prewait_stages) + " qb-overlap " + std::to_string(c.qb_overlap) + " qb-pace " + std::to_string(c.qb_prewait_pace_ns) + " aq-warps " + std::to_string(c.aq_warps) +
         (c.scores_masked ? "" : " scores-unmasked") + " mask-tile " + std::to_string(c.scores_mask_tile) +
-        (c.select_pair ? "" : " select-unpaired") + (c.idx_x_on_k ? "" : " idx-x-on-s") + " x-quant " +
-        to_string(c.fuse_x_quant) + " qchain " + to_string(c.fuse_qchain);
+        (c.select_pair ? "" : " select-unpaired") + (c.idx_x_on_k ? "" : " idx-x-on-s");
     SCOPED_TRACE(name);
     // A fresh stack per configuration: the device inputs of padded rows depend on the step count.
     go.schedule = c.schedule;
@@ -582,8 +578,6 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
     go.select_cluster = c.select_cluster;
     go.select_pair = c.select_pair;
     go.idx_x_on_k = c.idx_x_on_k;
-    go.fuse_x_quant = c.fuse_x_quant;
-    go.fuse_qchain = c.fuse_qchain;
     GpuPrepareStack gpu(plan, go);
     gpu.prefill_device_random(ctx);
     for (int step = 0; step < 2; ++step) {
@@ -653,6 +647,7 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
     bool pdl;
     bool fuse_rope_store = false;  // q_rope_store in the wq_b GEMM's epilogue (v2)
     Fusion fuse_qchain = Fusion::kOff;  // plain layers as one kernel (kernels/qchain.h)
+    Fusion fuse_x_quant = Fusion::kAuto;  // x quantised inside the wq_a|wkv GEMM (the default)
   };
   const Config configs[] = {{Schedule::kSerial, false, false},
                             {Schedule::kThreeLane, true, true},
@@ -662,7 +657,11 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
                             {Schedule::kSerial, false, false, true},
                             {Schedule::kThreeLane, true, true, false, Fusion::kOn},
                             {Schedule::kSerial, false, false, false, Fusion::kOn},
-                            {Schedule::kThreeLane, true, true, false, Fusion::kAuto}};
+                            {Schedule::kThreeLane, true, true, false, Fusion::kAuto},
+                            // x quantised by its own kernel / always inside the GEMM, against the
+                            // first configuration's automatic choice (inside up to 8 rows).
+                            {Schedule::kSerial, false, false, false, Fusion::kOff, Fusion::kOff},
+                            {Schedule::kThreeLane, true, true, false, Fusion::kOff, Fusion::kOn}};
   // The fused form must really run here (wq_b at this config and bucket), or the configs above
   // that ask for it would silently compare the unfused path with itself.
   if (tp == 1) {
@@ -670,18 +669,22 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
                                                       cfg.q_lora_rank));
     // Likewise the fused Q chain (its QA GEMM widens every block with cvt, as v3's default mask).
     EXPECT_TRUE(kernels::qchain_fused_supported(buckets_rows(go, kind), cfg.dim, cfg.q_lora_rank, cfg.n_heads));
+    // And the QA GEMM that quantises x itself.
+    EXPECT_TRUE(kernels::gemm_v3_fused_quant_supported(buckets_rows(go, kind), cfg.q_lora_rank + 512, cfg.dim));
   }
   std::vector<Snapshot> first;
   const int rows = bs * v;
   for (size_t c = 0; c < std::size(configs); ++c) {
     const std::string name = std::string(to_string(configs[c].schedule)) + (configs[c].graph ? " graph" : " eager") +
-                             (configs[c].fuse_rope_store ? " fused-rope" : "") + (configs[c].fuse_qchain != Fusion::kOff ? std::string(" fused-qchain ") + to_string(configs[c].fuse_qchain) : "");
+                             (configs[c].fuse_rope_store ? " fused-rope" : "") + " qchain " + to_string(configs[c].fuse_qchain) +
+                             " x-quant " + to_string(configs[c].fuse_x_quant);
     SCOPED_TRACE(name);
     gpu.upload_caches(initial);
     gpu.set_schedule(configs[c].schedule);
     gpu.set_pdl(configs[c].pdl);
     gpu.set_fuse_rope_store(configs[c].fuse_rope_store);
     gpu.set_fuse_qchain(configs[c].fuse_qchain);
+    gpu.set_fuse_x_quant(configs[c].fuse_x_quant);
     gpu.reset_error_count();
     for (int step = 0; step < 2; ++step) {
       gpu.poison_outputs(kPoison);

@@ -19,7 +19,8 @@
 // blocks it may differ by 1 bf16 ulp in rare elements, spec section 6).
 //
 // Speed (docs/perf.md, sessions 8-9): per layer, layers back to back, 24.4 vs 26.7 us at 1 row,
-// 25.9 vs 27.7 at 4, equal at 6, slower at 16 (its q_norm runs in every CTA). In the three-lane
+// 25.9 vs 27.7 at 4, 27.8 vs 27.1 at 6 (run 11), 38.0 vs 34.4 at 16 (session 8; its q_norm runs
+// in every CTA). In the three-lane
 // cycle, with the weights' evict-first L2 policy of session 9, faster up to 4 rows (decode bs 1 /
 // 2 / 4: -1.8 / -5.4 / -3.2 %) and slower from 6 (it holds every SM while the index layers' side
 // lanes want some): GpuStackOptions::fuse_qchain runs it by default at <= 4 rows (Fusion::kAuto).

@@ -282,7 +282,8 @@ class GpuPrepareStack {
   void set_s_fork(LayerIssue::SFork f);
   void set_lane_prologue(bool on);
   void set_fuse_rope_store(bool on);  // GpuStackOptions::fuse_rope_store
-  void set_fuse_qchain(Fusion f);  // GpuStackOptions::fuse_qchain
+  void set_fuse_qchain(Fusion f);     // GpuStackOptions::fuse_qchain
+  void set_fuse_x_quant(Fusion f);    // GpuStackOptions::fuse_x_quant
 
   // --- caches ------------------------------------------------------------------------------------
   // Device-side synthetic prefill (the full config at 64K would take minutes on the host): as if
