@@ -536,7 +536,7 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
                 "key on the q_rope_store kernel)");
   sub->add_option("--fuse-qchain", o->fuse_qchain,
                   "Plain layers as ONE kernel (act quant, wq_a|wkv, q_norm, wq_b + RoPE, window-K; kernels/qchain.h): "
-                  "auto (steps of <= 4 rows, where it measured faster), on (<= 16 rows) or off; the unfused chain's bytes "
+                  "auto (steps of <= 8 rows, where it measured faster or even), on (<= 16 rows) or off; the unfused chain's bytes "
                   "(with the default --v3-int-mask)")
       ->check(CLI::IsMember({"auto", "on", "off"}))
       ->capture_default_str();

@@ -12,9 +12,10 @@
 // Phases of CTA c (the hand-offs are arrival counters in the workspace: release by an acq_rel /
 // release atomic after a barrier, acquire by one thread's ld.acquire.gpu + a barrier):
 //  0. before the PDL wait: barriers, the QA weight slice (tile c % tiles, split c / tiles, v3's
-//     K ranges) and the first wq_b ring stages by TMA; both weight scales, the q_norm weights and
-//     the RoPE table rows of the step's positions into shared memory; the operands zeroed (rows
-//     >= T stay zero).
+//     K ranges) by TMA; both weight scales, the q_norm weights and the RoPE table rows of the
+//     step's positions into shared memory (all loads issued before any store); the operands zeroed
+//     (rows >= T stay zero); then, once those loads have landed, the first wq_b ring stages by TMA
+//     (behind a bulk stream these small loads took ~8 us; session 10).
 //  1. QA units (c < tiles * S): the CTA's K range of x act-quantised (numerics.h, as
 //     run_act_quant_fp8) straight into the wgmma operand layout (f16), the block sums (two chained
 //     m64nNPk16 wgmmas per 32-wide block, v2's K permutation) folded as v2 / v3 do; the fp32
@@ -115,8 +116,8 @@ __host__ __device__ constexpr SmemLayout smem_layout(int np, int ring, int qb_bl
   l.rope = off;  // [NP][64] table rows, NP row flags, [kQChainMaxRows] rstd
   off += static_cast<uint32_t>(np * num::kRopeDim * 4 + np * 4 + kQChainMaxRows * 4);
   off = (off + 7u) & ~7u;
-  l.bar = off;  // full[ring], empty[ring], qa_full, qa_free
-  off += static_cast<uint32_t>((2 * ring + 2) * 8);
+  l.bar = off;  // full[ring], empty[ring], qa_full, qa_free, prologue
+  off += static_cast<uint32_t>((2 * ring + 3) * 8);
   l.flag = off;
   off += 8;
   l.total = off;
@@ -178,11 +179,17 @@ __device__ __forceinline__ void put_codes_f16(uint8_t* xf, int j, int sub, int n
 
 // The row passes of a one-shot elementwise phase (act quant of x, q_norm): each worker owns one
 // 8-element chunk (a fixed column offset, `chunk0` in row 0) of rows sub_r, sub_r + rows_per_pass,
-// ... A compact loop body with no division in it, the next pass's chunk loaded ahead: this code
-// runs once per launch, cold in the instruction cache. body(r, act, v): act = this worker has row
-// r; the others run the same code on zeros (the act quant's 4-lane amax needs every lane).
-template <bool kL2Only>  // __ldcg: rows written by other CTAs of this launch
+// ... The chunks of the first kAhead passes are loaded before any is used and each pass loads the
+// one kAhead passes ahead (a register shift, no dynamic indexing), so that T rows cost one load
+// round trip, not one per pass (the passes' compute is short; at 6 rows q_norm took 3 passes of an
+// L2 round trip each). A compact loop body with no division in it: this code runs once per launch,
+// cold in the instruction cache. body(r, act, v): act = this worker has row r; the others run the
+// same code on zeros (the act quant's 4-lane amax needs every lane).
+template <bool kL2Only, int kAhead>  // kL2Only: __ldcg, rows written by other CTAs of this launch
 struct RowChunks {
+  struct Ahead {
+    uint4 v[kAhead];
+  };
   const bf16_t* chunk0;
   int64_t stride;
   int T, sub_r, rows_per_pass;
@@ -191,19 +198,30 @@ struct RowChunks {
     const uint4* q = reinterpret_cast<const uint4*>(chunk0 + static_cast<int64_t>(r) * stride);
     return kL2Only ? __ldcg(q) : *q;
   }
+  __device__ __forceinline__ Ahead prefetch() const {
+    Ahead a;
+#pragma unroll
+    for (int i = 0; i < kAhead; ++i) a.v[i] = load(sub_r + i * rows_per_pass);
+    return a;
+  }
   template <class Body>
-  __device__ __forceinline__ void passes(uint4 first, Body&& body) const {
-    uint4 next = first;
+  __device__ __forceinline__ void passes(Ahead a, Body&& body) const {
 #pragma unroll 1
     for (int r0 = 0; r0 < T; r0 += rows_per_pass) {  // warp-uniform trip count
       const int r = r0 + sub_r;
       float v[detail::kChunk];
-      detail::unpack_bf16x8(next, v);
-      next = load(r + rows_per_pass);
+      detail::unpack_bf16x8(a.v[0], v);
+#pragma unroll
+      for (int i = 0; i + 1 < kAhead; ++i) a.v[i] = a.v[i + 1];
+      a.v[kAhead - 1] = load(r + kAhead * rows_per_pass);
       body(r, sub_r < rows_per_pass && r < T, v);
     }
   }
 };
+// Passes in flight: the act quant of x takes kWorkers / (chunks of a CTA's K range) rows per pass
+// (V4.1: 4, so <= 4 passes at 16 rows), q_norm kWorkers / (q_rank / 8) (V4.1: 2, so 3 passes at 6
+// rows, 4 at 8, 8 at 16).
+constexpr int kActQuantAhead = 4, kQNormAhead = 4;
 
 using wgmma_fp8::BlockOps;
 
@@ -248,6 +266,8 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
   constexpr int R = NP / 2;
   static_assert(NP == 8 || NP == 16, "the fused chain takes up to 16 rows");
 
+  [[maybe_unused]] unsigned long long t_entry = 0;
+  V4ATTN_STAMP_NOW(t_entry);  // measurement builds: phase 14, the CTA's first instruction
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw_addr = smem_u32(smem_raw);
   const uint32_t base = (raw_addr + (kSmemAlign - 1)) & ~static_cast<uint32_t>(kSmemAlign - 1);
@@ -266,7 +286,7 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
   float* s_rstd = reinterpret_cast<float*>(rope_ok + NP);  // [kQChainMaxRows]
   int* s_flag = reinterpret_cast<int*>(smem + L.flag);
   const uint32_t bar_full = base + L.bar, bar_empty = bar_full + 8u * ST, bar_qa_full = bar_empty + 8u * ST,
-                 bar_qa_free = bar_qa_full + 8u;
+                 bar_qa_free = bar_qa_full + 8u, bar_prologue = bar_qa_free + 8u;
 
   const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
   const int c = static_cast<int>(blockIdx.x);
@@ -288,6 +308,7 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
     }
     mbar_init(bar_qa_full, 1);
     mbar_init(bar_qa_free, kConsumerThreads);
+    mbar_init(bar_prologue, 1);
     fence_mbarrier_init();
     prefetch_tensormap(&p.tmap_qa);
     prefetch_tensormap(&p.tmap_qb);
@@ -304,6 +325,11 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
                             bar_qa_full, (kb_begin + i * kBlocksPerStage) * 32, qa_tile * kQaBn, 0);
     }
     if (!qb_unit) return;
+    // The wq_b ring fill (~20 MB over the grid) waits for the workers' phase-0 loads: issued at once
+    // with them, it queued them behind itself, and a CTA that started behind the previous kernel's
+    // exits reached its PDL wait ~8 us after it started (session 10: -8 % per layer at 1-8 rows).
+    // The QA weights, needed first, go out at once.
+    mbar_wait(bar_prologue, 0u);
     const int first_free = qa_unit ? p.qa_slot0 : ST;  // slots not holding QA weights
     for (int it = 0; it < qb_iters; ++it) {
       const int s = it % ST;
@@ -318,30 +344,68 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
 
   // ======== workers (warps 1..11) ==================================================================
   const int wtid = tid - 32;  // 0..351
-  // Measurement builds (phase_stamps.cuh): phases 0-2, 7, 8, 12, 13 by worker 0; 3-6, 9-11 and
+  // Measurement builds (phase_stamps.cuh): phases 0-2, 7, 8, 12-14, 48, 49 by worker 0; 3-6, 9-11 and
   // 16 + stage (CTAs 0, 1) by consumer 0.
   [[maybe_unused]] unsigned int stamp_rec = 0u;
   if (wtid == 0 || tid == 128) V4ATTN_STAMP_BEGIN(stamp_rec, stamps::kQChain, tid == 128 ? 15 : 0);
+  if (wtid == 0) V4ATTN_STAMP_AT_TIME(stamp_rec, stamps::kQChain, 14, t_entry);
   {
-    if (qb_unit) {
-      const uint8_t* g = p.qb_scale + static_cast<int64_t>(qb_row0 / 32) * qb_blocks;
-      for (int i = wtid; i < (kQbBn / 32) * qb_blocks; i += kWorkers) sw_b[i] = num::f32_from_ue8m0(g[i]);
+    // Every load of this phase is issued before its first shared-memory store (the compiler does not
+    // move a global load above a store it cannot tell apart, so a loop of load -> store costs a round
+    // trip per iteration): a CTA that starts late, behind the previous kernel's exits, spends two
+    // round trips here (the step's positions, then their table rows) before its PDL wait, not ten.
+    // Per worker at most: 2 wq_b scales (q_rank <= 2048), 2 QA scales, 6 q_norm weights, 3 RoPE
+    // entries (NP <= 16); larger shapes take the tail loops.
+    constexpr int kSwbPer = 2, kSwaPer = 2, kQnPer = 6, kRopePer = 3;
+    const int n_swb = qb_unit ? (kQbBn / 32) * qb_blocks : 0;
+    const int n_swa = qa_unit ? (kQaBn / 32) * nkb : 0;
+    const uint8_t* g_swb = p.qb_scale + static_cast<int64_t>(qb_row0 / 32) * qb_blocks;
+    const uint8_t* g_swa = p.qa_scale + static_cast<int64_t>(qa_tile * kQaBn / 32) * p.dim_blocks + kb_begin;
+    auto swa_src = [&](int i) { return g_swa[(i / nkb) * p.dim_blocks + i % nkb]; };
+    auto swa_dst = [&](int i) -> float& { return sw_a[(i / nkb) * p.qa_max_blocks + i % nkb]; };
+    auto rope_pos = [&](int idx) -> int32_t { return idx / num::kRopeDim < p.T ? p.kv.pos[idx / num::kRopeDim] : -1; };
+    auto rope_ok_at = [&](int32_t pos) { return pos >= 0 && pos < p.kv.max_pos; };
+    auto rope_src = [&](int idx, int32_t pos) {
+      return rope_ok_at(pos) ? __ldg(p.kv.table + static_cast<int64_t>(pos) * num::kRopeDim + idx % num::kRopeDim) : 0.0f;
+    };
+    uint8_t swb[kSwbPer], swa[kSwaPer];
+    float qn[kQnPer], tab[kRopePer];
+    int32_t pos[kRopePer];
+#pragma unroll
+    for (int i = 0; i < kSwbPer; ++i) swb[i] = wtid + i * kWorkers < n_swb ? g_swb[wtid + i * kWorkers] : uint8_t{0};
+#pragma unroll
+    for (int i = 0; i < kSwaPer; ++i) swa[i] = wtid + i * kWorkers < n_swa ? swa_src(wtid + i * kWorkers) : uint8_t{0};
+#pragma unroll
+    for (int i = 0; i < kQnPer; ++i) qn[i] = wtid + i * kWorkers < p.q_rank ? __ldg(p.q_norm + wtid + i * kWorkers) : 0.0f;
+#pragma unroll
+    for (int i = 0; i < kRopePer; ++i) pos[i] = wtid + i * kWorkers < NP * num::kRopeDim ? rope_pos(wtid + i * kWorkers) : -1;
+#pragma unroll
+    for (int i = 0; i < kRopePer; ++i) tab[i] = rope_src(wtid + i * kWorkers, pos[i]);
+#pragma unroll
+    for (int i = 0; i < kSwbPer; ++i)
+      if (wtid + i * kWorkers < n_swb) sw_b[wtid + i * kWorkers] = num::f32_from_ue8m0(swb[i]);
+#pragma unroll
+    for (int i = 0; i < kSwaPer; ++i)
+      if (wtid + i * kWorkers < n_swa) swa_dst(wtid + i * kWorkers) = num::f32_from_ue8m0(swa[i]);
+#pragma unroll
+    for (int i = 0; i < kQnPer; ++i)
+      if (wtid + i * kWorkers < p.q_rank) qn_w[wtid + i * kWorkers] = qn[i];
+    // The RoPE table rows of the step's positions (step metadata + constants), for the epilogue,
+    // and each row's flag (position inside the table).
+#pragma unroll
+    for (int i = 0; i < kRopePer; ++i) {
+      const int idx = wtid + i * kWorkers;
+      if (idx >= NP * num::kRopeDim) break;
+      rope_tab[idx] = tab[i];
+      if (idx % num::kRopeDim == 0) rope_ok[idx / num::kRopeDim] = rope_ok_at(pos[i]) ? 1 : 0;
     }
-    if (qa_unit) {
-      const uint8_t* g = p.qa_scale + static_cast<int64_t>(qa_tile * kQaBn / 32) * p.dim_blocks + kb_begin;
-      for (int i = wtid; i < (kQaBn / 32) * nkb; i += kWorkers) {
-        const int rg = i / nkb, b = i % nkb;
-        sw_a[rg * p.qa_max_blocks + b] = num::f32_from_ue8m0(g[rg * p.dim_blocks + b]);
-      }
-    }
-    for (int i = wtid; i < p.q_rank; i += kWorkers) qn_w[i] = __ldg(p.q_norm + i);
-    // The RoPE table rows of the step's positions (step metadata + constants), for the epilogue.
-    for (int idx = wtid; idx < NP * num::kRopeDim; idx += kWorkers) {
-      const int mr = idx / num::kRopeDim;
-      const int32_t pos = mr < p.T ? p.kv.pos[mr] : -1;
-      const bool ok = pos >= 0 && pos < p.kv.max_pos;
-      rope_tab[idx] = ok ? __ldg(p.kv.table + static_cast<int64_t>(pos) * num::kRopeDim + idx % num::kRopeDim) : 0.0f;
-      if (idx % num::kRopeDim == 0) rope_ok[mr] = ok ? 1 : 0;
+    for (int i = wtid + kSwbPer * kWorkers; i < n_swb; i += kWorkers) sw_b[i] = num::f32_from_ue8m0(g_swb[i]);
+    for (int i = wtid + kSwaPer * kWorkers; i < n_swa; i += kWorkers) swa_dst(i) = num::f32_from_ue8m0(swa_src(i));
+    for (int i = wtid + kQnPer * kWorkers; i < p.q_rank; i += kWorkers) qn_w[i] = __ldg(p.q_norm + i);
+    for (int idx = wtid + kRopePer * kWorkers; idx < NP * num::kRopeDim; idx += kWorkers) {
+      const int32_t ps = rope_pos(idx);
+      rope_tab[idx] = rope_src(idx, ps);
+      if (idx % num::kRopeDim == 0) rope_ok[idx / num::kRopeDim] = rope_ok_at(ps) ? 1 : 0;
     }
     // The operands' rows >= T stay zero (and their scales 0): the wgmmas read NP rows.
     uint4* xf4 = reinterpret_cast<uint4*>(smem + L.xf);
@@ -350,6 +414,7 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
     for (int i = wtid; i < p.qa_max_blocks * NP; i += kWorkers) sa_a[i] = 0.0f;
   }
   named_barrier_sync(kBarWorkers, kWorkers);
+  if (wtid == 0) mbar_arrive(bar_prologue);  // phase 0's loads have landed: the ring fill may start
 
   dev::pdl_wait();  // x is the predecessor's output
   if (wtid == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kQChain, 1);
@@ -366,9 +431,9 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
       const int per_row = nkb * 4;
       const int cr = wtid % per_row, jb = cr >> 2, sub = cr & 3;
       uint8_t* xf_blk = smem + L.xf + (jb >> 2) * 2 * NP * kStageK;
-      const RowChunks<false> rows{p.x + (kb_begin + jb) * 32 + sub * 8, p.x_stride, p.T, wtid / per_row,
-                                  kWorkers / per_row};
-      rows.passes(rows.load(rows.sub_r), [&](int r, bool act, float (&v)[detail::kChunk]) {
+      const RowChunks<false, kActQuantAhead> rows{p.x + (kb_begin + jb) * 32 + sub * 8, p.x_stride, p.T,
+                                                  wtid / per_row, kWorkers / per_row};
+      rows.passes(rows.prefetch(), [&](int r, bool act, float (&v)[detail::kChunk]) {
         int e = 0;
         const uint2 codes = detail::act_quant_chunk<4>(v, e);
         if (act) {
@@ -467,11 +532,12 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
   }
   named_barrier_sync(kBarWorkers, kWorkers);  // also: the QA operand (aliased) is no longer read
   {
-    // (b)'s mapping, and its first chunk loaded before (a) so that both loads overlap.
+    // (b)'s mapping, and its first passes' chunks loaded before (a) so that all the loads overlap.
     const int row_chunks = p.q_rank / 8;
     const int ch = wtid % row_chunks, b = ch >> 2;
-    const RowChunks<true> rows{p.qkv_a + ch * 8, p.qkv_a_stride, p.T, wtid / row_chunks, kWorkers / row_chunks};
-    const uint4 first = rows.load(rows.sub_r);
+    const RowChunks<true, kQNormAhead> rows{p.qkv_a + ch * 8, p.qkv_a_stride, p.T, wtid / row_chunks,
+                                            kWorkers / row_chunks};
+    const auto first = rows.prefetch();
     // (a) One warp per row: the sum of squares in the LaneSum order (lane l: chunks l, l + 32, ...;
     //     all loads first), rstd into shared memory.
     constexpr int kMaxPerLane = 8;  // q_rank <= 2048
@@ -495,6 +561,7 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
       if (lane == 0) s_rstd[r] = rstd;
     }
     named_barrier_sync(kBarWorkers, kWorkers);
+    if (wtid == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kQChain, 48);
     // (b) Worker w normalises and quantises chunk w % row_chunks of rows w / row_chunks + k *
     //     rows_per_pass (4 consecutive lanes = one 32-block).
     float wv[detail::kChunk];
@@ -514,6 +581,7 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
         if ((ch & 3) == 0) p.qr_scales[static_cast<int64_t>(r) * (p.q_rank / 32) + b] = num::ue8m0_from_exp(e);
       }
     });
+    if (wtid == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kQChain, 49);
     fence_proxy_async_smem();
   }
   named_barrier_sync(kBarWorkers, kWorkers);
@@ -571,9 +639,9 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
 
   // RoPE store epilogue (v2's kRope form): column n = dim n % 512 of head n / 512; the pair
   // partner (n ^ 1) is lane ^ 4's element. Table rows staged in phase 0.
-  if (c == 0 && ctid == 0)
-    for (int m = 0; m < p.T; ++m)
-      if (p.kv.pos[m] < 0 || p.kv.pos[m] >= p.kv.max_pos) dev::count_error(p.kv.err_count);
+  // A row whose position is outside the table is counted once, from its phase-0 flag (a loop over
+  // the positions in global memory here would put T round trips before this CTA's exit).
+  if (c == 0 && ctid < p.T && !rope_ok[ctid]) dev::count_error(p.kv.err_count);
 #pragma unroll
   for (int mt = 0; mt < kQbMt; ++mt)
 #pragma unroll

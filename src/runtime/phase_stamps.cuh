@@ -28,9 +28,10 @@ static __device__ Entry* g_entries = nullptr;
 static __device__ unsigned int* g_count = nullptr;
 static __device__ unsigned int g_records = 0;
 
-__device__ __forceinline__ void write_entry(unsigned int record, uint32_t kind, uint32_t phase) {
+// t: a %globaltimer value read earlier (e.g. at kernel entry, before a record is taken), or 0 for now.
+__device__ __forceinline__ void write_entry(unsigned int record, uint32_t kind, uint32_t phase, unsigned long long t = 0) {
   if (g_entries == nullptr || record >= g_records || phase >= kPhases) return;
-  const unsigned long long t = dev::globaltimer_ns();
+  if (t == 0) t = dev::globaltimer_ns();
   const unsigned long long c = clock64();
   unsigned int sm;
   asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
@@ -58,10 +59,15 @@ int register_unit(void (*bind)(void*, void*, unsigned int));
   static const int v4attn_stamp_unit_registered = ::v4attn::stamps::register_unit(&::v4attn::stamps::bind_this_unit)
 #define V4ATTN_STAMP_BEGIN(rec, kind, phase) rec = ::v4attn::stamps::begin((kind), (phase))
 #define V4ATTN_STAMP_AT(rec, kind, phase) ::v4attn::stamps::write_entry((rec), (kind), (phase))
+// The time now into `t` (no memory access), to be written later as a phase: V4ATTN_STAMP_AT_TIME.
+#define V4ATTN_STAMP_NOW(t) ((t) = ::v4attn::dev::globaltimer_ns())
+#define V4ATTN_STAMP_AT_TIME(rec, kind, phase, t) ::v4attn::stamps::write_entry((rec), (kind), (phase), (t))
 #else
 #define V4ATTN_STAMP_UNIT() static_assert(true, "")
 #define V4ATTN_STAMP_BEGIN(rec, kind, phase) ((void)(rec))
 #define V4ATTN_STAMP_AT(rec, kind, phase) ((void)(rec))
+#define V4ATTN_STAMP_NOW(t) ((void)(t))
+#define V4ATTN_STAMP_AT_TIME(rec, kind, phase, t) ((void)(rec), (void)(t))
 #endif
 
 }  // namespace v4attn::stamps

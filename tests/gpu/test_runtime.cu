@@ -215,11 +215,23 @@ struct CycleOptions {
 
 // What the stack driver will do: per layer, callables per work item -> issue_layer, then
 // attention on main.
+// The cycle's scratch words, allocated on first use. SyntheticArena's constructor takes them, so
+// that the first use is never inside a stream capture (cudaMalloc is refused there: a test that ran
+// alone and captured first failed, while in the whole suite an earlier test had allocated them).
+struct CycleScratch {
+  DeviceBuffer<uint32_t> step_meta{1}, lane_scratch{2};
+};
+CycleScratch& cycle_scratch() {
+  static CycleScratch s;
+  return s;
+}
+
 void issue_cycle(PrepareStreams& lanes, uint32_t* base, const CycleOptions& o) {
   // Like the real stack's step-metadata upload: main-stream work before the first fork. Without
   // it the first layer's CMP would be a root node of the graph, and a root replays on a lane of
   // its own (measured on the H200: one extra stream per cycle; docs/perf.md).
-  static DeviceBuffer<uint32_t> step_meta(1), lane_scratch(2);
+  DeviceBuffer<uint32_t>& step_meta = cycle_scratch().step_meta;
+  DeviceBuffer<uint32_t>& lane_scratch = cycle_scratch().lane_scratch;
   const IssueFn upload = [&](cudaStream_t s) { V4_CUDA_CHECK(cudaMemsetAsync(step_meta.get(), 0, sizeof(uint32_t), s)); };
   if (o.lane_prologue) lanes.lane_prologue(lane_scratch.get(), upload);
   else lanes.on_main(upload);
@@ -248,6 +260,7 @@ void issue_cycle(PrepareStreams& lanes, uint32_t* base, const CycleOptions& o) {
 }
 
 struct SyntheticArena {
+  SyntheticArena() { (void)cycle_scratch(); }
   DeviceBuffer<uint32_t> buf{static_cast<size_t>(kRegions) * kN};
   uint32_t* base() const { return buf.get(); }
   // Poison everything, then write the static input; on `s`, before the cycle.

@@ -18,12 +18,14 @@
 // wgmma of v2 / v3 (int_mask 0, v3's default since session 9; against v3 with integer-widened
 // blocks it may differ by 1 bf16 ulp in rare elements, spec section 6).
 //
-// Speed (docs/perf.md, sessions 8-9): per layer, layers back to back, 24.4 vs 26.7 us at 1 row,
-// 25.9 vs 27.7 at 4, 27.8 vs 27.1 at 6 (run 11), 38.0 vs 34.4 at 16 (session 8; its q_norm runs
-// in every CTA). In the three-lane
-// cycle, with the weights' evict-first L2 policy of session 9, faster up to 4 rows (decode bs 1 /
-// 2 / 4: -1.8 / -5.4 / -3.2 %) and slower from 6 (it holds every SM while the index layers' side
-// lanes want some): GpuStackOptions::fuse_qchain runs it by default at <= 4 rows (Fusion::kAuto).
+// Speed (docs/perf.md, sessions 8-10): per layer, layers back to back (bench_qchain, session 10
+// run 6), fused vs unfused: 22.2 vs 26.8 us at 1 row, 25.2 vs 27.2 at 6, 26.2 vs 27.5 at 8, 35.0
+// vs 33.2 at 16 (its per-row work, q_norm in every CTA, grows with the rows). Session 10's gain:
+// the wq_b ring fill waits for the CTA's phase-0 loads (scales, q_norm weights, RoPE rows), which
+// had queued behind it. In the three-lane cycle faster up to 6 rows (decode bs 1 / 4 / 6: -4.1 /
+// -3.7 / -1.8 % against session 9's default; verify bs 1 -1.7 % against the unfused chain), even
+// at 8 and slower at 12 and 16 (it holds every SM while the index layers' side lanes want some):
+// GpuStackOptions::fuse_qchain runs it by default at <= 8 rows (Fusion::kAuto).
 //
 // Co-residency: the counters are waited on by spinning CTAs, so every CTA must be resident at
 // once. The grid is at most the device's SM count with one CTA per SM (~200 KB of shared memory

@@ -92,11 +92,13 @@ enum class WeightSource : uint8_t { kReference, kDeviceRandom };
 // A fusion knob of GpuStackOptions (fuse_qchain, fuse_x_quant): never, by the measured rule of
 // the field (kAuto), or wherever the fused form takes the shape.
 enum class Fusion : uint8_t { kOff, kAuto, kOn };
-// kAuto's row limit. Measured (docs/perf.md, session 9, three-lane, with the L2 stream policy):
-// decode bs 1 / 2 / 3 / 4 -1.8 / -5.4 / -3.2 / -3.2 %, bs 6 / 8 +1.8 / +3.1 %, verify bs 1 (6 rows)
-// +2 %: the kernel's per-row work (act quant of its K range, q_norm of every row in every CTA)
-// grows with the rows, and it holds every SM while the index layers' side lanes want some.
-constexpr int kQChainAutoRows = 4;
+// kAuto's row limit. Measured (docs/perf.md, session 10, three-lane, fused vs unfused, two
+// repetitions): decode bs 6 -1.8 %, verify bs 1 (6 rows) -1.7 %, decode bs 8 even, verify bs 2 (12
+// rows) +3.8 %, decode bs 16 +7.5 %: the kernel's per-row work (act quant of its K range, q_norm of
+// every row in every CTA) grows with the rows, and it holds every SM while the index layers' side
+// lanes want some. (Session 9, before the fused chain's ring fill waited for its prologue loads:
+// faster only up to 4 rows.)
+constexpr int kQChainAutoRows = 8;
 // fuse_x_quant's kAuto row limit (docs/perf.md, session 9, three-lane, three repetitions: verify
 // bs 1 (6 rows) -0.5 %, decode bs 8 -0.8 %, decode bs 2 even, verify bs 2 (12 rows) +1.0 %).
 constexpr int kXQuantAutoRows = 8;
@@ -209,7 +211,7 @@ struct GpuStackOptions {
   // GEMM widens every block with cvt (v3_int_mask 0, v3's default), so it writes the unfused
   // chain's bytes (tested at the kernel and over whole cycles; with another v3_int_mask the bytes
   // may differ by 1 bf16 ulp in rare elements, spec section 6). kAuto by default since session 9
-  // (kQChainAutoRows: where it measured).
+  // (kQChainAutoRows: where it measured; 4 rows in session 9, 8 since session 10).
   Fusion fuse_qchain = Fusion::kAuto;
   // Index-source layers: run the indexer's wq_b GEMM (qr -> qi) on the main lane right after
   // q_norm instead of first on lane S (experiment knob; docs/perf.md).
