@@ -15,7 +15,7 @@
 //     K ranges) by TMA; both weight scales, the q_norm weights and the RoPE table rows of the
 //     step's positions into shared memory (all loads issued before any store); the operands zeroed
 //     (rows >= T stay zero); then, once those loads have landed, the first wq_b ring stages by TMA
-//     (behind a bulk stream these small loads took ~8 us; session 10).
+//     (behind a bulk stream these small loads took ~8 us; session 10), paced (kRingPaceNs).
 //  1. QA units (c < tiles * S): the CTA's K range of x act-quantised (numerics.h, as
 //     run_act_quant_fp8) straight into the wgmma operand layout (f16), the block sums (two chained
 //     m64nNPk16 wgmmas per 32-wide block, v2's K permutation) folded as v2 / v3 do; the fp32
@@ -84,6 +84,12 @@ constexpr int kMaxRing = 8;
 constexpr int kRopeHeadDim = wgmma_fp8::kRopeHeadDim;
 constexpr int kSmemLimit = 227 * 1024;
 constexpr int kSmemAlign = 1024;
+// The first wq_b ring fill issues one stage (32 KB per CTA, ~4 MB over the grid: ~1 us of DRAM)
+// per this many ns rather than all at once, so that the latency-bound loads running meanwhile (x
+// for the act quant, the split-K partials, qkv_a for q_norm) meet a shorter queue. Session 10, same
+// run: 0 / 500 / 1000 / 2000 ns: bench_qchain 22.32 / 22.24 / 22.04 / 22.05 us per layer at one row,
+// 25.25 / 24.99 / 24.90 / 26.44 at 6; three-lane decode bs 1 -0.4 %, verify bs 1 -0.5 % at 1000.
+constexpr uint64_t kRingPaceNs = 1000;
 constexpr int kKvCols = kPrepHeadDim;      // 512 kv columns after the q_rank q columns
 constexpr int kKvParts = (kKvCols / 2 + kHelpers - 1) / kHelpers;  // window-K work items per row (3)
 static_assert(kHelpers % 32 == 0, "window-K pairs in whole warps");
@@ -330,11 +336,15 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
     // exits reached its PDL wait ~8 us after it started (session 10: -8 % per layer at 1-8 rows).
     // The QA weights, needed first, go out at once.
     mbar_wait(bar_prologue, 0u);
+    const uint64_t t_start = dev::globaltimer_ns();
     const int first_free = qa_unit ? p.qa_slot0 : ST;  // slots not holding QA weights
     for (int it = 0; it < qb_iters; ++it) {
       const int s = it % ST;
       if (it >= ST) mbar_wait(bar_empty + 8u * s, static_cast<uint32_t>((it / ST - 1) & 1));
       else if (s >= first_free) mbar_wait(bar_qa_free, 0u);  // the QA weights are consumed
+      if (it > 0 && it < ST)  // the first fill paced (kRingPaceNs)
+        while (dev::globaltimer_ns() < t_start + static_cast<uint64_t>(it) * kRingPaceNs) {
+        }
       mbar_arrive_expect_tx(bar_full + 8u * s, static_cast<uint32_t>(kQbSlot));
       tma_load_weights_3d(base + L.ring + static_cast<uint32_t>(s * kQbSlot), &p.tmap_qb, bar_full + 8u * s, it * kStageK,
                           qb_row0, 0);
