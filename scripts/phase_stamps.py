@@ -9,6 +9,12 @@ in microseconds from the cycle's first stamp. Phases: 0 CTA start, 1 after gridd
 2 (GEMM v2) first stage ready for the consumers / (rmsnorm) sum of squares done, 5 (GEMM v3) scale
 tables in shared memory, 3 consumer loop done, 6 (v3) partials written (cluster barrier), 4 end.
 Per-stage phases (16+, 64+) are recorded for CTAs 0 and 1 only; --cta prints those records.
+
+Files from session 10 on start with a "# v4attn phase stamps v2" line and carry each launch's
+%gridid in the second column: CTAs are then grouped into launches exactly (older files: by start
+time under each launch's CTA (0, 0), which mis-assigns CTAs that start before it). --handoff prints,
+for each launch after the first, when its CTAs entered (phase 14 where stamped, else phase 0) and
+returned from their PDL wait, relative to the end of the launch before it (its latest stamp).
 """
 import argparse
 import bisect
@@ -18,15 +24,49 @@ import gzip
 KINDS = {1: "v2", 2: "v3", 3: "rmsnorm", 4: "act_quant", 5: "q_rope_store", 6: "qchain"}
 # The fused Q chain (gemm_qchain.cu): start, wait, act quant, QA weights, QA loop, partial counted,
 # tile reduced, q tiles all counted, q_norm done, first wq_b stage, wq_b loop, end, kv counted, window-K.
-QCHAIN_COLS = [(0, min), (0, max), (1, min), (1, max), (2, max), (3, max), (4, max), (5, max), (6, max), (7, min),
-               (7, max), (8, max), (9, max), (10, min), (10, max), (11, max), (12, max), (13, max)]
+# Phase 14 (v2 files): the CTA's first instruction; 48 / 49: q_norm's sums / row passes done.
+QCHAIN_COLS = [(14, min), (14, max), (0, min), (0, max), (1, min), (1, max), (2, max), (3, max), (4, max), (5, max),
+               (6, max), (7, min), (7, max), (48, max), (49, max), (8, max), (9, max), (10, min), (10, max), (11, max),
+               (12, max), (13, max)]
+HEADER_V2 = "# v4attn phase stamps v2"
 COLS = [(0, min), (0, max), (1, min), (1, max), (2, min), (2, max), (5, max), (3, min), (3, max), (6, max), (4, min), (4, max)]
 
 
 def load(path):
+    """(entries, v2): the stamp lines as int tuples, and whether the file carries %gridid."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
-        return [tuple(map(int, line.split())) for line in f if line.strip()]
+        lines = [line for line in f if line.strip()]
+    v2 = bool(lines) and lines[0].startswith(HEADER_V2)
+    return [tuple(map(int, line.split())) for line in lines if not line.startswith("#")], v2
+
+
+def launches_by_gridid(entries):
+    """[(first stamp, kind, [per-CTA {phase: ns}])], exact: a launch is (gridid, kind)."""
+    ctas = collections.defaultdict(dict)
+    for g, grid, kind, _sm, x, y, phase, _rec in entries:
+        ph = ctas[(grid, kind, x, y)]
+        ph[phase] = min(g, ph.get(phase, g))
+    groups = collections.defaultdict(list)
+    for (grid, kind, _x, _y), ph in ctas.items():
+        groups[(grid, kind)].append(ph)
+    return sorted((min(min(ph.values()) for ph in g), kind, g) for (_grid, kind), g in groups.items())
+
+
+def print_handoff(launches, t0):
+    print("%-12s %4s %9s %9s %9s %9s %9s %9s" % ("kernel", "ctas", "at_us", "entry_mn", "entry_mx", "wait_mn",
+                                                  "wait_mx", "dur"))
+    prev_end = None
+    for _, kind, g in launches:
+        entry = [c.get(14, c.get(0)) for c in g if 14 in c or 0 in c]
+        wait = [c[1] for c in g if 1 in c]
+        end = max(max(c.values()) for c in g)
+        if prev_end is not None and entry:
+            rel = lambda v: "%9.2f" % ((v - prev_end) / 1000) if v is not None else "        -"
+            print("%-12s %4d %9.1f %s %s %s %s %9.2f" % (
+                KINDS.get(kind, kind), len(g), (prev_end - t0) / 1000, rel(min(entry)), rel(max(entry)),
+                rel(min(wait) if wait else None), rel(max(wait) if wait else None), (end - min(entry)) / 1000))
+        prev_end = end
 
 
 def main():
@@ -35,8 +75,11 @@ def main():
     ap.add_argument("--launches", type=int, default=60, help="launches to print (default 60)")
     ap.add_argument("--cta", nargs=2, type=float, metavar=("FROM_US", "TO_US"),
                     help="instead: the per-stage records of CTAs 0 and 1 that start in this window")
+    ap.add_argument("--handoff", action="store_true",
+                    help="instead: per launch, its CTAs' entry and PDL-wait times after the previous launch's end "
+                         "(needs a v2 file)")
     a = ap.parse_args()
-    entries = load(a.stamps)
+    entries, v2 = load(a.stamps)
     if not entries:
         raise SystemExit("no stamps in " + a.stamps)
     t0 = min(e[0] for e in entries)
@@ -52,7 +95,17 @@ def main():
                 print("%s cta(%d,%d) sm%d: " % (KINDS.get(kind, kind), x, y, sm) +
                       " ".join("%d:%.2f" % (p, (ph[p] - t0) / 1000) for p in sorted(ph)))
         return
-    # A CTA's records (thread 0, the consumers, a converter) merge into its thread-0 record (phase 0).
+    if a.handoff and not v2:
+        raise SystemExit("--handoff needs a file with launch ids (written from session 10 on)")
+    if v2:
+        launches = launches_by_gridid(entries)
+        if a.handoff:
+            print_handoff(launches[:a.launches], t0)
+            return
+        print_launches(launches[:a.launches], t0)
+        return
+    # Older files: a CTA's records (thread 0, the consumers, a converter) merge into its thread-0
+    # record (phase 0).
     starts = collections.defaultdict(list)
     for rec, ph in recs.items():
         if 0 in ph:
@@ -80,9 +133,13 @@ def main():
                     groups[i].append(ph)
         launches += [(t, kind, g) for (t, _), g in zip(roots, groups)]
     launches.sort()
+    print_launches(launches[:a.launches], t0)
+
+
+def print_launches(launches, t0):
     print("%-12s %4s " % ("kernel", "ctas") + " ".join("%7s" % h for h in (
         "start", "st_max", "wait", "wt_max", "ph2", "ph2_mx", "ph5_mx", "loop", "lp_max", "ph6_mx", "end", "end_max")))
-    for _, kind, g in launches[:a.launches]:
+    for _, kind, g in launches:
         vals = []
         if kind == 6:
             print("%-12s %4d " % ("qchain", len(g)) + " ".join(

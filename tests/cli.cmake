@@ -55,6 +55,18 @@ if(V4ATTN_PYTHON3)
                    "${CMAKE_SOURCE_DIR}/tests/data/trace_fused_layer.json")
   set_tests_properties(scripts.trace_layers_fused PROPERTIES PASS_REGULAR_EXPRESSION
     "0 +26\\.0 +24\\.0 +24\\.0 +0\\.0  qchain_fused_kernel<8>.*1 +34\\.0 +26\\.0 +26\\.0 +0\\.0  q_rope_store_kernel.*2 +22\\.0 +22\\.0 +22\\.0 +0\\.0  q_rope_store_kernel.*3 layers, 82\\.0 us")
+  # scripts/phase_stamps.py on a v2 fixture (launch ids): CTAs grouped by launch, the hand-off view
+  # (entry and PDL-wait times after the previous launch's end); an old file refuses --handoff.
+  add_test(NAME scripts.phase_stamps_v2
+           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/phase_stamps.py"
+                   "${CMAKE_SOURCE_DIR}/tests/data/stamps_v2.txt")
+  set_tests_properties(scripts.phase_stamps_v2 PROPERTIES PASS_REGULAR_EXPRESSION
+    "qchain +2 14i:0\\.0 14a:0\\.1 0i:0\\.2 0a:0\\.3 1i:1\\.0 1a:1\\.1 11a:21\\.0\n+qchain +2 14i:5\\.0 14a:21\\.3 0i:5\\.2 0a:21\\.5 1i:21\\.7 1a:25\\.0 11a:41\\.0")
+  add_test(NAME scripts.phase_stamps_handoff
+           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/phase_stamps.py"
+                   "${CMAKE_SOURCE_DIR}/tests/data/stamps_v2.txt" --handoff)
+  set_tests_properties(scripts.phase_stamps_handoff PROPERTIES PASS_REGULAR_EXPRESSION
+    "qchain +2 +21\\.0 +-16\\.00 +0\\.30 +0\\.70 +4\\.00 +36\\.00")
   add_test(NAME scripts.trace_layers_no_layers
            COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/trace_layers.py"
                    "${CMAKE_SOURCE_DIR}/tests/configs/missing_key.json")

@@ -46,11 +46,12 @@ long dump(const std::string& path) {
   if (n) V4_CUDA_CHECK(cudaMemcpy(e.data(), d_entries, sizeof(Entry) * e.size(), cudaMemcpyDeviceToHost));
   FILE* f = std::fopen(path.c_str(), "w");
   if (!f) throw std::runtime_error("cannot write " + path);
+  std::fprintf(f, "# v4attn phase stamps v2: global_ns gridid kind sm cta_x cta_y phase record\n");
   long written = 0;
   for (const Entry& x : e) {
     if (x.global_ns == 0) continue;
-    // global_ns clock kind sm cta_x cta_y phase record
-    std::fprintf(f, "%llu %llu %llu %llu %llu %llu %llu %llu\n", x.global_ns, x.clock, x.meta >> 56, (x.meta >> 48) & 0xff,
+    // global_ns gridid kind sm cta_x cta_y phase record
+    std::fprintf(f, "%llu %llu %llu %llu %llu %llu %llu %llu\n", x.global_ns, x.gridid, x.meta >> 56, (x.meta >> 48) & 0xff,
                  (x.meta >> 32) & 0xffff, (x.meta >> 24) & 0xff, x.meta & 0xff, x.record);
     ++written;
   }

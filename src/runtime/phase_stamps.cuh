@@ -1,5 +1,5 @@
 // Phase stamps: an opt-in measurement build (-DV4ATTN_PHASE_STAMPS) in which kernels record
-// (%globaltimer, clock64, kernel kind, CTA, phase) at points of their critical path into one
+// (%globaltimer, %gridid, kernel kind, CTA, phase) at points of their critical path into one
 // device buffer, so that the time between, say, a GEMM's PDL wait and its first consumed stage can
 // be read per CTA inside the real cycle (CUPTI only gives kernel begin and end). Without the
 // definition every stamp compiles to nothing. Host side: runtime/phase_stamps.h.
@@ -21,7 +21,9 @@ enum Kind : uint32_t { kGemmV2 = 1, kGemmV3 = 2, kRmsNorm = 3, kActQuant = 4, kQ
 // trip, so that the stamps barely move the timeline they measure.
 constexpr unsigned int kPhases = 128;
 struct Entry {
-  unsigned long long global_ns, clock, meta, record;  // record: the stamping thread's record index
+  // gridid: the launch's %gridid (unique per grid launch, graph replays included), so that a script
+  // groups CTAs into launches exactly. record: the stamping thread's record index.
+  unsigned long long global_ns, gridid, meta, record;
 };
 // One copy per translation unit (no relocatable device code); runtime/phase_stamps.cu binds each.
 static __device__ Entry* g_entries = nullptr;
@@ -32,7 +34,8 @@ static __device__ unsigned int g_records = 0;
 __device__ __forceinline__ void write_entry(unsigned int record, uint32_t kind, uint32_t phase, unsigned long long t = 0) {
   if (g_entries == nullptr || record >= g_records || phase >= kPhases) return;
   if (t == 0) t = dev::globaltimer_ns();
-  const unsigned long long c = clock64();
+  unsigned long long c;
+  asm volatile("mov.u64 %0, %%gridid;" : "=l"(c));
   unsigned int sm;
   asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
   g_entries[record * kPhases + phase] =

@@ -9,8 +9,10 @@ namespace v4attn::stamps {
 bool available();
 // Allocates the device buffer on first use, binds every stamping unit to it and clears it.
 void reset();
-// Writes the recorded entries as text, one per line: global_ns clock kind sm cta_x cta_y phase
-// record (the stamping thread's record index; scripts/phase_stamps.py reads this format).
+// Writes the recorded entries as text after a "# v4attn phase stamps v2" header line, one per
+// line: global_ns gridid kind sm cta_x cta_y phase record (gridid: the launch's %gridid; record:
+// the stamping thread's record index; scripts/phase_stamps.py reads this format and the older one
+// without the header, whose second column was clock64).
 // Returns the number of entries written.
 long dump(const std::string& path);
 
