@@ -3,9 +3,12 @@
 
 A layer starts where its first main-lane kernel starts (its QA act quant, the QA GEMM that quantises
 x itself, or its fused Q chain kernel) and ends where the next layer's starts (the last layer: at
-the last kernel's end). Per layer it prints the time, when the main lane's q_rope_store (or fused
-chain) ends, when the layer's last kernel ends and which one that is, and the "tail": how long the
-side lanes run past the q_rope_store (the index-source layers' selection, typically). `--detail
+the last kernel's end). Per layer it prints the time ("us", start to start), the main lane's time
+("chain": its q_rope_store's or fused chain's end after the previous layer's; use this one where
+kernels launched early under PDL start on free SMs long before their predecessors end, as the fused
+chain does), when the main lane's q_rope_store (or fused chain) ends, when the layer's last kernel
+ends and which one that is, and the "tail": how long the side lanes run past the q_rope_store (the
+index-source layers' selection, typically). `--detail
 20,24` lists every kernel of those layers (stream, start, end, relative to the layer's start);
 `--json F` writes the table. Times are those of the traced cycle (CUPTI tracing inflates them:
 compare layers with each other, not with event-timed cycles).
@@ -59,6 +62,7 @@ def layers_of(kernels):
         raise ValueError("no act_quant, x-quantising QA GEMM or qchain_fused kernel in the trace: cannot find the layers")
     end_all = max(e["ts"] + e["dur"] for e in kernels)
     rows = []
+    prev_chain_end = None
     for i, s in enumerate(starts):
         nxt = starts[i + 1] if i + 1 < len(starts) else end_all
         ks = [e for e in kernels if s <= e["ts"] < nxt]
@@ -66,9 +70,18 @@ def layers_of(kernels):
         rope = [e["ts"] + e["dur"] - s for e in ks if "q_rope_store" in e["name"] or "qchain_fused" in e["name"]]
         rope_end = max(rope) if rope else None
         last_end = last["ts"] + last["dur"] - s
+        # The main lane's time for this layer: its chain's end (q_rope_store or fused chain) after
+        # the previous layer's. Unlike "us" (start to start), it does not shrink when a kernel
+        # launched early under PDL starts on a free SM long before its predecessor ends.
+        chain_end = None if rope_end is None else s + rope_end
+        chain = None
+        if chain_end is not None:
+            chain = chain_end - (prev_chain_end if prev_chain_end is not None else s)
+            prev_chain_end = chain_end
         rows.append({
             "layer": i,
             "us": nxt - s,
+            "chain_us": chain,
             "q_rope_store_end": rope_end,
             "last_end": last_end,
             "last_kernel": short_name(last["name"]),
@@ -92,10 +105,10 @@ def main(argv=None):
         print(f"trace_layers: {err}", file=sys.stderr)
         return 2
     fmt = lambda v: "-" if v is None else f"{v:.1f}"
-    print(f"{'layer':>5} {'us':>8} {'q_rope_store end':>17} {'last end':>9} {'tail':>7}  last kernel")
+    print(f"{'layer':>5} {'us':>8} {'chain':>7} {'q_rope_store end':>17} {'last end':>9} {'tail':>7}  last kernel")
     for r in rows:
-        print(f"{r['layer']:>5} {r['us']:>8.1f} {fmt(r['q_rope_store_end']):>17} {r['last_end']:>9.1f} "
-              f"{fmt(r['tail']):>7}  {r['last_kernel']}")
+        print(f"{r['layer']:>5} {r['us']:>8.1f} {fmt(r['chain_us']):>7} {fmt(r['q_rope_store_end']):>17} "
+              f"{r['last_end']:>9.1f} {fmt(r['tail']):>7}  {r['last_kernel']}")
     total = sum(r["us"] for r in rows)
     tails = sum(r["tail"] or 0.0 for r in rows)
     print(f"{len(rows)} layers, {total:.1f} us; side lanes past q_rope_store: {tails:.1f} us in all")
