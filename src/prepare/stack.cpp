@@ -366,6 +366,13 @@ struct GpuPrepareStack::Impl {
     sync();
     graphs.invalidate();
   }
+  // The options setters: a new value drops the captured graphs (they hold the old choice).
+  template <class T>
+  void set_option(T GpuStackOptions::*field, T v) {
+    if (o.*field == v) return;
+    invalidate_graphs();
+    o.*field = v;
+  }
 };
 
 void GpuPrepareStack::Impl::init() {
@@ -1179,55 +1186,15 @@ int64_t GpuPrepareStack::score_stride(int ratio) const {
   return impl_->score_stride_r[ratio];
 }
 
-void GpuPrepareStack::set_schedule(Schedule s) {
-  if (s == impl_->o.schedule) return;
-  impl_->invalidate_graphs();
-  impl_->o.schedule = s;
-}
-void GpuPrepareStack::set_pdl(bool pdl) {
-  if (pdl == impl_->o.pdl) return;
-  impl_->invalidate_graphs();
-  impl_->o.pdl = pdl;
-}
-void GpuPrepareStack::set_pdl_everywhere(bool on) {
-  if (on == impl_->o.pdl_everywhere) return;
-  impl_->invalidate_graphs();
-  impl_->o.pdl_everywhere = on;
-}
-void GpuPrepareStack::set_gemm_version(kernels::GemmVersion v) {
-  if (v == impl_->o.gemm) return;
-  impl_->invalidate_graphs();
-  impl_->o.gemm = v;
-}
-void GpuPrepareStack::set_s_fork(LayerIssue::SFork f) {
-  if (f == impl_->o.s_fork) return;
-  impl_->invalidate_graphs();
-  impl_->o.s_fork = f;
-}
-
-void GpuPrepareStack::set_fuse_rope_store(bool on) {
-  if (on == impl_->o.fuse_rope_store) return;
-  impl_->invalidate_graphs();
-  impl_->o.fuse_rope_store = on;
-}
-
-void GpuPrepareStack::set_fuse_qchain(Fusion f) {
-  if (f == impl_->o.fuse_qchain) return;
-  impl_->invalidate_graphs();
-  impl_->o.fuse_qchain = f;
-}
-
-void GpuPrepareStack::set_fuse_x_quant(Fusion f) {
-  if (f == impl_->o.fuse_x_quant) return;
-  impl_->invalidate_graphs();
-  impl_->o.fuse_x_quant = f;
-}
-
-void GpuPrepareStack::set_lane_prologue(bool on) {
-  if (on == impl_->o.lane_prologue) return;
-  impl_->invalidate_graphs();
-  impl_->o.lane_prologue = on;
-}
+void GpuPrepareStack::set_schedule(Schedule s) { impl_->set_option(&GpuStackOptions::schedule, s); }
+void GpuPrepareStack::set_pdl(bool pdl) { impl_->set_option(&GpuStackOptions::pdl, pdl); }
+void GpuPrepareStack::set_pdl_everywhere(bool on) { impl_->set_option(&GpuStackOptions::pdl_everywhere, on); }
+void GpuPrepareStack::set_gemm_version(kernels::GemmVersion v) { impl_->set_option(&GpuStackOptions::gemm, v); }
+void GpuPrepareStack::set_s_fork(LayerIssue::SFork f) { impl_->set_option(&GpuStackOptions::s_fork, f); }
+void GpuPrepareStack::set_fuse_rope_store(bool on) { impl_->set_option(&GpuStackOptions::fuse_rope_store, on); }
+void GpuPrepareStack::set_fuse_qchain(Fusion f) { impl_->set_option(&GpuStackOptions::fuse_qchain, f); }
+void GpuPrepareStack::set_fuse_x_quant(Fusion f) { impl_->set_option(&GpuStackOptions::fuse_x_quant, f); }
+void GpuPrepareStack::set_lane_prologue(bool on) { impl_->set_option(&GpuStackOptions::lane_prologue, on); }
 
 void GpuPrepareStack::prefill_device_random(const std::vector<int32_t>& context) {
   Impl& m = *impl_;

@@ -200,12 +200,17 @@ void gemm_fp8(const bf16_t* x, int64_t m, int64_t x_stride, const Fp8Matrix& w, 
   gemm_fp8(act_quant(x, m, w.k, x_stride), w, out, out_stride);
 }
 
-void gemm_bf16(const bf16_t* x, int64_t m, int64_t x_stride, const Bf16Matrix& w, bf16_t* out, int64_t out_stride) {
+namespace {
+// The bf16- and fp32-weight linears: x (bf16 rows) widened to fp32 once, the weight panels widened
+// by `weight_f32`, each fp32 output element stored by `store` (rounded to bf16 or kept).
+template <class Matrix, class Out, class WeightF32, class Store>
+void dense_linear(const bf16_t* x, int64_t m, int64_t x_stride, const Matrix& w, Out* out, int64_t out_stride,
+                  const char* who, WeightF32 weight_f32, Store store) {
   const int64_t n = w.n, k = w.k;
-  check_x(x, m, k, x_stride, "gemm_bf16");
-  if (static_cast<int64_t>(w.w.size()) != n * k) fail("gemm_bf16: weight array does not match n x k");
+  check_x(x, m, k, x_stride, who);
+  if (static_cast<int64_t>(w.w.size()) != n * k) fail(std::string(who) + ": weight array does not match n x k");
   if (m == 0 || n == 0) return;
-  check_out(out, out_stride, n, "gemm_bf16");
+  check_out(out, out_stride, n, who);
   std::vector<float> a(static_cast<size_t>(m * k));
   for (int64_t r = 0; r < m; ++r)
     for (int64_t kk = 0; kk < k; ++kk) a[static_cast<size_t>(r * k + kk)] = num::f32_from_bf16(x[r * x_stride + kk]);
@@ -214,28 +219,19 @@ void gemm_bf16(const bf16_t* x, int64_t m, int64_t x_stride, const Bf16Matrix& w
       [&](int64_t n0, float* panel) {
         for (int j = 0; j < kPanel; ++j)
           for (int64_t kk = 0; kk < k; ++kk)
-            panel[kk * kPanel + j] = n0 + j < n ? num::f32_from_bf16(w.w[static_cast<size_t>((n0 + j) * k + kk)]) : 0.0f;
+            panel[kk * kPanel + j] = n0 + j < n ? weight_f32(w.w[static_cast<size_t>((n0 + j) * k + kk)]) : 0.0f;
       },
-      [&](int64_t r, int64_t c, float v) { out[r * out_stride + c] = num::bf16_from_f32(v); });
+      [&](int64_t r, int64_t c, float v) { out[r * out_stride + c] = store(v); });
+}
+}  // namespace
+
+void gemm_bf16(const bf16_t* x, int64_t m, int64_t x_stride, const Bf16Matrix& w, bf16_t* out, int64_t out_stride) {
+  dense_linear(x, m, x_stride, w, out, out_stride, "gemm_bf16", [](bf16_t v) { return num::f32_from_bf16(v); },
+               [](float v) { return num::bf16_from_f32(v); });
 }
 
 void gemm_f32(const bf16_t* x, int64_t m, int64_t x_stride, const F32Matrix& w, float* out, int64_t out_stride) {
-  const int64_t n = w.n, k = w.k;
-  check_x(x, m, k, x_stride, "gemm_f32");
-  if (static_cast<int64_t>(w.w.size()) != n * k) fail("gemm_f32: weight array does not match n x k");
-  if (m == 0 || n == 0) return;
-  check_out(out, out_stride, n, "gemm_f32");
-  std::vector<float> a(static_cast<size_t>(m * k));
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t kk = 0; kk < k; ++kk) a[static_cast<size_t>(r * k + kk)] = num::f32_from_bf16(x[r * x_stride + kk]);
-  dense_gemm(
-      a, m, n, k,
-      [&](int64_t n0, float* panel) {
-        for (int j = 0; j < kPanel; ++j)
-          for (int64_t kk = 0; kk < k; ++kk)
-            panel[kk * kPanel + j] = n0 + j < n ? w.w[static_cast<size_t>((n0 + j) * k + kk)] : 0.0f;
-      },
-      [&](int64_t r, int64_t c, float v) { out[r * out_stride + c] = v; });
+  dense_linear(x, m, x_stride, w, out, out_stride, "gemm_f32", [](float v) { return v; }, [](float v) { return v; });
 }
 
 std::vector<float> dequant_fp8(const Fp8Matrix& w) {
