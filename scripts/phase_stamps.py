@@ -20,6 +20,7 @@ import argparse
 import bisect
 import collections
 import gzip
+import statistics
 
 KINDS = {1: "v2", 2: "v3", 3: "rmsnorm", 4: "act_quant", 5: "q_rope_store", 6: "qchain"}
 # The fused Q chain (gemm_qchain.cu): start, wait, act quant, QA weights, QA loop, partial counted,
@@ -57,6 +58,7 @@ def print_handoff(launches, t0):
     print("%-12s %4s %9s %9s %9s %9s %9s %9s" % ("kernel", "ctas", "at_us", "entry_mn", "entry_mx", "wait_mn",
                                                   "wait_mx", "dur"))
     prev_end = None
+    per_kind = collections.defaultdict(list)  # kind -> [(last wait after the previous end, duration)]
     for _, kind, g in launches:
         entry = [c.get(14, c.get(0)) for c in g if 14 in c or 0 in c]
         wait = [c[1] for c in g if 1 in c]
@@ -66,7 +68,15 @@ def print_handoff(launches, t0):
             print("%-12s %4d %9.1f %s %s %s %s %9.2f" % (
                 KINDS.get(kind, kind), len(g), (prev_end - t0) / 1000, rel(min(entry)), rel(max(entry)),
                 rel(min(wait) if wait else None), rel(max(wait) if wait else None), (end - min(entry)) / 1000))
+            if wait:
+                per_kind[kind].append(((max(wait) - prev_end) / 1000, (end - min(entry)) / 1000))
         prev_end = end
+    # Medians per kernel kind: when the launch's last CTA left its PDL wait after the previous
+    # launch's end (the hand-off's cost on the critical path), and the launch's length.
+    for kind in sorted(per_kind):
+        v = per_kind[kind]
+        print("median %-12s %4d launches: last wait %.2f us after the previous end, length %.2f us" % (
+            KINDS.get(kind, kind), len(v), statistics.median(x for x, _ in v), statistics.median(d for _, d in v)))
 
 
 def main():

@@ -67,7 +67,7 @@ if(V4ATTN_PYTHON3)
            COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/phase_stamps.py"
                    "${CMAKE_SOURCE_DIR}/tests/data/stamps_v2.txt" --handoff)
   set_tests_properties(scripts.phase_stamps_handoff PROPERTIES PASS_REGULAR_EXPRESSION
-    "qchain +2 +21\\.0 +-16\\.00 +0\\.30 +0\\.70 +4\\.00 +36\\.00")
+    "qchain +2 +21\\.0 +-16\\.00 +0\\.30 +0\\.70 +4\\.00 +36\\.00\nmedian qchain +1 launches: last wait 4\\.00 us after the previous end, length 36\\.00 us")
   add_test(NAME scripts.trace_layers_no_layers
            COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/trace_layers.py"
                    "${CMAKE_SOURCE_DIR}/tests/configs/missing_key.json")
