@@ -29,6 +29,7 @@
 #include "runtime/phase_stamps.h"
 #include "v4attn/config.h"
 #include "v4attn/plan.h"
+#include "v4attn/kernels/qchain.h"
 #include "v4attn/prepare/stack.h"
 #include "v4attn/reference/stack.h"
 #include "v4attn/reference/step.h"
@@ -487,8 +488,8 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       ->capture_default_str();
   sub->add_flag("--lane-prologue", o->lane_prologue, "Anchor both side lanes at the cycle start (lanes.h experiment)");
   sub->add_option("--fuse-x-quant", o->fuse_x_quant,
-                  "Let the wq_a|wkv v3 GEMM quantise x itself instead of a separate act-quant kernel: auto (steps of <= 8 "
-                  "rows, where it measured faster), on or off; same bytes")
+                  "Let the wq_a|wkv v3 GEMM quantise x itself instead of a separate act-quant kernel: auto (steps of <= " +
+                      std::to_string(prepare::kXQuantAutoRows) + " rows, where it measured faster), on or off; same bytes")
       ->check(CLI::IsMember({"auto", "on", "off"}))
       ->capture_default_str();
   sub->add_option("--v3-int-mask", o->v3_int_mask,
@@ -536,8 +537,9 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
                 "key on the q_rope_store kernel)");
   sub->add_option("--fuse-qchain", o->fuse_qchain,
                   "Plain layers as ONE kernel (act quant, wq_a|wkv, q_norm, wq_b + RoPE, window-K; kernels/qchain.h): "
-                  "auto (steps of <= 8 rows, where it measured faster or even), on (<= 16 rows) or off; the unfused chain's bytes "
-                  "(with the default --v3-int-mask)")
+                  "auto (steps of <= " + std::to_string(prepare::kQChainAutoRows) +
+                      " rows, where it measured faster or even), on (<= " + std::to_string(kernels::kQChainMaxRows) +
+                      " rows) or off; the unfused chain's bytes (with the default --v3-int-mask)")
       ->check(CLI::IsMember({"auto", "on", "off"}))
       ->capture_default_str();
   sub->add_flag("--idx-scores-main", o->idx_scores_main,

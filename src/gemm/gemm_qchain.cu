@@ -753,6 +753,15 @@ QcPlan make_plan(int T, int64_t dim, int64_t q_rank, int H, int sm_count) {
   return pl;
 }
 
+// The window-K store of the chain's kv columns: p.kv with the fields the chain owns (qchain.h).
+WindowKStoreParams window_k_of(const QChainFusedParams& p) {
+  WindowKStoreParams kv = p.kv;
+  kv.kv = p.qkv_a + p.q_rank;
+  kv.kv_row_stride = p.qkv_a_stride;
+  kv.T = p.T;
+  return kv;
+}
+
 size_t partial_bytes(int T_max, int64_t q_rank, int splits) {
   return static_cast<size_t>(splits) * static_cast<size_t>(T_max) * static_cast<size_t>(q_rank + kKvCols) * sizeof(float);
 }
@@ -793,7 +802,7 @@ void run_qchain_unfused(const QChainFusedParams& p, uint8_t* x_codes, uint8_t* x
   a.scale_stride = p.dim / 32;
   a.m = p.T;
   a.k = p.dim;
-  a.warps_per_cta = p.T == 1 ? 0 : p.T < 8 ? 16 : 32;  // the stack's automatic rule (GpuStackOptions::aq_warps)
+  a.warps_per_cta = act_quant_auto_warps(p.T);  // the stack's automatic rule (GpuStackOptions::aq_warps)
   run_act_quant_fp8(a, stream, pdl);
   // The two fp8 GEMMs: activations (codes, ue8m0 scales, dense rows of k) x a dense [n, k] weight.
   auto fp8 = [&p](const uint8_t* a_q, const uint8_t* a_scale, int64_t k, const uint8_t* w, const uint8_t* w_scale,
@@ -835,11 +844,7 @@ void run_qchain_unfused(const QChainFusedParams& p, uint8_t* x_codes, uint8_t* x
   b.rope_max_pos = p.kv.max_pos;
   b.rope_err = p.kv.err_count;
   run_gemm_fp8_rope_store(b, stream, pdl);
-  WindowKStoreParams kv = p.kv;
-  kv.kv = p.qkv_a + p.q_rank;
-  kv.kv_row_stride = p.qkv_a_stride;
-  kv.T = p.T;
-  run_window_k_store(kv, stream, pdl);
+  run_window_k_store(window_k_of(p), stream, pdl);
 }
 
 void run_qchain_fused(const QChainFusedParams& p, cudaStream_t stream, bool pdl) {
@@ -874,10 +879,7 @@ void run_qchain_fused(const QChainFusedParams& p, cudaStream_t stream, bool pdl)
           "workspace too small (qchain_fused_workspace_bytes)");
   require_aligned(p.workspace, 256, who, "workspace");
   // The window-K part: the same checks as run_window_k_store.
-  WindowKStoreParams kv = p.kv;
-  kv.kv = p.qkv_a + p.q_rank;
-  kv.kv_row_stride = p.qkv_a_stride;
-  kv.T = p.T;
+  const WindowKStoreParams kv = window_k_of(p);
   require(kv.kind == CacheKind::kWindowV41 || kv.kind == CacheKind::kWindowV4, who, "kv.kind must be kWindowV41 or kWindowV4");
   detail::require_cache(kv.layout, kv.kind, kv.cache, kv.n_slots, who);
   require_ptr(kv.kv_norm, who, "kv.kv_norm");

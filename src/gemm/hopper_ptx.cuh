@@ -1,7 +1,8 @@
-// Thin PTX wrappers for the sm_90a GEMMs v2 and v3 (gemm_wgmma.cu, gemm_wgmma_pipelined.cu) and the
-// selection v3's histogram exchange (kernels/indexer_select_v3.cu): mbarriers, TMA, ldmatrix, wgmma
-// fences / groups, setmaxnreg, thread-block clusters and distributed shared memory, and the two ways of widening e4m3 codes to f16 (the cvt instruction, or integer ops
-// with the result scaled by 2^-8). Device-only; every function is one or a few instructions.
+// Thin PTX wrappers for the sm_90a GEMMs v2 and v3 (gemm_wgmma.cu, gemm_wgmma_pipelined.cu), the
+// fused Q chain (gemm_qchain.cu) and the selection v3's histogram exchange
+// (kernels/indexer_select_v3.cu): mbarriers, TMA, ldmatrix, wgmma fences / groups, setmaxnreg,
+// thread-block clusters and distributed shared memory, and the two ways of widening e4m3 codes to
+// f16 (the cvt instruction, or integer ops with the result scaled by 2^-8). Device-only; every function is one or a few instructions.
 #pragma once
 
 #include <cstdint>

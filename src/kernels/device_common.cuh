@@ -62,7 +62,7 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 // code (every launch fetched its instructions from DRAM again), activations, split-K partials,
 // hand-off counters, the scores between the scores kernel and the top-k. Loads of bytes read once
 // per cycle take this policy (evict first) instead; the bytes are the same, only L2 replacement
-// changes. createpolicy is one instruction: kernels make it once and pass it on.
+// changes. createpolicy is one instruction (no memory access), so callers make it where they load.
 __device__ __forceinline__ uint64_t l2_policy_stream() {
   uint64_t policy;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));

@@ -269,7 +269,6 @@ __device__ __forceinline__ float lane_group_max(float v) {
 __device__ __forceinline__ uint8_t fp4_code_pair(float x0, float x1, float s) {
   return num::pack_e2m1(num::fp4_code(x0, s), num::fp4_code(x1, s));
 }
-// The two e4m3 codes of one pair at scale s, element 0 in the low byte.
 // The two e4m3 codes of one pair at the act quant scale 2^e, element 0 in the low byte.
 __device__ __forceinline__ uint16_t act_quant_code_pair(float x0, float x1, int e) {
   const float inv = num::act_quant_inv_scale(e);  // see num::act_quant_code_by_inv

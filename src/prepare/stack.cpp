@@ -250,6 +250,9 @@ struct GpuPrepareStack::Impl {
   float* scores = nullptr;       // [max_rows, max score stride]
   uint8_t* qchain_ws = nullptr;  // kernels/qchain.h workspace (null: the shape has no fused chain)
   size_t qchain_ws_bytes = 0;
+  // qchain_fused_supported at T rows (bit T), asked once at init: the rule queries the driver
+  // (SM count, execution affinity) and the MPS share, which a stack's life does not change.
+  uint32_t qchain_rows_ok = 0;
   uint8_t* select_ws = nullptr;  // multi-CTA top-k / candidate mask workspace (zeroed once; null: v1 kernels)
   size_t select_ws_bytes = 0;
 
@@ -547,6 +550,8 @@ void GpuPrepareStack::Impl::init() {
   if (qchain_ws_bytes > 0) {
     qchain_ws = alloc<uint8_t>(qchain_ws_bytes);
     kn::init_qchain_workspace(qchain_ws, qchain_ws_bytes, main());
+    for (int T = 1; T <= std::min(R, kn::kQChainMaxRows); ++T)
+      if (kn::qchain_fused_supported(T, dim, q_rank, H)) qchain_rows_ok |= 1u << T;
   }
 
   // Weights.
@@ -763,7 +768,7 @@ void GpuPrepareStack::Impl::issue_qa(int L, int T, cudaStream_t s) {
     a.scale_stride = dim / 32;
     a.m = T;
     a.k = dim;
-    a.warps_per_cta = o.aq_warps >= 0 ? o.aq_warps : T == 1 ? 0 : T < 8 ? 16 : 32;  // GpuStackOptions::aq_warps
+    a.warps_per_cta = o.aq_warps >= 0 ? o.aq_warps : kn::act_quant_auto_warps(T);  // GpuStackOptions::aq_warps
     kn::run_act_quant_fp8(a, s, pdl_rest());
     g.a_q = xq;
     g.a_stride = dim;
@@ -849,8 +854,8 @@ bool GpuPrepareStack::Impl::qchain_fused_layer(int L, int T) const {
   const int max_rows = o.fuse_qchain == Fusion::kOn ? kn::kQChainMaxRows
                        : o.fuse_qchain == Fusion::kAuto && o.gemm == kn::GemmVersion::kAuto ? kQChainAutoRows
                                                                                                    : 0;
-  return T <= max_rows && qchain_ws != nullptr && lp(L).work == (kWorkQA | kWorkQB | kWorkKV) &&
-         kn::qchain_fused_supported(T, dim, q_rank, H);
+  static_assert(kn::kQChainMaxRows < 32, "qchain_rows_ok holds one bit per row count");
+  return T <= max_rows && (qchain_rows_ok >> T & 1u) != 0 && lp(L).work == (kWorkQA | kWorkQB | kWorkKV);
 }
 
 void GpuPrepareStack::Impl::issue_qchain_fused(int L, int T, cudaStream_t s) {

@@ -1,6 +1,6 @@
 // CUPTI roles of the GPU prepare stack's kernels (include/v4attn/prepare/stack.h,
-// make_stack_classifier): names for q_rope_store (and the fused Q chain) and the window-K write, order on the stream for
-// the wq_b GEMM (its kernel is shared with the other fp8 GEMMs).
+// make_stack_classifier): names for q_rope_store (and the fused Q chain) and the window-K write,
+// order on the stream for the wq_b GEMM (its kernel is shared with the other fp8 GEMMs).
 #include <algorithm>
 #include <map>
 #include <set>

@@ -163,6 +163,9 @@ struct ActQuantParams {
   // for the predecessor, and a one-CTA-per-SM GEMM after it cannot use those SMs).
   int warps_per_cta = 0;
 };
+// The warps_per_cta the prepare stack picks by default for m rows (GpuStackOptions::aq_warps -1;
+// measured, docs/perf.md session 5 run 19): 0 (the kernel's 4) for one row, 16 for 2-7, 32 from 8.
+constexpr int act_quant_auto_warps(int64_t m) { return m == 1 ? 0 : m < 8 ? 16 : 32; }
 void run_act_quant_fp8(const ActQuantParams& p, cudaStream_t stream, bool pdl);
 
 // ---- workspace of the split-K tensor-core GEMMs --------------------------------------------------

@@ -22,9 +22,9 @@
 // run 6), fused vs unfused: 22.2 vs 26.8 us at 1 row, 25.2 vs 27.2 at 6, 26.2 vs 27.5 at 8, 35.0
 // vs 33.2 at 16 (its per-row work, q_norm in every CTA, grows with the rows). Session 10's gain:
 // the wq_b ring fill waits for the CTA's phase-0 loads (scales, q_norm weights, RoPE rows), which
-// had queued behind it. In the three-lane cycle faster up to 6 rows (decode bs 1 / 4 / 6: -4.1 /
-// -3.7 / -1.8 % against session 9's default; verify bs 1 -1.7 % against the unfused chain), even
-// at 8 and slower at 12 and 16 (it holds every SM while the index layers' side lanes want some):
+// had queued behind it. In the three-lane cycle (run 6, before the ring fill's pacing) faster up to
+// 6 rows (decode bs 1 / 4 -4.1 / -3.7 % against session 9's binary; decode bs 6 -1.8 %, verify bs 1
+// -1.7 % against --fuse-qchain off), even at 8 and slower at 12 and 16 (it holds every SM while the index layers' side lanes want some):
 // GpuStackOptions::fuse_qchain runs it by default at <= 8 rows (Fusion::kAuto).
 //
 // Co-residency: the counters are waited on by spinning CTAs, so every CTA must be resident at
