@@ -246,9 +246,10 @@ void run_gemm_f32(const F32GemmParams& p, GemmVersion version, cudaStream_t stre
   if (!aligned_to(p.w, 16)) fail(who, "w must be 16-byte aligned");
   if (!aligned_to(p.x, 8) || p.x_stride % 4 != 0) fail(who, "x must be 8-byte aligned with x_stride % 4 == 0");
   if (p.force_splits < 0) fail(who, "force_splits < 0");
-  // kAuto: v1. v5 fp32 was measured slower than v1 at every m <= 32 (skinny_gemm_preferred);
-  // kSkinny still runs it (it validates its own extra requirements: 16-byte x, whole K blocks).
-  if (version == GemmVersion::kAuto) version = GemmVersion::kTensorCore;
+  // kAuto: v5 (tensor cores) where f32_skinny_preferred and its requirements hold, else v1.
+  if (version == GemmVersion::kAuto)
+    version = f32_skinny_preferred(p.m, p.n, p.k) && aligned_to(p.x, 16) && p.x_stride % 8 == 0 ? GemmVersion::kSkinny
+                                                                                                : GemmVersion::kTensorCore;
   switch (version) {
     case GemmVersion::kSimple: detail::launch_gemm_f32_simple(p, stream, pdl); return;
     case GemmVersion::kSkinny: {

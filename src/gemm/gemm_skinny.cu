@@ -30,13 +30,16 @@
 // are zero (never loaded). R grows with m (1 for m <= 16, 2 for m <= 32, 4 above; never more rows
 // than n needs, never below 128 CTAs) so that each activation byte is re-read by fewer CTAs.
 //
-// fp32 (template TOK >= m, a power of two; block_n = 32): lane l owns weight row l of the tile.
-// Slot: 32 weight rows x 128 bytes with the 16-byte chunk c of row r at chunk c ^ (r % 8) (the 8
-// lanes of a quarter-warp read 8 rows at one logical chunk: 8 distinct bank groups), then the m token
-// rows as bf16 (64 bytes each). Per K block the warp first widens the block's activations to fp32
-// into its own [m][32] buffer (each value once per warp, not once per lane), then every lane runs
-// acc[tok] = fma(x, w, acc[tok]) over the block's 32 k in increasing order (x read as broadcast
-// float4s). So each warp's partial is the reference's sequential order over its part, with fma.
+// fp32 (template NT = ceil(m / 8) n8 token tiles; block_n = 32 = two m16 tiles): tensor cores on exact
+// products. Slot: 32 weight rows x 128 bytes with the 16-byte chunk c of row r at chunk c ^ (r % 8)
+// (a quarter-warp reads rows g, g + 1 at chunks 2t (+1) ^ g: 8 distinct bank groups), then 8 NT token
+// rows as bf16 (64 bytes each; rows >= m zero, as bf16). Thread (g, t) loads elements 8t .. 8t + 7 of
+// its rows g, g + 8 (two float4 each), splits every weight into three bf16 parts (w = hi + mid + lo
+// exactly, truncations: split_f32_pair) and runs, per m16 tile and token tile, six chained m16n8k16
+// mmas from zero (lo, mid, hi of elements 8t + 0..3, then of 8t + 4..7: the bf16 path's K
+// permutation), acc = add_rn(acc, blocksum). Why not the CUDA cores: at m = 32 the fma form is ~40 us
+// of issue for a 4.9 us stream (it was v5's fp32 path until session 11); the split costs ~11 ALU
+// operations per weight pair whatever m is.
 //
 // Epilogue (both): after a CTA barrier (the reduction buffer aliases the rings) every warp stores
 // its fp32 partial tile [m][block_n]; thread e of the CTA adds the 4 warps' values in warp order
@@ -67,7 +70,8 @@ constexpr size_t kSmemBudget = 100 * 1024;      // per CTA, for the rings: two C
 constexpr size_t kSmemLimit = 227 * 1024;       // sm_90 opt-in dynamic shared memory per block
 constexpr int kBf16RowBytes = kGemmBlock * 2;   // one K block of bf16 (64 B)
 constexpr int kF32RowBytes = kGemmBlock * 4;    // one K block of fp32 (128 B)
-constexpr int kF32Rows = 32;                    // fp32: weight rows per CTA (one per lane)
+constexpr int kF32Rows = 32;                    // fp32: weight rows per CTA (two m16 tiles)
+constexpr int kF32Chunks = kF32RowBytes / 16;   // 8 float4 per weight row and block
 constexpr size_t kBarrierBytes = kWarps * kMaxDepth * 8;  // one mbarrier per slot of every warp's ring
 
 struct SkinnyParams {
@@ -80,7 +84,7 @@ struct SkinnyParams {
   int splits = 1;           // S: CTAs per output tile (= cluster size)
   int depth = 1;            // D: slots of each warp's ring
   uint32_t slot_bytes = 0;  // one slot (multiple of 64)
-  uint32_t warp_bytes = 0;  // one warp's region: D slots (+ fp32: the widened-x buffer), multiple of 128
+  uint32_t warp_bytes = 0;  // one warp's region: D slots, multiple of 128
   uint32_t bar_offset = 0;  // the mbarriers [kWarps][D] (8 bytes each), past the rings / reduction buffer
 };
 
@@ -311,18 +315,35 @@ __global__ void __launch_bounds__(kThreads) gemm_bf16_skinny_kernel(const __grid
 }
 
 // ---- fp32 ---------------------------------------------------------------------------------------------
-template <int TOK>
+// w = hi + mid + lo exactly, each part a bf16 value: truncations, so every step is exact (w - hi and
+// r1 - mid are exact fp32 differences, r2 keeps at most 8 significant bits). `pack_hi` gathers the
+// upper halves of two fp32 words (elements k, k + 1) into one bf16x2 A-fragment register.
+__device__ __forceinline__ uint32_t pack_hi(uint32_t a, uint32_t b) { return __byte_perm(a, b, 0x7632); }
+struct SplitPair {
+  uint32_t hi, mid, lo;  // bf16x2: low half element k, high half element k + 1
+};
+__device__ __forceinline__ SplitPair split_f32_pair(float a, float b) {
+  constexpr uint32_t kTop = 0xffff0000u;
+  const uint32_t ua = num::f32_bits(a), ub = num::f32_bits(b);
+  const float ra = __fsub_rn(a, num::f32_from_bits(ua & kTop)), rb = __fsub_rn(b, num::f32_from_bits(ub & kTop));
+  const uint32_t va = num::f32_bits(ra), vb = num::f32_bits(rb);
+  const float sa = __fsub_rn(ra, num::f32_from_bits(va & kTop)), sb = __fsub_rn(rb, num::f32_from_bits(vb & kTop));
+  return {pack_hi(ua, ub), pack_hi(va, vb), pack_hi(num::f32_bits(sa), num::f32_bits(sb))};
+}
+
+template <int NT>
 __global__ void __launch_bounds__(kThreads) gemm_f32_skinny_kernel(const __grid_constant__ SkinnyParams p) {
-  constexpr int BN = kF32Rows;
-  constexpr int kChunks = kF32RowBytes / 16;  // 8 float4 per weight row and block
+  constexpr int BN = kF32Rows;  // two m16 tiles, every warp all of them
+  constexpr int BM = 8 * NT;    // token rows per slot (rows >= m are zero)
   extern __shared__ __align__(128) uint8_t smem[];
 
   const int tid = static_cast<int>(threadIdx.x), lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
   const int row0 = static_cast<int>(blockIdx.x) * BN, split = static_cast<int>(blockIdx.y);
   const int grp = static_cast<int>(blockIdx.z);
   const int64_t k = static_cast<int64_t>(p.k_blocks) * kGemmBlock;
   const WarpPart part = warp_part(p, split, warp);
-  const int rows_valid = min(BN, p.n - row0);  // > 0
+  const int rows_valid = min(BN, p.n - row0);  // > 0; rows past it hold stale bytes, never stored
 
   const float* w = static_cast<const float*>(p.w) + grp * p.w_group_stride + row0 * k +
                    static_cast<int64_t>(part.begin) * kGemmBlock;
@@ -330,7 +351,6 @@ __global__ void __launch_bounds__(kThreads) gemm_f32_skinny_kernel(const __grid_
   uint8_t* ring = smem + warp * p.warp_bytes;
   const uint32_t ring_s = hopper::smem_u32(ring);
   const int depth = p.depth;
-  float* xf = reinterpret_cast<float*>(ring + depth * p.slot_bytes);  // [m][32] widened activations
   const uint32_t bar0 = hopper::smem_u32(smem + p.bar_offset) + 8u * static_cast<uint32_t>(warp * depth);
   const bool w_lane = lane < kLoaderLanes;
   const uint64_t stream = dev::l2_policy_stream();  // weights: read once per cycle
@@ -340,8 +360,8 @@ __global__ void __launch_bounds__(kThreads) gemm_f32_skinny_kernel(const __grid_
     const uint32_t dst = ring_s + static_cast<uint32_t>(it % depth) * p.slot_bytes;
     if (w_lane) {
 #pragma unroll
-      for (int i = 0; i < BN * kChunks / kLoaderLanes; ++i) {
-        const int c = lane + kLoaderLanes * i, r = c / kChunks, ch = c % kChunks;
+      for (int i = 0; i < BN * kF32Chunks / kLoaderLanes; ++i) {
+        const int c = lane + kLoaderLanes * i, r = c / kF32Chunks, ch = c % kF32Chunks;
         if (r < rows_valid)
           dev::cp_async16_stream(dst + static_cast<uint32_t>(r * kF32RowBytes + ((ch ^ (r & 7)) << 4)),
                                  w + r * k + it * kGemmBlock + ch * 4, stream);
@@ -357,39 +377,66 @@ __global__ void __launch_bounds__(kThreads) gemm_f32_skinny_kernel(const __grid_
   const int pre = min(depth, part.count);
   if (w_lane)
     for (int s = 0; s < pre; ++s) load(s);
+  for (int s = 0; s < pre; ++s)  // token rows m..BM-1 stay zero (never loaded)
+    for (int c = p.m * 4 + lane; c < BM * 4; c += 32)
+      *reinterpret_cast<uint4*>(ring + s * p.slot_bytes + BN * kF32RowBytes + c * 16) = make_uint4(0u, 0u, 0u, 0u);
+  __syncwarp();
   dev::pdl_wait();
   if (!w_lane)
     for (int s = 0; s < pre; ++s) load(s);
 
-  float acc[TOK];
+  float acc[2][NT][4];
 #pragma unroll
-  for (int i = 0; i < TOK; ++i) acc[i] = 0.0f;
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
+  const float zero4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 
-  // ---- main loop ------------------------------------------------------------------------------------------
+  // ---- main loop: one K block per iteration ------------------------------------------------------------
+  // Thread (g, t) takes elements 8t .. 8t + 7 of its rows (mt * 16 + g, + 8) and tokens (nt * 8 + g):
+  // elements 8t + 0..3 feed mma 0 of the block, 8t + 4..7 mma 1 (the bf16 path's K permutation).
   for (int it = 0; it < part.count; ++it) {
     hopper::mbar_wait(bar0 + 8u * static_cast<uint32_t>(it % depth), static_cast<uint32_t>((it / depth) & 1));
     const uint8_t* ws = ring + (it % depth) * p.slot_bytes;
-    const bf16_t* xs = reinterpret_cast<const bf16_t*>(ws + BN * kF32RowBytes);
-    for (int tok = 0; tok < p.m; ++tok) xf[tok * kGemmBlock + lane] = num::f32_from_bf16(xs[tok * kGemmBlock + lane]);
-    __syncwarp();  // the widened block is visible to the warp
-    const uint8_t* wrow = ws + lane * kF32RowBytes;
+    const uint8_t* xs = ws + BN * kF32RowBytes;
+    uint32_t af[3][2][2][4];  // [part hi / mid / lo][m16 tile][mma of the block][A fragment]
 #pragma unroll
-    for (int c = 0; c < kChunks; ++c) {
-      const float4 wv = *reinterpret_cast<const float4*>(wrow + ((c ^ (lane & 7)) << 4));  // k = 4c .. 4c + 3
+    for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-      for (int tok = 0; tok < TOK; ++tok) {
-        if (tok < p.m) {
-          const float4 xv = *reinterpret_cast<const float4*>(xf + tok * kGemmBlock + 4 * c);  // broadcast
-          float a = acc[tok];
-          a = __fmaf_rn(xv.x, wv.x, a);  // increasing k: the reference's order
-          a = __fmaf_rn(xv.y, wv.y, a);
-          a = __fmaf_rn(xv.z, wv.z, a);
-          a = __fmaf_rn(xv.w, wv.w, a);
-          acc[tok] = a;
+      for (int h = 0; h < 2; ++h) {  // the two 16-byte chunks 2t, 2t + 1 (row % 8 == g % 8 for both rows)
+        const int r = mt * 16 + g, sw = ((2 * t + h) ^ (g & 7)) << 4;
+        const float4 u = *reinterpret_cast<const float4*>(ws + r * kF32RowBytes + sw);
+        const float4 v = *reinterpret_cast<const float4*>(ws + (r + 8) * kF32RowBytes + sw);
+        const SplitPair u01 = split_f32_pair(u.x, u.y), u23 = split_f32_pair(u.z, u.w);
+        const SplitPair v01 = split_f32_pair(v.x, v.y), v23 = split_f32_pair(v.z, v.w);
+        const SplitPair* q[4] = {&u01, &v01, &u23, &v23};  // A fragment order: (g, k01), (g+8, k01), (g, k23), (g+8, k23)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          af[0][mt][h][i] = q[i]->hi;
+          af[1][mt][h][i] = q[i]->mid;
+          af[2][mt][h][i] = q[i]->lo;
         }
       }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const uint4 b = *reinterpret_cast<const uint4*>(xs + (nt * 8 + g) * kBf16RowBytes + t * 16);  // token nt*8+g
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        // Block sum from zero, smallest parts first: every product (bf16 x bf16) is exact in fp32.
+        float d[4];
+        mma_bf16_16816(d, af[2][mt][0], b.x, b.y, zero4);
+        mma_bf16_16816(d, af[1][mt][0], b.x, b.y, d);
+        mma_bf16_16816(d, af[0][mt][0], b.x, b.y, d);
+        mma_bf16_16816(d, af[2][mt][1], b.z, b.w, d);
+        mma_bf16_16816(d, af[1][mt][1], b.z, b.w, d);
+        mma_bf16_16816(d, af[0][mt][1], b.z, b.w, d);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[mt][nt][i] = num::add_rn(acc[mt][nt][i], d[i]);
+      }
     }
-    __syncwarp();  // every lane is done with the slot and with xf
+    __syncwarp();  // every lane is done with the slot before it is refilled
     if (it + depth < part.count) load(it + depth);
   }
   cp_async_wait_all();
@@ -399,9 +446,16 @@ __global__ void __launch_bounds__(kThreads) gemm_f32_skinny_kernel(const __grid_
   __syncthreads();  // the reduction buffer aliases every warp's ring
   float* red = reinterpret_cast<float*>(smem);
   const int mn = p.m * BN;
+  // Element (mt, nt, i): row mt*16 + g + (i >= 2 ? 8 : 0), token nt*8 + 2t + (i & 1).
 #pragma unroll
-  for (int tok = 0; tok < TOK; ++tok)
-    if (tok < p.m) red[warp * mn + tok * BN + lane] = acc[tok];  // rows >= rows_valid: never read
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int row = mt * 16 + g + (i >= 2 ? 8 : 0), tok = nt * 8 + 2 * t + (i & 1);
+        if (tok < p.m) red[warp * mn + tok * BN + row] = acc[mt][nt][i];  // rows >= rows_valid: never read
+      }
   float* out = static_cast<float*>(p.out) + grp * p.out_group_stride + row0;
   reduce_and_store<BN>(p, red, rows_valid, split, [&](int tok, int row, float v) { out[tok * p.out_stride + row] = v; });
 }
@@ -424,27 +478,29 @@ SkinnyKernel pick_bf16_kernel(int nt) {
 }
 
 SkinnyKernel pick_f32_kernel(int m) {
-  if (m <= 1) return gemm_f32_skinny_kernel<1>;
-  if (m <= 2) return gemm_f32_skinny_kernel<2>;
-  if (m <= 4) return gemm_f32_skinny_kernel<4>;
-  if (m <= 8) return gemm_f32_skinny_kernel<8>;
-  if (m <= 16) return gemm_f32_skinny_kernel<16>;
-  if (m <= 32) return gemm_f32_skinny_kernel<32>;
-  if (m <= kGemmMaxRows) return gemm_f32_skinny_kernel<64>;
-  throw std::invalid_argument("gemm v5: m must be 1..64");
+  switch ((m + 7) / 8) {
+    case 1: return gemm_f32_skinny_kernel<1>;
+    case 2: return gemm_f32_skinny_kernel<2>;
+    case 3: return gemm_f32_skinny_kernel<3>;
+    case 4: return gemm_f32_skinny_kernel<4>;
+    case 5: return gemm_f32_skinny_kernel<5>;
+    case 6: return gemm_f32_skinny_kernel<6>;
+    case 7: return gemm_f32_skinny_kernel<7>;
+    case 8: return gemm_f32_skinny_kernel<8>;
+    default: throw std::invalid_argument("gemm v5: m must be 1..64");
+  }
 }
 
 // Per-warp ring geometry of a plan (host; the kernels get it through SkinnyParams).
 struct RingGeometry {
-  size_t slot_bytes = 0, xf_bytes = 0, warp_bytes = 0;
+  size_t slot_bytes = 0, warp_bytes = 0;
 };
 RingGeometry ring_geometry(bool f32, int m, int warp_mtiles, int depth) {
   RingGeometry g;
   const int nt = std::max(1, (m + 7) / 8);
-  g.slot_bytes = f32 ? static_cast<size_t>(kF32Rows * kF32RowBytes + m * kBf16RowBytes)
+  g.slot_bytes = f32 ? static_cast<size_t>(kF32Rows * kF32RowBytes + 8 * nt * kBf16RowBytes)
                      : static_cast<size_t>((16 * warp_mtiles + 8 * nt) * kBf16RowBytes);
-  g.xf_bytes = f32 ? static_cast<size_t>(m) * kF32RowBytes : 0;
-  g.warp_bytes = (static_cast<size_t>(depth) * g.slot_bytes + g.xf_bytes + 127) / 128 * 128;
+  g.warp_bytes = (static_cast<size_t>(depth) * g.slot_bytes + 127) / 128 * 128;
   return g;
 }
 
@@ -472,13 +528,19 @@ void launch_skinny(const char* name, SkinnyKernel kernel, SkinnyParams t, const 
 // at m >= 24 on every small projection (c1 wkv m=32: 10.9 vs 31.3 us), on wk (k 512) at every m
 // (3.6 vs 5.6 us at m=6) and on c1 wkv (n 512) from m = 2 (8.6 vs 10.3 us at m=6); v1 wins on
 // c1 wkv at m=1 (7.0 vs 8.5) and on weights_proj (n 32) below m = 24 (7.0 vs 7.7 at m=6).
-// fp32 (the ratio-2 compressor): v1 was faster at every m <= 32 (12.4 vs 23.5 us at m=6), so
-// kAuto never picks v5 for run_gemm_f32 (gemm_api.cu); kSkinny still runs it when asked.
-bool skinny_gemm_preferred(int m, int64_t n, int64_t k) {
-  const bool shape_ok =
-      m >= 1 && m <= kGemmMaxRows && n >= 1 && n <= 1024 && k >= kGemmBlock && k <= 8192 && k % kGemmBlock == 0;
-  return shape_ok && (m >= 24 || k <= 1024 || (n >= 128 && m >= 2));
+namespace {
+bool skinny_shape_ok(int m, int64_t n, int64_t k) {
+  return m >= 1 && m <= kGemmMaxRows && n >= 1 && n <= 1024 && k >= kGemmBlock && k <= 8192 && k % kGemmBlock == 0;
 }
+}  // namespace
+bool skinny_gemm_preferred(int m, int64_t n, int64_t k) {
+  return skinny_shape_ok(m, n, k) && (m >= 24 || k <= 1024 || (n >= 128 && m >= 2));
+}
+// fp32 (the ratio-2 compressor, session 11, bench_gemm graph timing with PDL, us): the tensor-core
+// v5 beats v1 from m = 16 (20.1 vs 20.9; m = 24: 19.6 vs 38.3, m = 64: 31.1 vs 78.4) and loses below
+// (m = 1 / 6 / 12: 16.1 / 16.0 / 20.1 vs 6.9 / 11.4 / 17.0: its per-warp rings stream slower than
+// v1's direct loads while the arithmetic is small).
+bool f32_skinny_preferred(int m, int64_t n, int64_t k) { return skinny_shape_ok(m, n, k) && m >= 16; }
 
 GemmPlan plan_gemm_skinny(int m, int64_t n, int64_t k, int groups, bool f32, int force_splits, int force_mtiles) {
   auto fail = [](const std::string& what) { throw std::invalid_argument("plan_gemm_skinny: " + what); };
@@ -525,7 +587,7 @@ GemmPlan plan_gemm_skinny(int m, int64_t n, int64_t k, int groups, bool f32, int
   const int64_t max_part = (kb + s * kWarps - 1) / (s * kWarps);
   const RingGeometry one = ring_geometry(f32, m, r, 1);
   const size_t per_warp = kSmemBudget / kWarps;
-  const int64_t fit = per_warp > one.xf_bytes ? static_cast<int64_t>((per_warp - one.xf_bytes) / one.slot_bytes) : 0;
+  const int64_t fit = static_cast<int64_t>(per_warp / one.slot_bytes);
   plan.stages = static_cast<int>(std::clamp<int64_t>(std::min<int64_t>(fit, max_part), 1, kMaxDepth));
   const RingGeometry geo = ring_geometry(f32, m, r, plan.stages);
   const size_t ring = kWarps * geo.warp_bytes;

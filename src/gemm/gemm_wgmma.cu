@@ -58,9 +58,10 @@
 // canonical layout, 8-row groups 1024 B apart = SBO), decoded weight scales [block_n/32][kb_cta]
 // and activation scales [kb_cta][NP] (fp32), the mbarriers.
 //
-// Epilogue: as v1: S == 1 stores bf16 directly; S > 1 stores the fp32 partial tile, the last CTA of
-// a tile (arrival counter) adds the S partials in split order and stores bf16, then resets the
-// counter. dev::pdl_launch_dependents() follows the main loop.
+// Epilogue: S == 1 rounds the tile to bf16 into the (then dead) weight ring and stores 16-byte row
+// pieces (wgmma_fp8::store_tile_bf16_staged, shared with v3); S > 1 stores the fp32 partial tile, the
+// last CTA of a tile (arrival counter) adds the S partials in split order and stores bf16, then
+// resets the counter. dev::pdl_launch_dependents() follows the main loop.
 #include <cuda.h>
 
 #include <algorithm>
@@ -149,6 +150,7 @@ struct WgmmaParams {
   int prewait_stages = 0;    // weight stages of the first ring fill issued before the PDL wait
   int prewait_pace_ns = 0;   // Fp8GemmParams::prewait_pace_ns
   int overlap = 1;           // consumer loop on full stages: 0 / 1 / 2 (Fp8GemmParams::v2_overlap)
+  int out_vec = 0;           // S == 1: 2 = 16-byte output stores allowed, else element by element
   // kRope (run_gemm_fp8_rope_store): q_rope_store in the epilogue (S == 1 only).
   const int32_t* rope_pos = nullptr;  // [m]
   const float* rope_table = nullptr;  // [rope_max_pos, 64] (cos, sin) interleaved
@@ -437,14 +439,10 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
       }
     return;
   }
-  if (p.splits == 1) {
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int i = 0; i < R; ++i) {
-        const int n = out_col(mt, i), m = out_tok(i);
-        if (m < p.m && n < p.n) out[m * p.out_stride + n] = num::bf16_from_f32(acc[mt][i]);
-      }
+  if (p.splits == 1) {  // staged through the weight ring (dead once both consumer warpgroups are here)
+    named_barrier_sync(kConsumerBarrierId, kConsumerThreads);
+    wgmma_fp8::store_tile_bf16_staged<MT, NP, kConsumerThreads>(acc, smem + L.w, out, p.out_stride, p.m, p.n, row0, wgc, w,
+                                                               g, t, ctid, p.out_vec, kConsumerBarrierId);
     if (ctid == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kGemmV2, 4);
     return;
   }
@@ -601,6 +599,8 @@ void launch_gemm_fp8_wgmma(const Fp8GemmParams& p, const GemmPlan& plan, const G
   t.prewait_stages = p.prewait_stages < 0 ? plan.stages : p.prewait_stages;
   t.prewait_pace_ns = p.prewait_pace_ns;
   t.overlap = p.v2_overlap < 0 ? 2 : p.v2_overlap;  // 2 runs as 1 where m > 32
+  const bool one_group = p.groups == 1;
+  t.out_vec = aligned_to(p.out, 16) && p.out_stride % 8 == 0 && (one_group || p.out_group_stride % 8 == 0) ? 2 : 0;
   if (plan.splits > 1) {
     uint8_t* wsb = static_cast<uint8_t*>(ws.data);
     t.counters = reinterpret_cast<uint32_t*>(wsb);

@@ -82,6 +82,7 @@
 #include "gemm/hopper_ptx.cuh"
 #include "gemm/tensor_map.h"
 #include "gemm/wgmma_f16.cuh"
+#include "gemm/wgmma_fp8_block.cuh"
 #include "kernels/device_common.cuh"
 #include "kernels/prepare_common.cuh"
 #include "runtime/launch.h"
@@ -617,35 +618,8 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
   named_barrier_sync(kConsumerBarrierId, kConsumerThreads);  // every consumer is done with the rings
   bf16_t* out = p.out + grp * p.out_group_stride;
   if (p.splits == 1) {
-    constexpr int kStride = BN + 8;  // bf16 elements per staged row (conflict-free, 16-byte rows)
-    bf16_t* stage = reinterpret_cast<bf16_t*>(smem + L.epi);
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int i = 0; i < R; ++i) {
-        const int nl = (wgc * MT + mt) * 64 + 16 * w + g + ((i & 2) ? 8 : 0);
-        const int tok = 8 * (i >> 2) + 2 * t + (i & 1);
-        if (tok < p.m) stage[tok * kStride + nl] = num::bf16_from_f32(acc[mt][i]);
-      }
-    named_barrier_sync(kConsumerBarrierId, kConsumerThreads);
-    constexpr int kChunks = BN / 8;  // 16-byte pieces per token
-    for (int e = ctid; e < p.m * kChunks; e += kConsumerThreads) {
-      const int tok = e / kChunks, nc = e - tok * kChunks;
-      const int n = row0 + 8 * nc;
-      if (n >= p.n) continue;  // n is a multiple of 32: a piece is all in or all out
-      const uint4 v = *reinterpret_cast<const uint4*>(stage + tok * kStride + 8 * nc);
-      bf16_t* dst = out + tok * p.out_stride + n;
-      if (p.out_vec == 2) {
-        *reinterpret_cast<uint4*>(dst) = v;
-      } else {
-        const uint32_t wv[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int h = 0; h < 4; ++h) {
-          dst[2 * h] = static_cast<bf16_t>(wv[h] & 0xFFFFu);
-          dst[2 * h + 1] = static_cast<bf16_t>(wv[h] >> 16);
-        }
-      }
-    }
+    wgmma_fp8::store_tile_bf16_staged<MT, NP, kConsumerThreads>(acc, smem + L.epi, out, p.out_stride, p.m, p.n, row0, wgc, w,
+                                                               g, t, ctid, p.out_vec, kConsumerBarrierId);
     return;
   }
 

@@ -74,6 +74,50 @@ struct BlockOps {
   }
 };
 
+// The one-split epilogue of the fp8 wgmma GEMMs (v2, v3): the consumers' accumulators, element
+// (mt, i) = CTA row (wgc*MT + mt)*64 + 16w + g + (i & 2 ? 8 : 0), token 8 (i / 4) + 2t + (i & 1),
+// rounded to bf16 into a staged tile [m][BN + 8] (conflict-free: a warp's 32 stores hit 16 words
+// of distinct banks), then written out in 16-byte row pieces (out_vec == 2) or element by element.
+// A per-element global store from the fragment layout writes 2 bytes per lane, 16-byte pieces
+// scattered over 4 rows, in an unrolled straight-line block that misses the instruction cache
+// once per launch (Nsight Compute, v2 at m = 64: a quarter of the kernel's samples). The caller
+// has synchronised the consumers (the stage aliases the weight ring); `bar` is their named barrier.
+template <int MT, int NP, int kThreads>
+__device__ __forceinline__ void store_tile_bf16_staged(const float (&acc)[MT][NP / 2], uint8_t* stage_smem, bf16_t* out,
+                                                       int64_t out_stride, int m, int n, int row0, int wgc, int w,
+                                                       int g, int t, int ctid, int out_vec, uint32_t bar) {
+  constexpr int BN = 128 * MT;      // rows per CTA (two consumer warpgroups)
+  constexpr int kStride = BN + 8;   // bf16 elements per staged row (16-byte rows)
+  constexpr int kChunks = BN / 8;   // 16-byte pieces per token
+  bf16_t* stage = reinterpret_cast<bf16_t*>(stage_smem);
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int i = 0; i < NP / 2; ++i) {
+      const int nl = (wgc * MT + mt) * 64 + 16 * w + g + ((i & 2) ? 8 : 0);
+      const int tok = 8 * (i >> 2) + 2 * t + (i & 1);
+      if (tok < m) stage[tok * kStride + nl] = num::bf16_from_f32(acc[mt][i]);
+    }
+  hopper::named_barrier_sync(bar, kThreads);
+  for (int e = ctid; e < m * kChunks; e += kThreads) {
+    const int tok = e / kChunks, nc = e - tok * kChunks;
+    const int col = row0 + 8 * nc;
+    if (col >= n) continue;  // n is a multiple of 32: a piece is all in or all out
+    const uint4 v = *reinterpret_cast<const uint4*>(stage + tok * kStride + 8 * nc);
+    bf16_t* dst = out + tok * out_stride + col;
+    if (out_vec == 2) {
+      *reinterpret_cast<uint4*>(dst) = v;
+    } else {
+      const uint32_t wv[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int h = 0; h < 4; ++h) {
+        dst[2 * h] = static_cast<bf16_t>(wv[h] & 0xFFFFu);
+        dst[2 * h + 1] = static_cast<bf16_t>(wv[h] >> 16);
+      }
+    }
+  }
+}
+
 // The RoPE store's value for the bf16 GEMM output x at column n (dim n % 512 of its head; dims
 // 448..511 rotate in (even, odd) pairs) given its pair partner (column n ^ 1) and the row's table
 // entries (64 floats, (cos, sin) interleaved): q_rope_store's arithmetic on the same values.

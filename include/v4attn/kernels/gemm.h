@@ -49,8 +49,9 @@
 //    again into 4 contiguous parts; each warp streams its own part through a private cp.async ring
 //    (16-byte copies; up to 8 K blocks in flight per warp; weights of the first slots issued before
 //    the PDL wait), so ~256 CTAs stream at m = 1. bf16: mma.sync m16n8k16 as v1 (block_n = 16,
-//    32 or 64 rows by m: fewer activation re-reads at larger m). fp32: CUDA cores, one weight row
-//    per lane (block_n = 32), x widened to fp32 once per warp and K block. The 4 S partial sums
+//    32 or 64 rows by m: fewer activation re-reads at larger m). fp32: mma.sync m16n8k16 bf16 too
+//    (block_n = 32): x is bf16, so exact in bf16; each fp32 weight is split in registers into three
+//    bf16 parts whose sum is the weight (below), so every product is exact. The 4 S partial sums
 //    of an output are reduced in a fixed order (warps in the CTA, then the cluster's CTAs through
 //    distributed shared memory): no workspace, no second kernel. fp8 calls given kSkinny run
 //    kAuto's fp8 choice. Numerics below.
@@ -93,15 +94,18 @@
 //    depends only on (n, k, groups); the rows per CTA depend on m but not the order, so a token's
 //    output does not depend on the batch it is in (tested). Within 1 bf16 ulp of the reference
 //    in rare elements, like v1 (another split structure than v1's, so v1 and v5 may differ by 1 ulp).
-//  - v5 (kSkinny), fp32: per output, each of the P = 4 S contiguous K parts (as above) is ONE
-//    sequential fma chain in increasing k from +0 (the reference's order, with a fused multiply-add
-//    instead of mul_rn then add_rn), then the same fixed reduction of the P partials. Error: the
-//    exact sum s = sum_k x_k w_k and a = sum_k |x_k w_k| give |v5 - s| <= (K/P + P) u a (u = 2^-24,
-//    to first order: each part is a recursive sum of <= ceil(K/P) fma-rounded terms, then P - 1 more
-//    additions), and the reference has |ref - s| <= K u a (2 roundings per term, K terms in a
-//    chain; its products round too), so |v5 - ref| <= (2K + 8) u a for K >= 32 (inside the
-//    2 (K + 8) u a the tests check). Exact (equal to the reference byte for byte) whenever every partial sum is
-//    representable (e.g. small integers). No workspace.
+//  - v5 (kSkinny), fp32: each weight w = hi + mid + lo, three bf16 values by truncation (hi = w's
+//    top 8 significant bits, mid = the top 8 of w - hi, lo = the rest, which has at most 8): exact
+//    for |w| >= 2^-103; below, lo is cut to bf16's subnormal step, an error under 2^-133 per weight.
+//    Per 32-wide K block the tensor core forms the block sum of its 96 exact products (6 chained
+//    mmas from C = 0: lo, mid, hi of the first 16 k, then of the second), acc = add_rn(acc,
+//    blocksum) in block order over each of the P = 4 S parts, then the fixed reduction of the P
+//    partials as for bf16. The mma's own fp32 accumulation (order and rounding inside one mma) is
+//    not specified by the hardware; modelled as <= 1 ulp per addition the bound is |v5 - s| <=
+//    (K / 32 * 18 + K / P + P) u a (s = sum_k x_k w_k, a = sum_k |x_k w_k|, u = 2^-24, first
+//    order), inside the 2 (K + 8) u a the tests check (measured: <= 1.2e-6 a at K = 5120, also on
+//    weights spread over 2^-40..2^8). Exact whenever every partial sum is representable (small
+//    integers). kAuto takes it from m = 16 (f32_skinny_preferred); v1 below (faster at 1-12 rows).
 //
 // Conventions: params structs passed by value; all pointers are device pointers; strides and
 // group strides are in elements. Host launchers validate everything and throw
@@ -134,6 +138,10 @@ const char* gemm_version_name(GemmVersion v);
 // 1 <= m <= 64 and the small projections of the prepare path (n <= 1024, k a multiple of 32,
 // k <= 8192). The lead measures and may narrow it (docs/perf.md).
 bool skinny_gemm_preferred(int m, int64_t n, int64_t k);
+// The fp32 GEMM's kAuto rule: kSkinny (tensor cores) for 16 <= m <= 64 on the same small shapes,
+// v1 (CUDA cores) below (docs/perf.md, session 11: ratio-2 [wkv; wgate] at m = 12 / 16 / 24 / 64:
+// v1 17.0 / 20.9 / 38.3 / 78.4 us, v5 20.1 / 20.1 / 19.6 / 31.1).
+bool f32_skinny_preferred(int m, int64_t n, int64_t k);
 // The fastest exact-enough fp8 version for m rows: kWgmma for 1 <= m <= 64, kSimple otherwise
 // (no tensor-core version takes more than 64 rows).
 GemmVersion best_fp8_gemm_version(int m);
