@@ -72,6 +72,7 @@ constexpr int kBf16RowBytes = kGemmBlock * 2;   // one K block of bf16 (64 B)
 constexpr int kF32RowBytes = kGemmBlock * 4;    // one K block of fp32 (128 B)
 constexpr int kF32Rows = 32;                    // fp32: weight rows per CTA (two m16 tiles)
 constexpr int kF32Chunks = kF32RowBytes / 16;   // 8 float4 per weight row and block
+constexpr int kF32DirectMaxRows = 32;           // fp32: the direct path (registers, no rings) up to this m
 constexpr size_t kBarrierBytes = kWarps * kMaxDepth * 8;  // one mbarrier per slot of every warp's ring
 
 struct SkinnyParams {
@@ -331,6 +332,69 @@ __device__ __forceinline__ SplitPair split_f32_pair(float a, float b) {
   return {pack_hi(ua, ub), pack_hi(va, vb), pack_hi(num::f32_bits(sa), num::f32_bits(sb))};
 }
 
+// One K block of a warp (both fp32 data paths, so their bytes are the same): w[mt][hh][h] = elements
+// 8t + 4h .. + 3 of weight row mt * 16 + g + 8 hh, b[nt] = elements 8t .. 8t + 7 of token nt * 8 + g
+// (bf16, zero for tokens >= m). Per m16 tile and token tile: six chained m16n8k16 mmas from zero
+// (lo, mid, hi of elements 8t + 0..3, then of 8t + 4..7: the bf16 path's K permutation), then
+// acc = add_rn(acc, blocksum).
+template <int NT>
+__device__ __forceinline__ void f32_block_mma(const float4 (&w)[2][2][2], const uint4 (&b)[NT], float (&acc)[2][NT][4]) {
+  uint32_t af[3][2][2][4];  // [part hi / mid / lo][m16 tile][mma of the block][A fragment]
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float4 u = w[mt][0][h], v = w[mt][1][h];
+      const SplitPair u01 = split_f32_pair(u.x, u.y), u23 = split_f32_pair(u.z, u.w);
+      const SplitPair v01 = split_f32_pair(v.x, v.y), v23 = split_f32_pair(v.z, v.w);
+      const SplitPair* q[4] = {&u01, &v01, &u23, &v23};  // A fragment order: (g, k01), (g+8, k01), (g, k23), (g+8, k23)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        af[0][mt][h][i] = q[i]->hi;
+        af[1][mt][h][i] = q[i]->mid;
+        af[2][mt][h][i] = q[i]->lo;
+      }
+    }
+  const float zero4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      // Block sum from zero, smallest parts first: every product (bf16 x bf16) is exact in fp32.
+      float d[4];
+      mma_bf16_16816(d, af[2][mt][0], b[nt].x, b[nt].y, zero4);
+      mma_bf16_16816(d, af[1][mt][0], b[nt].x, b[nt].y, d);
+      mma_bf16_16816(d, af[0][mt][0], b[nt].x, b[nt].y, d);
+      mma_bf16_16816(d, af[2][mt][1], b[nt].z, b[nt].w, d);
+      mma_bf16_16816(d, af[1][mt][1], b[nt].z, b[nt].w, d);
+      mma_bf16_16816(d, af[0][mt][1], b[nt].z, b[nt].w, d);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[mt][nt][i] = num::add_rn(acc[mt][nt][i], d[i]);
+    }
+}
+
+// The fp32 epilogue of both data paths: every warp's partial tile into the reduction buffer (which
+// aliases the rings of the ring path), then the fixed-order reduction and the store.
+template <int NT>
+__device__ __forceinline__ void f32_store_partials(const SkinnyParams& p, uint8_t* smem, const float (&acc)[2][NT][4],
+                                                   int warp, int g, int t, int row0, int rows_valid, int split, int grp) {
+  __syncthreads();  // the reduction buffer aliases every warp's ring
+  float* red = reinterpret_cast<float*>(smem);
+  const int mn = p.m * kF32Rows;
+  // Element (mt, nt, i): row mt*16 + g + (i >= 2 ? 8 : 0), token nt*8 + 2t + (i & 1).
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int row = mt * 16 + g + (i >= 2 ? 8 : 0), tok = nt * 8 + 2 * t + (i & 1);
+        if (tok < p.m) red[warp * mn + tok * kF32Rows + row] = acc[mt][nt][i];  // rows >= rows_valid: never read
+      }
+  float* out = static_cast<float*>(p.out) + grp * p.out_group_stride + row0;
+  reduce_and_store<kF32Rows>(p, red, rows_valid, split, [&](int tok, int row, float v) { out[tok * p.out_stride + row] = v; });
+}
+
 template <int NT>
 __global__ void __launch_bounds__(kThreads) gemm_f32_skinny_kernel(const __grid_constant__ SkinnyParams p) {
   constexpr int BN = kF32Rows;  // two m16 tiles, every warp all of them
@@ -392,72 +456,110 @@ __global__ void __launch_bounds__(kThreads) gemm_f32_skinny_kernel(const __grid_
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
-  const float zero4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 
   // ---- main loop: one K block per iteration ------------------------------------------------------------
-  // Thread (g, t) takes elements 8t .. 8t + 7 of its rows (mt * 16 + g, + 8) and tokens (nt * 8 + g):
-  // elements 8t + 0..3 feed mma 0 of the block, 8t + 4..7 mma 1 (the bf16 path's K permutation).
   for (int it = 0; it < part.count; ++it) {
     hopper::mbar_wait(bar0 + 8u * static_cast<uint32_t>(it % depth), static_cast<uint32_t>((it / depth) & 1));
     const uint8_t* ws = ring + (it % depth) * p.slot_bytes;
     const uint8_t* xs = ws + BN * kF32RowBytes;
-    uint32_t af[3][2][2][4];  // [part hi / mid / lo][m16 tile][mma of the block][A fragment]
+    float4 wv[2][2][2];
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {  // the two 16-byte chunks 2t, 2t + 1 (row % 8 == g % 8 for both rows)
-        const int r = mt * 16 + g, sw = ((2 * t + h) ^ (g & 7)) << 4;
-        const float4 u = *reinterpret_cast<const float4*>(ws + r * kF32RowBytes + sw);
-        const float4 v = *reinterpret_cast<const float4*>(ws + (r + 8) * kF32RowBytes + sw);
-        const SplitPair u01 = split_f32_pair(u.x, u.y), u23 = split_f32_pair(u.z, u.w);
-        const SplitPair v01 = split_f32_pair(v.x, v.y), v23 = split_f32_pair(v.z, v.w);
-        const SplitPair* q[4] = {&u01, &v01, &u23, &v23};  // A fragment order: (g, k01), (g+8, k01), (g, k23), (g+8, k23)
+      for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          af[0][mt][h][i] = q[i]->hi;
-          af[1][mt][h][i] = q[i]->mid;
-          af[2][mt][h][i] = q[i]->lo;
-        }
-      }
+        for (int h = 0; h < 2; ++h)  // chunk 2t + h of row mt*16 + g + 8hh (row % 8 == g)
+          wv[mt][hh][h] = *reinterpret_cast<const float4*>(ws + (mt * 16 + g + 8 * hh) * kF32RowBytes + (((2 * t + h) ^ g) << 4));
+    uint4 xb[NT];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      const uint4 b = *reinterpret_cast<const uint4*>(xs + (nt * 8 + g) * kBf16RowBytes + t * 16);  // token nt*8+g
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
-        // Block sum from zero, smallest parts first: every product (bf16 x bf16) is exact in fp32.
-        float d[4];
-        mma_bf16_16816(d, af[2][mt][0], b.x, b.y, zero4);
-        mma_bf16_16816(d, af[1][mt][0], b.x, b.y, d);
-        mma_bf16_16816(d, af[0][mt][0], b.x, b.y, d);
-        mma_bf16_16816(d, af[2][mt][1], b.z, b.w, d);
-        mma_bf16_16816(d, af[1][mt][1], b.z, b.w, d);
-        mma_bf16_16816(d, af[0][mt][1], b.z, b.w, d);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[mt][nt][i] = num::add_rn(acc[mt][nt][i], d[i]);
-      }
-    }
+    for (int nt = 0; nt < NT; ++nt) xb[nt] = *reinterpret_cast<const uint4*>(xs + (nt * 8 + g) * kBf16RowBytes + t * 16);
+    f32_block_mma<NT>(wv, xb, acc);
     __syncwarp();  // every lane is done with the slot before it is refilled
     if (it + depth < part.count) load(it + depth);
   }
   cp_async_wait_all();
   dev::pdl_launch_dependents();
+  f32_store_partials<NT>(p, smem, acc, warp, g, t, row0, rows_valid, split, grp);
+}
 
-  // ---- epilogue ------------------------------------------------------------------------------------------
-  __syncthreads();  // the reduction buffer aliases every warp's ring
-  float* red = reinterpret_cast<float*>(smem);
-  const int mn = p.m * BN;
-  // Element (mt, nt, i): row mt*16 + g + (i >= 2 ? 8 : 0), token nt*8 + 2t + (i & 1).
+// The fp32 direct path (small m): the same warps, parts, per-block arithmetic and reduction as the
+// ring kernel above (so the same bytes), but every lane loads its own A and B fragments straight
+// into registers -- 8 16-byte weight loads per block (rows g, g + 8 of both m16 tiles, 32 bytes of
+// each) and one per token tile -- with the next kDirectAhead blocks in flight, no shared-memory ring
+// and no barriers. The rings' per-warp cp.async + mbarrier machinery streamed ~1.3 TB/s at one row.
+constexpr int kDirectAhead = 2;  // K blocks of loads in flight per lane beyond the one being used
+template <int NT>
+__global__ void __launch_bounds__(kThreads) gemm_f32_direct_kernel(const __grid_constant__ SkinnyParams p) {
+  extern __shared__ __align__(128) uint8_t smem[];  // the reduction buffer only
+  const int tid = static_cast<int>(threadIdx.x), lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int row0 = static_cast<int>(blockIdx.x) * kF32Rows, split = static_cast<int>(blockIdx.y);
+  const int grp = static_cast<int>(blockIdx.z);
+  const int64_t k = static_cast<int64_t>(p.k_blocks) * kGemmBlock;
+  const WarpPart part = warp_part(p, split, warp);
+  const int rows_valid = min(kF32Rows, p.n - row0);
+  const float* w = static_cast<const float*>(p.w) + grp * p.w_group_stride + row0 * k +
+                   static_cast<int64_t>(part.begin) * kGemmBlock + 8 * t;
+  const bf16_t* x = p.x + grp * p.x_group_stride + static_cast<int64_t>(part.begin) * kGemmBlock + 8 * t;
+  const uint64_t stream = dev::l2_policy_stream();  // weights: read once per cycle
+
+  auto load_w = [&](int it, float4 (&v)[2][2][2]) {
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int r = mt * 16 + g + 8 * hh;
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          v[mt][hh][h] = r < rows_valid ? dev::ldg_stream(reinterpret_cast<const float4*>(w + r * k + it * kGemmBlock + 4 * h), stream)
+                                        : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      }
+  };
+  auto load_x = [&](int it, uint4 (&b)[NT]) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int tok = nt * 8 + g;
+      b[nt] = tok < p.m ? *reinterpret_cast<const uint4*>(x + tok * p.x_stride + it * kGemmBlock) : make_uint4(0u, 0u, 0u, 0u);
+    }
+  };
+
+  float acc[2][NT][4];
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int row = mt * 16 + g + (i >= 2 ? 8 : 0), tok = nt * 8 + 2 * t + (i & 1);
-        if (tok < p.m) red[warp * mn + tok * BN + row] = acc[mt][nt][i];  // rows >= rows_valid: never read
+      for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
+
+  // Ring of kDirectAhead + 1 register sets, indexed by it % (kDirectAhead + 1) in fully unrolled
+  // groups so that every index is a compile-time constant (registers, not local memory).
+  constexpr int kSets = kDirectAhead + 1;
+  float4 wv[kSets][2][2][2];
+  uint4 xb[kSets][NT];
+#pragma unroll
+  for (int s = 0; s < kDirectAhead; ++s)
+    if (s < part.count) load_w(s, wv[s]);  // weights are constants: before the PDL wait
+  dev::pdl_wait();  // x is the predecessor's output
+#pragma unroll
+  for (int s = 0; s < kDirectAhead; ++s)
+    if (s < part.count) load_x(s, xb[s]);
+  for (int it0 = 0; it0 < part.count; it0 += kSets) {
+#pragma unroll
+    for (int s = 0; s < kSets; ++s) {
+      const int it = it0 + s;
+      if (it < part.count) {
+        constexpr int kAhead = kDirectAhead;
+        const int nxt = it + kAhead, ns = (s + kAhead) % kSets;
+        if (nxt < part.count) {
+          load_w(nxt, wv[ns]);
+          load_x(nxt, xb[ns]);
+        }
+        f32_block_mma<NT>(wv[s], xb[s], acc);
       }
-  float* out = static_cast<float*>(p.out) + grp * p.out_group_stride + row0;
-  reduce_and_store<BN>(p, red, rows_valid, split, [&](int tok, int row, float v) { out[tok * p.out_stride + row] = v; });
+    }
+  }
+  dev::pdl_launch_dependents();
+  f32_store_partials<NT>(p, smem, acc, warp, g, t, row0, rows_valid, split, grp);
 }
 
 using SkinnyKernel = void (*)(SkinnyParams);
@@ -488,6 +590,15 @@ SkinnyKernel pick_f32_kernel(int m) {
     case 7: return gemm_f32_skinny_kernel<7>;
     case 8: return gemm_f32_skinny_kernel<8>;
     default: throw std::invalid_argument("gemm v5: m must be 1..64");
+  }
+}
+SkinnyKernel pick_f32_direct_kernel(int m) {
+  switch ((m + 7) / 8) {
+    case 1: return gemm_f32_direct_kernel<1>;
+    case 2: return gemm_f32_direct_kernel<2>;
+    case 3: return gemm_f32_direct_kernel<3>;
+    case 4: return gemm_f32_direct_kernel<4>;
+    default: throw std::invalid_argument("gemm v5: the fp32 direct path takes m <= " + std::to_string(kF32DirectMaxRows));
   }
 }
 
@@ -536,10 +647,12 @@ bool skinny_shape_ok(int m, int64_t n, int64_t k) {
 bool skinny_gemm_preferred(int m, int64_t n, int64_t k) {
   return skinny_shape_ok(m, n, k) && (m >= 24 || k <= 1024 || (n >= 128 && m >= 2));
 }
-// fp32 (the ratio-2 compressor, session 11, bench_gemm graph timing with PDL, us): the tensor-core
-// v5 beats v1 from m = 16 (20.1 vs 20.9; m = 24: 19.6 vs 38.3, m = 64: 31.1 vs 78.4) and loses below
-// (m = 1 / 6 / 12: 16.1 / 16.0 / 20.1 vs 6.9 / 11.4 / 17.0: its per-warp rings stream slower than
-// v1's direct loads while the arithmetic is small).
+// fp32 (the ratio-2 compressor [wkv; wgate] 1024x5120, session 11 runs 4-5, bench_gemm graph timing
+// with PDL, us): v5 (direct path to 32 rows, rings above) against v1 at m = 1 / 6 / 8 / 12 / 16 / 24
+// / 32 / 64: 8.0 / 8.3 / 8.4 / 13.9 / 14.1 / 15.0 / 15.8 / 31.1 vs 6.8 / 11.4 / 13.3 / 17.0 / 20.9 /
+// 38.3 / 40.6 / 78.4. Below 16 rows v1 stays: v5 alone is faster from 6 rows, but in the three-lane
+// cycle it was not (verify bs 1 +0.2 %, decode bs 4 +0.8 %, decode bs 1 +1.4 %; v5's 256 clustered
+// CTAs of ~250 registers compete with the main lane for SMs), and 16 rows is where both agree.
 bool f32_skinny_preferred(int m, int64_t n, int64_t k) { return skinny_shape_ok(m, n, k) && m >= 16; }
 
 GemmPlan plan_gemm_skinny(int m, int64_t n, int64_t k, int groups, bool f32, int force_splits, int force_mtiles) {
@@ -631,7 +744,23 @@ void launch_gemm_bf16_skinny(const Bf16GemmParams& p, const GemmPlan& plan, cuda
 }
 
 void launch_gemm_f32_skinny(const F32GemmParams& p, const GemmPlan& plan, cudaStream_t stream, bool pdl) {
-  launch_skinny("gemm_f32_skinny", pick_f32_kernel(p.m), skinny_params(p), plan, true, 1, stream, pdl);
+  const bool direct = p.v5_path == 1 || (p.v5_path == 0 && p.m <= kF32DirectMaxRows);
+  if (!direct) {
+    launch_skinny("gemm_f32_skinny", pick_f32_kernel(p.m), skinny_params(p), plan, true, 1, stream, pdl);
+    return;
+  }
+  // The direct path: the plan's split (so the same parts and bytes as the rings), shared memory for
+  // the reduction buffer only.
+  SkinnyParams t = skinny_params(p);
+  t.splits = plan.splits;
+  LaunchConfig cfg;
+  cfg.grid = dim3(static_cast<unsigned>(plan.tiles_n), static_cast<unsigned>(plan.splits), 1u);
+  cfg.block = dim3(kThreads);
+  cfg.cluster = dim3(1, static_cast<unsigned>(plan.splits), 1);
+  cfg.smem_bytes = static_cast<size_t>(kWarps) * static_cast<size_t>(p.m) * kF32Rows * sizeof(float);
+  cfg.stream = stream;
+  cfg.pdl = pdl;
+  launch_kernel("gemm_f32_direct", pick_f32_direct_kernel(p.m), cfg, t);
 }
 
 }  // namespace detail

@@ -290,7 +290,7 @@ F32Problem make_f32_problem(int64_t n, int64_t k, int m, Data d, uint64_t seed) 
   return pr;
 }
 
-F32GemmParams f32_params(const F32Problem& pr, float* out, int force_splits = 0) {
+F32GemmParams f32_params(const F32Problem& pr, float* out, int force_splits = 0, int v5_path = 0) {
   F32GemmParams p;
   p.x = pr.dx.get();
   p.x_stride = pr.x_stride;
@@ -301,13 +301,14 @@ F32GemmParams f32_params(const F32Problem& pr, float* out, int force_splits = 0)
   p.n = pr.n;
   p.k = pr.k;
   p.force_splits = force_splits;
+  p.v5_path = v5_path;
   return p;
 }
 
-std::vector<float> run_f32(const F32Problem& pr, GemmVersion v, int force_splits = 0, bool pdl = false) {
+std::vector<float> run_f32(const F32Problem& pr, GemmVersion v, int force_splits = 0, bool pdl = false, int v5_path = 0) {
   DeviceBuffer<float> out(static_cast<size_t>(pr.rows_alloc) * static_cast<size_t>(pr.out_stride));
   out.fill_bytes(kPoisonByte);
-  run_gemm_f32(f32_params(pr, out.get(), force_splits), v, nullptr, pdl);
+  run_gemm_f32(f32_params(pr, out.get(), force_splits, v5_path), v, nullptr, pdl);
   V4_CUDA_CHECK(cudaDeviceSynchronize());
   return to_host(out);
 }
@@ -350,7 +351,14 @@ void check_f32_case(int64_t n, int64_t k, int m, Data d, uint64_t seed, int forc
   const std::string name = "f32 " + std::to_string(n) + "x" + std::to_string(k) + " m" + std::to_string(m) +
                            (force_splits ? " S" + std::to_string(force_splits) : "") +
                            (d == Data::kExact ? " exact" : d == Data::kWide ? " wide" : " realistic");
-  const double worst = check_f32(run_f32(pr, GemmVersion::kSkinny, force_splits), pr, d == Data::kExact, name);
+  // Both data paths of v5 fp32 (rings; direct register loads up to 32 rows): checked against the
+  // reference, and the same bytes as each other (the same parts, blocks and arithmetic).
+  const std::vector<float> ring = run_f32(pr, GemmVersion::kSkinny, force_splits, false, 2);
+  const double worst = check_f32(ring, pr, d == Data::kExact, name + " rings");
+  if (m <= 32) {
+    const std::vector<float> direct = run_f32(pr, GemmVersion::kSkinny, force_splits, false, 1);
+    EXPECT_EQ(0, std::memcmp(direct.data(), ring.data(), ring.size() * sizeof(float))) << name << ": direct path != rings";
+  }
   if (d != Data::kExact) std::printf("[ skinny ] %-44s max |diff| / sum|x*w| = %.3g\n", name.c_str(), worst);
 }
 
@@ -715,6 +723,15 @@ TEST(GpuGemmSkinny, RefusesBadArguments) {
     p = valid_f32();
     p.force_splits = -1;
     EXPECT_THROW(run_gemm_f32(p, v5, nullptr, false), std::invalid_argument) << "f32 force_splits < 0";
+    for (int path : {-1, 3}) {
+      p = valid_f32();
+      p.v5_path = path;
+      EXPECT_THROW(run_gemm_f32(p, v5, nullptr, false), std::invalid_argument) << "f32 v5_path " << path;
+    }
+    p = valid_f32();
+    p.m = 33;
+    p.v5_path = 1;  // the direct path takes m <= 32
+    EXPECT_THROW(run_gemm_f32(p, v5, nullptr, false), std::invalid_argument) << "f32 direct path at 33 rows";
     p = valid_f32();
     p.n = 6;
     p.out_stride = 8;

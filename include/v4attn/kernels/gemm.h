@@ -51,7 +51,9 @@
 //    the PDL wait), so ~256 CTAs stream at m = 1. bf16: mma.sync m16n8k16 as v1 (block_n = 16,
 //    32 or 64 rows by m: fewer activation re-reads at larger m). fp32: mma.sync m16n8k16 bf16 too
 //    (block_n = 32): x is bf16, so exact in bf16; each fp32 weight is split in registers into three
-//    bf16 parts whose sum is the weight (below), so every product is exact. The 4 S partial sums
+//    bf16 parts whose sum is the weight (below), so every product is exact; up to 32 rows without the
+//    rings (each lane loads its own fragments into registers, two K blocks ahead: the same parts and
+//    arithmetic, so the same bytes; F32GemmParams::v5_path). The 4 S partial sums
 //    of an output are reduced in a fixed order (warps in the CTA, then the cluster's CTAs through
 //    distributed shared memory): no workspace, no second kernel. fp8 calls given kSkinny run
 //    kAuto's fp8 choice. Numerics below.
@@ -139,8 +141,8 @@ const char* gemm_version_name(GemmVersion v);
 // k <= 8192). The lead measures and may narrow it (docs/perf.md).
 bool skinny_gemm_preferred(int m, int64_t n, int64_t k);
 // The fp32 GEMM's kAuto rule: kSkinny (tensor cores) for 16 <= m <= 64 on the same small shapes,
-// v1 (CUDA cores) below (docs/perf.md, session 11: ratio-2 [wkv; wgate] at m = 12 / 16 / 24 / 64:
-// v1 17.0 / 20.9 / 38.3 / 78.4 us, v5 20.1 / 20.1 / 19.6 / 31.1).
+// v1 (CUDA cores) below (docs/perf.md, session 11: ratio-2 [wkv; wgate] at m = 16 / 24 / 32 / 64:
+// v1 20.9 / 38.3 / 40.6 / 78.4 us, v5 14.1 / 15.0 / 15.8 / 31.1; below 16 rows v1 won in the cycle).
 bool f32_skinny_preferred(int m, int64_t n, int64_t k);
 // The fastest exact-enough fp8 version for m rows: kWgmma for 1 <= m <= 64, kSimple otherwise
 // (no tensor-core version takes more than 64 rows).
@@ -345,6 +347,9 @@ struct F32GemmParams {
   int m = 0;
   int64_t n = 0, k = 0;
   int force_splits = 0;  // kSkinny plan override (its S, capped at 8; 0 = automatic); v0 / v1 ignore it
+  // kSkinny's data path (the same bytes either way): 0 automatic, 1 direct register loads (m <= 32),
+  // 2 per-warp shared-memory rings. v0 / v1 ignore it.
+  int v5_path = 0;
 };
 void run_gemm_f32(const F32GemmParams& p, GemmVersion version, cudaStream_t stream, bool pdl);
 
