@@ -727,6 +727,15 @@ TEST(GpuGemm, Fp8WgmmaSmallShapesAllPaths) {
                                      fp8_name(cs, m) + " exact v2");
       EXPECT_EQ(s.differ, 0) << fp8_name(cs, m);
     }
+    // An output row stride that is not a multiple of 8 elements: the one-split epilogue's element-
+    // by-element stores instead of its 16-byte pieces.
+    for (int m : {7, 33}) {
+      const Fp8Acts a = make_fp8_acts(cs, m, Data::kExact, ++seed);
+      const OutLayout l = make_layout(m, cs.n, cs.groups, 3);
+      const DiffStats s = check_bf16(run_fp8(w, a, l, GemmVersion::kWgmma), l, dense_want(ref_fp8(w, a), cs.n), 0,
+                                     fp8_name(cs, m) + " exact v2, odd stride");
+      EXPECT_EQ(s.differ, 0) << fp8_name(cs, m) << " odd stride";
+    }
   }
   DiffStats agg;
   for (const Fp8Case& cs : cases) {
