@@ -4,9 +4,9 @@
 A layer starts where its first main-lane kernel starts (its QA act quant, the QA GEMM that quantises
 x itself, or its fused Q chain kernel) and ends where the next layer's starts (the last layer: at
 the last kernel's end). Per layer it prints the time ("us", start to start), the main lane's time
-("chain": its q_rope_store's or fused chain's end after the previous layer's; use this one where
-kernels launched early under PDL start on free SMs long before their predecessors end, as the fused
-chain does), when the main lane's q_rope_store (or fused chain) ends, when the layer's last kernel
+("chain": its q_rope_store's -- or fused chain's, or RoPE-storing wq_b GEMM's -- end after the
+previous layer's; use this one where kernels launched early under PDL start on free SMs long before
+their predecessors end, as the fused chain does), when the main lane's q_rope_store (or its stand-in) ends, when the layer's last kernel
 ends and which one that is, and the "tail": how long the side lanes run past the q_rope_store (the
 index-source layers' selection, typically). `--detail
 20,24` lists every kernel of those layers (stream, start, end, relative to the layer's start);
@@ -56,6 +56,13 @@ def starts_layer(name):
             or re.search(r"gemm_fp8_wgmma3_kernel<\d+, \d+, true>", name) is not None)
 
 
+def ends_chain(name):
+    """A layer's last main-lane kernel: q_rope_store; the fused Q chain; or the wq_b GEMM that does
+    the RoPE store itself (v2's kRope form, template flag true: `--fuse-rope-store`)."""
+    return ("q_rope_store" in name or "qchain_fused" in name
+            or re.search(r"gemm_fp8_wgmma_kernel<\d+, \d+, true>", name) is not None)
+
+
 def layers_of(kernels):
     starts = [e["ts"] for e in kernels if starts_layer(e["name"])]
     if not starts:
@@ -67,7 +74,7 @@ def layers_of(kernels):
         nxt = starts[i + 1] if i + 1 < len(starts) else end_all
         ks = [e for e in kernels if s <= e["ts"] < nxt]
         last = max(ks, key=lambda e: e["ts"] + e["dur"])
-        rope = [e["ts"] + e["dur"] - s for e in ks if "q_rope_store" in e["name"] or "qchain_fused" in e["name"]]
+        rope = [e["ts"] + e["dur"] - s for e in ks if ends_chain(e["name"])]
         rope_end = max(rope) if rope else None
         last_end = last["ts"] + last["dur"] - s
         # The main lane's time for this layer: its chain's end (q_rope_store or fused chain) after

@@ -56,6 +56,13 @@ if(V4ATTN_PYTHON3)
                    "${CMAKE_SOURCE_DIR}/tests/data/trace_fused_layer.json")
   set_tests_properties(scripts.trace_layers_fused PROPERTIES PASS_REGULAR_EXPRESSION
     "0 +26\\.0 +24\\.0 +24\\.0 +24\\.0 +0\\.0  qchain_fused_kernel<8>.*1 +34\\.0 +28\\.0 +26\\.0 +26\\.0 +0\\.0  q_rope_store_kernel.*2 +22\\.0 +30\\.0 +22\\.0 +22\\.0 +0\\.0  q_rope_store_kernel.*3 layers, 82\\.0 us")
+  # The wq_b GEMM that stores q with the RoPE itself (v2's kRope form, `--fuse-rope-store`) ends a
+  # layer's main lane like q_rope_store; the plain wq_b GEMM does not (the next layer's q_rope_store does).
+  add_test(NAME scripts.trace_layers_rope_fused
+           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/trace_layers.py"
+                   "${CMAKE_SOURCE_DIR}/tests/data/trace_rope_fused.json")
+  set_tests_properties(scripts.trace_layers_rope_fused PROPERTIES PASS_REGULAR_EXPRESSION
+    "0 +36\\.0 +35\\.0 +35\\.0 +35\\.0 +0\\.0  gemm_fp8_wgmma_kernel<2, 16, true>.*1 +36\\.0 +37\\.0 +36\\.0 +36\\.0 +0\\.0  q_rope_store_kernel")
   # scripts/phase_stamps.py on a v2 fixture (launch ids): CTAs grouped by launch, the hand-off view
   # (entry and PDL-wait times after the previous launch's end); an old file refuses --handoff.
   add_test(NAME scripts.phase_stamps_v2

@@ -248,7 +248,7 @@ struct BenchCliOptions {
   int qb_prewait_pace_ns = -1;
   int aq_warps = -1;
   bool idx_scores_main = false;
-  bool fuse_rope_store = false;
+  std::string fuse_rope_store = "auto";
   std::string fuse_qchain = "auto";
   uint64_t seed = 1;
   std::string json_path;
@@ -397,7 +397,7 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
     j["qb_prewait_pace_ns"] = c.knobs.qb_prewait_pace_ns;
     j["aq_warps"] = c.knobs.aq_warps;
     j["idx_scores_on_main"] = c.knobs.idx_scores_on_main;
-    j["fuse_rope_store"] = c.knobs.fuse_rope_store;
+    j["fuse_rope_store"] = to_string(c.knobs.fuse_rope_store);
     j["fuse_qchain"] = to_string(c.knobs.fuse_qchain);
     j["seed"] = c.knobs.seed;
     j["device_bytes"] = stack.device_bytes();
@@ -532,9 +532,12 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       ->capture_default_str();
   sub->add_flag("--no-idx-gemm-main", o->no_idx_gemm_main,
                 "Index-source layers: run the indexer's wq_b GEMM first on lane S (default: on main after q_norm)");
-  sub->add_flag("--fuse-rope-store", o->fuse_rope_store,
-                "q_rope_store fused into the wq_b GEMM's epilogue (v2; experiment knob: the per-layer trace figures "
-                "key on the q_rope_store kernel)");
+  sub->add_option("--fuse-rope-store", o->fuse_rope_store,
+                  "q_rope_store fused into the wq_b GEMM's epilogue in the layers that run the unfused chain: auto "
+                  "(steps of " + std::to_string(prepare::kRopeStoreAutoMinRows) + "-" +
+                      std::to_string(prepare::kRopeStoreAutoMaxRows) + " rows, where it measured faster), on or off; same bytes")
+      ->check(CLI::IsMember({"auto", "on", "off"}))
+      ->capture_default_str();
   sub->add_option("--fuse-qchain", o->fuse_qchain,
                   "Plain layers as ONE kernel (act quant, wq_a|wkv, q_norm, wq_b + RoPE, window-K; kernels/qchain.h): "
                   "auto (steps of <= " + std::to_string(prepare::kQChainAutoRows) +
@@ -632,7 +635,7 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       c.knobs.qb_prewait_pace_ns = o->qb_prewait_pace_ns;
       c.knobs.aq_warps = o->aq_warps;
       c.knobs.idx_scores_on_main = o->idx_scores_main && c.knobs.idx_gemm_on_main;
-      c.knobs.fuse_rope_store = o->fuse_rope_store;
+      c.knobs.fuse_rope_store = fusion_from(o->fuse_rope_store);
       c.knobs.fuse_qchain = fusion_from(o->fuse_qchain);
       c.knobs.gemm_small = o->gemm_small == "tc"       ? kernels::GemmVersion::kTensorCore
                      : o->gemm_small == "skinny" ? kernels::GemmVersion::kSkinny

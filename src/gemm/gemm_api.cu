@@ -133,6 +133,7 @@ void run_gemm_fp8(const Fp8GemmParams& p, const GemmWorkspace& ws, GemmVersion v
   if (rope) {
     if (!p.rope_pos || !p.rope_table || p.rope_max_pos <= 0)
       fail(who, "the fused RoPE store needs rope_pos, rope_table and rope_max_pos > 0");
+    if (!aligned_to(p.rope_table, 16)) fail(who, "the fused RoPE store needs a 16-byte aligned rope_table");
     if (p.groups != 1 || p.force_splits != 0 || p.force_mtiles != 0)
       fail(who, "the fused RoPE store takes groups == 1 and no plan overrides");
     if (p.n % 512 != 0) fail(who, "the fused RoPE store needs whole heads of 512 columns");

@@ -109,9 +109,12 @@ static_assert(kWarpgroupThreads * kProducerRegs + kConsumerThreads * kConsumerRe
 // Byte offsets inside the CTA's shared memory (from the 1024-aligned base). Host and device use
 // the same function, so the launcher sizes exactly what the kernel addresses.
 struct SmemLayout {
-  uint32_t w = 0, xc = 0, xf = 0, sw = 0, sa = 0, bar = 0, flag = 0, total = 0;
+  uint32_t w = 0, xc = 0, xf = 0, sw = 0, sa = 0, tab = 0, bar = 0, flag = 0, total = 0;
 };
-__host__ __device__ constexpr SmemLayout smem_layout(int block_n, int np, int stages, int max_split_blocks) {
+// rope: the kRope form's RoPE table rows of the step ([np][64] fp32) and row flags ([np] int), loaded
+// in the prologue (the plain form has none: its layout is unchanged).
+__host__ __device__ constexpr SmemLayout smem_layout(int block_n, int np, int stages, int max_split_blocks,
+                                                     bool rope = false) {
   SmemLayout l;
   uint32_t off = 0;
   l.w = off;
@@ -124,6 +127,9 @@ __host__ __device__ constexpr SmemLayout smem_layout(int block_n, int np, int st
   off += static_cast<uint32_t>((block_n / 32) * max_split_blocks * 4);
   l.sa = off;
   off += static_cast<uint32_t>(max_split_blocks * np * 4);
+  off = (off + 15u) & ~15u;
+  l.tab = off;
+  if (rope) off += static_cast<uint32_t>(np * (num::kRopeDim + 1) * 4);
   off = (off + 7u) & ~7u;
   l.bar = off;  // full[stages], empty[stages], xready[2], xfree[2]
   off += static_cast<uint32_t>((2 * stages + 2 * kXfSlots) * 8);
@@ -178,7 +184,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
   uint8_t* smem = smem_raw + (base - raw_addr);
   const int ST = p.stages;
   const int msb = p.max_split_blocks;
-  const SmemLayout L = smem_layout(BN, NP, ST, msb);
+  const SmemLayout L = smem_layout(BN, NP, ST, msb, kRope);
   float* sw_s = reinterpret_cast<float*>(smem + L.sw);  // [BN/32][msb]
   float* sa_s = reinterpret_cast<float*>(smem + L.sa);  // [msb][NP]
   int* s_flag = reinterpret_cast<int*>(smem + L.flag);
@@ -231,6 +237,39 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
     for (int i = tid; i < (BN / 32) * nkb; i += kThreads) {
       const int rg = i / nkb, b = i % nkb;
       sw_s[rg * msb + b] = row0 + rg * 32 < p.n ? num::f32_from_ue8m0(sw_g[rg * p.k_blocks + b]) : 0.0f;
+    }
+  }
+
+  if constexpr (kRope) {
+    // The table rows of the step's positions and a written / not-written flag per row, into their
+    // own region before the PDL wait (positions and table are step inputs and constants, not the
+    // predecessor's output, as in the fused chain's phase 0), all loads of a thread issued before
+    // its stores: [NP][64] fp32 (16-byte pieces, 16 per row), then [NP] int.
+    constexpr int kPieces = NP * (num::kRopeDim / 4);
+    constexpr int kPer = (kPieces + kThreads - 1) / kThreads;
+    float4* tab4 = reinterpret_cast<float4*>(smem + L.tab);
+    int* row_ok = reinterpret_cast<int*>(smem + L.tab + NP * num::kRopeDim * 4);
+    int32_t pos[kPer];
+#pragma unroll
+    for (int r = 0; r < kPer; ++r) {
+      const int idx = tid + r * kThreads, row = idx / (num::kRopeDim / 4);
+      pos[r] = idx < kPieces && row < p.m ? p.rope_pos[row] : -1;
+    }
+    float4 v[kPer];
+#pragma unroll
+    for (int r = 0; r < kPer; ++r) {
+      const int idx = tid + r * kThreads, piece = idx % (num::kRopeDim / 4);
+      const bool ok = pos[r] >= 0 && pos[r] < p.rope_max_pos;
+      v[r] = ok ? reinterpret_cast<const float4*>(p.rope_table + static_cast<int64_t>(pos[r]) * num::kRopeDim)[piece]
+                : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+#pragma unroll
+    for (int r = 0; r < kPer; ++r) {
+      const int idx = tid + r * kThreads, row = idx / (num::kRopeDim / 4), piece = idx % (num::kRopeDim / 4);
+      if (idx < kPieces) {
+        tab4[idx] = v[r];
+        if (piece == 0) row_ok[row] = pos[r] >= 0 && pos[r] < p.rope_max_pos ? 1 : 0;
+      }
     }
   }
 
@@ -407,42 +446,29 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
   auto out_tok = [&](int i) { return 8 * (i >> 2) + 2 * t + (i & 1); };
   bf16_t* out = p.out + grp * p.out_group_stride;
   if constexpr (kRope) {  // S == 1, one group (host-checked)
-    if (tile == 0 && ctid == 0)
-      for (int m = 0; m < p.m; ++m)
-        if (p.rope_pos[m] < 0 || p.rope_pos[m] >= p.rope_max_pos) dev::count_error(p.rope_err);
-    // The table rows of the NP rows' positions, staged once in the weight ring (free now: every
-    // stage has been consumed by both consumer warpgroups), so that no element waits on a global
-    // load: [NP][64] floats, then NP flags (row written or not).
+    // The table rows and row flags were loaded in the prologue (the __syncthreads before the main
+    // loop published them). The rotated bf16 tile is staged in the weight ring (dead once both
+    // consumer warpgroups are here) and stored in 16-byte row pieces, rows past the table skipped.
+    const float* tab = reinterpret_cast<const float*>(smem + L.tab);
+    const int* row_ok = reinterpret_cast<const int*>(smem + L.tab + NP * num::kRopeDim * 4);
+    if (tile == 0 && ctid < p.m && !row_ok[ctid]) dev::count_error(p.rope_err);  // each bad row once
     named_barrier_sync(kConsumerBarrierId, kConsumerThreads);
-    float* tab = reinterpret_cast<float*>(smem + L.w);
-    int* row_ok = reinterpret_cast<int*>(tab + NP * num::kRopeDim);
-    for (int idx = ctid; idx < NP * num::kRopeDim; idx += kConsumerThreads) {
-      const int mr = idx / num::kRopeDim;
-      const int32_t pos = mr < p.m ? p.rope_pos[mr] : -1;
-      const bool ok = pos >= 0 && pos < p.rope_max_pos;
-      tab[idx] = ok ? p.rope_table[static_cast<int64_t>(pos) * num::kRopeDim + idx % num::kRopeDim] : 0.0f;
-      if (idx % num::kRopeDim == 0) row_ok[mr] = ok ? 1 : 0;
-    }
-    named_barrier_sync(kConsumerBarrierId, kConsumerThreads);
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int i = 0; i < R; ++i) {
-        const int n = out_col(mt, i), m = out_tok(i);
-        const float x = num::f32_from_bf16(num::bf16_from_f32(acc[mt][i]));  // the GEMM's bf16 output
-        const float partner = __shfl_xor_sync(0xffffffffu, x, 4);           // column n ^ 1
-        if (m < p.m && n < p.n) {
-          if (!row_ok[m]) continue;
-          const float v = wgmma_fp8::rope_head_value(x, partner, n, tab + m * num::kRopeDim);
-          out[m * p.out_stride + n] = num::bf16_from_f32(v);
-        }
-      }
+    wgmma_fp8::store_tile_bf16_staged<MT, NP, kConsumerThreads>(
+        [&](int mt, int i) {
+          const int n = out_col(mt, i), m = out_tok(i);
+          const float x = num::f32_from_bf16(num::bf16_from_f32(acc[mt][i]));  // the GEMM's bf16 output
+          const float partner = __shfl_xor_sync(0xffffffffu, x, 4);           // column n ^ 1
+          return num::bf16_from_f32(wgmma_fp8::rope_head_value(x, partner, n, tab + min(m, NP - 1) * num::kRopeDim));
+        },
+        [&](int m) { return row_ok[m] != 0; }, smem + L.w, out, p.out_stride, p.m, p.n, row0, wgc, w, g, t, ctid, p.out_vec,
+        kConsumerBarrierId);
     return;
   }
   if (p.splits == 1) {  // staged through the weight ring (dead once both consumer warpgroups are here)
     named_barrier_sync(kConsumerBarrierId, kConsumerThreads);
-    wgmma_fp8::store_tile_bf16_staged<MT, NP, kConsumerThreads>(acc, smem + L.w, out, p.out_stride, p.m, p.n, row0, wgc, w,
-                                                               g, t, ctid, p.out_vec, kConsumerBarrierId);
+    wgmma_fp8::store_tile_bf16_staged<MT, NP, kConsumerThreads>(
+        [&](int mt, int i) { return num::bf16_from_f32(acc[mt][i]); }, [](int) { return true; }, smem + L.w, out,
+        p.out_stride, p.m, p.n, row0, wgc, w, g, t, ctid, p.out_vec, kConsumerBarrierId);
     if (ctid == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kGemmV2, 4);
     return;
   }
@@ -613,14 +639,22 @@ void launch_gemm_fp8_wgmma(const Fp8GemmParams& p, const GemmPlan& plan, const G
   t.rope_table = p.rope_table;
   t.rope_max_pos = p.rope_max_pos;
   t.rope_err = p.rope_err;
+  size_t smem_bytes = plan.smem_bytes;
+  if (rope) {  // the table region: one ring stage fewer where it does not fit beside the plan's ring
+    while (t.stages > 1 && smem_request(smem_layout(plan.block_n, np, t.stages, t.max_split_blocks, true)) > kSmemLimit)
+      --t.stages;
+    t.prewait_stages = std::min(t.prewait_stages, t.stages);
+    smem_bytes = smem_request(smem_layout(plan.block_n, np, t.stages, t.max_split_blocks, true));
+    if (smem_bytes > kSmemLimit) throw std::invalid_argument("gemm v2: the fused RoPE store does not fit shared memory");
+  }
   const WgmmaKernel kernel = rope                    ? pick_wgmma_kernel<2, true>(np)
                              : plan.warp_mtiles == 2 ? pick_wgmma_kernel<2>(np)
                                                      : pick_wgmma_kernel<1>(np);
-  set_max_dynamic_smem(kernel, plan.smem_bytes);
+  set_max_dynamic_smem(kernel, smem_bytes);
   LaunchConfig cfg;
   cfg.grid = dim3(static_cast<unsigned>(plan.tiles_n), static_cast<unsigned>(plan.splits), static_cast<unsigned>(p.groups));
   cfg.block = dim3(kThreads);
-  cfg.smem_bytes = plan.smem_bytes;
+  cfg.smem_bytes = smem_bytes;
   cfg.stream = stream;
   cfg.pdl = pdl;
   launch_kernel("gemm_fp8_wgmma", kernel, cfg, t);

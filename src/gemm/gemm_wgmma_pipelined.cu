@@ -618,8 +618,9 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
   named_barrier_sync(kConsumerBarrierId, kConsumerThreads);  // every consumer is done with the rings
   bf16_t* out = p.out + grp * p.out_group_stride;
   if (p.splits == 1) {
-    wgmma_fp8::store_tile_bf16_staged<MT, NP, kConsumerThreads>(acc, smem + L.epi, out, p.out_stride, p.m, p.n, row0, wgc, w,
-                                                               g, t, ctid, p.out_vec, kConsumerBarrierId);
+    wgmma_fp8::store_tile_bf16_staged<MT, NP, kConsumerThreads>(
+        [&](int mt, int i) { return num::bf16_from_f32(acc[mt][i]); }, [](int) { return true; }, smem + L.epi, out,
+        p.out_stride, p.m, p.n, row0, wgc, w, g, t, ctid, p.out_vec, kConsumerBarrierId);
     return;
   }
 

@@ -74,16 +74,17 @@ struct BlockOps {
   }
 };
 
-// The one-split epilogue of the fp8 wgmma GEMMs (v2, v3): the consumers' accumulators, element
-// (mt, i) = CTA row (wgc*MT + mt)*64 + 16w + g + (i & 2 ? 8 : 0), token 8 (i / 4) + 2t + (i & 1),
-// rounded to bf16 into a staged tile [m][BN + 8] (conflict-free: a warp's 32 stores hit 16 words
-// of distinct banks), then written out in 16-byte row pieces (out_vec == 2) or element by element.
-// A per-element global store from the fragment layout writes 2 bytes per lane, 16-byte pieces
-// scattered over 4 rows, in an unrolled straight-line block that misses the instruction cache
-// once per launch (Nsight Compute, v2 at m = 64: a quarter of the kernel's samples). The caller
-// has synchronised the consumers (the stage aliases the weight ring); `bar` is their named barrier.
-template <int MT, int NP, int kThreads>
-__device__ __forceinline__ void store_tile_bf16_staged(const float (&acc)[MT][NP / 2], uint8_t* stage_smem, bf16_t* out,
+// The one-split epilogue of the fp8 wgmma GEMMs (v2, v3): value(mt, i) -> bf16 of this thread's
+// accumulator element (mt, i) = CTA row (wgc*MT + mt)*64 + 16w + g + (i & 2 ? 8 : 0), token 8 (i / 4)
+// + 2t + (i & 1) (called by every lane for every element: it may shuffle), staged as a tile [m][BN
+// + 8] in shared memory (conflict-free: a warp's 32 stores hit 16 words of distinct banks), then
+// written out in 16-byte row pieces (out_vec == 2) or element by element, tokens with !row_ok(tok)
+// skipped. A per-element global store from the fragment layout writes 2 bytes per lane, pieces
+// scattered over 4 rows, in an unrolled straight-line block that misses the instruction cache once
+// per launch (Nsight Compute, v2 at m = 64: a quarter of the kernel's samples). The caller has
+// synchronised the consumers (the stage aliases the weight ring); `bar` is their named barrier.
+template <int MT, int NP, int kThreads, class Value, class RowOk>
+__device__ __forceinline__ void store_tile_bf16_staged(Value&& value, RowOk&& row_ok, uint8_t* stage_smem, bf16_t* out,
                                                        int64_t out_stride, int m, int n, int row0, int wgc, int w,
                                                        int g, int t, int ctid, int out_vec, uint32_t bar) {
   constexpr int BN = 128 * MT;      // rows per CTA (two consumer warpgroups)
@@ -96,13 +97,14 @@ __device__ __forceinline__ void store_tile_bf16_staged(const float (&acc)[MT][NP
     for (int i = 0; i < NP / 2; ++i) {
       const int nl = (wgc * MT + mt) * 64 + 16 * w + g + ((i & 2) ? 8 : 0);
       const int tok = 8 * (i >> 2) + 2 * t + (i & 1);
-      if (tok < m) stage[tok * kStride + nl] = num::bf16_from_f32(acc[mt][i]);
+      const bf16_t v = value(mt, i);
+      if (tok < m) stage[tok * kStride + nl] = v;
     }
   hopper::named_barrier_sync(bar, kThreads);
   for (int e = ctid; e < m * kChunks; e += kThreads) {
     const int tok = e / kChunks, nc = e - tok * kChunks;
     const int col = row0 + 8 * nc;
-    if (col >= n) continue;  // n is a multiple of 32: a piece is all in or all out
+    if (col >= n || !row_ok(tok)) continue;  // n is a multiple of 32: a piece is all in or all out
     const uint4 v = *reinterpret_cast<const uint4*>(stage + tok * kStride + 8 * nc);
     bf16_t* dst = out + tok * out_stride + col;
     if (out_vec == 2) {

@@ -821,7 +821,9 @@ void GpuPrepareStack::Impl::issue_qb(int L, int T, cudaStream_t s) {
   g.v2_overlap = o.qb_overlap;
   g.prewait_pace_ns = o.qb_prewait_pace_ns >= 0 ? o.qb_prewait_pace_ns : (T == 1 ? 1000 : 0);
   // fuse_rope_store: the GEMM writes q_pad itself with the RoPE applied (v2 epilogue; same bytes).
-  if (o.fuse_rope_store && fp8_version(T, g.n, g.k) == kn::GemmVersion::kWgmma &&
+  const bool fuse_rope = o.fuse_rope_store == Fusion::kOn ||
+                         (o.fuse_rope_store == Fusion::kAuto && T >= kRopeStoreAutoMinRows && T <= kRopeStoreAutoMaxRows);
+  if (fuse_rope && fp8_version(T, g.n, g.k) == kn::GemmVersion::kWgmma &&
       kn::gemm_v2_rope_store_supported(T, g.n, g.k)) {
     g.out = q_pad[static_cast<size_t>(L)];
     g.out_stride = static_cast<int64_t>(H_pad) * kHd;
@@ -1196,7 +1198,7 @@ void GpuPrepareStack::set_pdl(bool pdl) { impl_->set_option(&GpuStackOptions::pd
 void GpuPrepareStack::set_pdl_everywhere(bool on) { impl_->set_option(&GpuStackOptions::pdl_everywhere, on); }
 void GpuPrepareStack::set_gemm_version(kernels::GemmVersion v) { impl_->set_option(&GpuStackOptions::gemm, v); }
 void GpuPrepareStack::set_s_fork(LayerIssue::SFork f) { impl_->set_option(&GpuStackOptions::s_fork, f); }
-void GpuPrepareStack::set_fuse_rope_store(bool on) { impl_->set_option(&GpuStackOptions::fuse_rope_store, on); }
+void GpuPrepareStack::set_fuse_rope_store(Fusion f) { impl_->set_option(&GpuStackOptions::fuse_rope_store, f); }
 void GpuPrepareStack::set_fuse_qchain(Fusion f) { impl_->set_option(&GpuStackOptions::fuse_qchain, f); }
 void GpuPrepareStack::set_fuse_x_quant(Fusion f) { impl_->set_option(&GpuStackOptions::fuse_x_quant, f); }
 void GpuPrepareStack::set_lane_prologue(bool on) { impl_->set_option(&GpuStackOptions::lane_prologue, on); }

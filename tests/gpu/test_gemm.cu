@@ -1740,7 +1740,7 @@ TEST(GpuGemmRopeStore, MatchesGemmThenQRopeStoreBytes) {
   V4_REQUIRE_GPU();
   use_all_cores();
   uint64_t seed = 900;
-  for (int m : {1, 6, 16, 24, 64})
+  for (int m : {1, 6, 16, 24, 32, 40, 64})
     for (bool pdl : {false, true}) check_rope_store_case(m, ++seed, pdl);
 }
 
@@ -1756,4 +1756,19 @@ TEST(GpuGemmRopeStore, SupportPredicateAndRefusals) {
   EXPECT_THROW(run_gemm_fp8_rope_store(p, nullptr, false), std::invalid_argument);
   p.n = 32768;
   EXPECT_THROW(run_gemm_fp8_rope_store(p, nullptr, false), std::invalid_argument);  // null pointers, no table
+  // Every pointer set (never dereferenced: the call refuses first) but a table the prologue's 16-byte
+  // loads could not read.
+  alignas(16) static uint8_t fake[4096];
+  p.a_q = fake;
+  p.a_scale = fake;
+  p.w = fake;
+  p.w_scale = fake;
+  p.out = reinterpret_cast<bf16_t*>(fake);
+  p.a_stride = 1280;
+  p.a_scale_stride = 40;
+  p.out_stride = 32768;
+  p.rope_pos = reinterpret_cast<const int32_t*>(fake);
+  p.rope_table = reinterpret_cast<const float*>(fake + 4);
+  p.rope_max_pos = 8;
+  EXPECT_THROW(run_gemm_fp8_rope_store(p, nullptr, false), std::invalid_argument);  // misaligned table
 }

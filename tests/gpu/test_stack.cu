@@ -645,7 +645,7 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
     Schedule schedule;
     bool graph;
     bool pdl;
-    bool fuse_rope_store = false;  // q_rope_store in the wq_b GEMM's epilogue (v2)
+    Fusion fuse_rope_store = Fusion::kOff;  // q_rope_store in the wq_b GEMM's epilogue (v2)
     Fusion fuse_qchain = Fusion::kOff;  // plain layers as one kernel (kernels/qchain.h)
     Fusion fuse_x_quant = Fusion::kAuto;  // x quantised inside the wq_a|wkv GEMM (the default)
   };
@@ -653,15 +653,16 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
                             {Schedule::kThreeLane, true, true},
                             {Schedule::kSourcesSide, true, false},
                             {Schedule::kThreeLane, false, true},
-                            {Schedule::kThreeLane, true, true, true},
-                            {Schedule::kSerial, false, false, true},
-                            {Schedule::kThreeLane, true, true, false, Fusion::kOn},
-                            {Schedule::kSerial, false, false, false, Fusion::kOn},
-                            {Schedule::kThreeLane, true, true, false, Fusion::kAuto},
+                            {Schedule::kThreeLane, true, true, Fusion::kOn},
+                            {Schedule::kSerial, false, false, Fusion::kOn},
+                            {Schedule::kThreeLane, true, true, Fusion::kAuto},
+                            {Schedule::kThreeLane, true, true, Fusion::kOff, Fusion::kOn},
+                            {Schedule::kSerial, false, false, Fusion::kOff, Fusion::kOn},
+                            {Schedule::kThreeLane, true, true, Fusion::kOff, Fusion::kAuto},
                             // x quantised by its own kernel / always inside the GEMM, against the
                             // first configuration's automatic choice (inside up to 8 rows).
-                            {Schedule::kSerial, false, false, false, Fusion::kOff, Fusion::kOff},
-                            {Schedule::kThreeLane, true, true, false, Fusion::kOff, Fusion::kOn}};
+                            {Schedule::kSerial, false, false, Fusion::kOff, Fusion::kOff, Fusion::kOff},
+                            {Schedule::kThreeLane, true, true, Fusion::kOff, Fusion::kOff, Fusion::kOn}};
   // The fused form must really run here (wq_b at this config and bucket), or the configs above
   // that ask for it would silently compare the unfused path with itself.
   if (tp == 1) {
@@ -676,7 +677,7 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
   const int rows = bs * v;
   for (size_t c = 0; c < std::size(configs); ++c) {
     const std::string name = std::string(to_string(configs[c].schedule)) + (configs[c].graph ? " graph" : " eager") +
-                             (configs[c].fuse_rope_store ? " fused-rope" : "") + " qchain " + to_string(configs[c].fuse_qchain) +
+                             " rope-store " + to_string(configs[c].fuse_rope_store) + " qchain " + to_string(configs[c].fuse_qchain) +
                              " x-quant " + to_string(configs[c].fuse_x_quant);
     SCOPED_TRACE(name);
     gpu.upload_caches(initial);

@@ -89,7 +89,7 @@ class RefStack;
 namespace prepare {
 
 enum class WeightSource : uint8_t { kReference, kDeviceRandom };
-// A fusion knob of GpuStackOptions (fuse_qchain, fuse_x_quant): never, by the measured rule of
+// A fusion knob of GpuStackOptions (fuse_qchain, fuse_x_quant, fuse_rope_store): never, by the measured rule of
 // the field (kAuto), or wherever the fused form takes the shape.
 enum class Fusion : uint8_t { kOff, kAuto, kOn };
 // kAuto's row limit. Measured (docs/perf.md, session 10, three-lane, fused vs unfused, two
@@ -102,6 +102,13 @@ constexpr int kQChainAutoRows = 8;
 // fuse_x_quant's kAuto row limit (docs/perf.md, session 9, three-lane, three repetitions: verify
 // bs 1 (6 rows) -0.5 %, decode bs 8 -0.8 %, decode bs 2 even, verify bs 2 (12 rows) +1.0 %).
 constexpr int kXQuantAutoRows = 8;
+// fuse_rope_store's kAuto rows: steps of kRopeStoreAutoMinRows..kRopeStoreAutoMaxRows rows (docs/perf.md,
+// session 11, three-lane, two repetitions, fused vs the q_rope_store kernel, with the epilogue staged
+// and its table loaded before the PDL wait): verify bs 2 (12 rows) -2.0 %, decode bs 16 -2.4 %,
+// verify bs 4 (24) -0.2 %, decode bs 32 even, verify bs 1 (6: index layers only, the plain layers
+// run the fused chain) +0.35 %, decode bs 1 +0.7 %.
+constexpr int kRopeStoreAutoMinRows = 9;
+constexpr int kRopeStoreAutoMaxRows = 16;
 const char* to_string(Fusion f);
 const char* to_string(WeightSource w);
 
@@ -199,8 +206,10 @@ struct GpuStackOptions {
   // the selection. Needs idx_gemm_on_main. Experiment knob.
   bool idx_scores_on_main = false;
   // The wq_b GEMM (v2) writes q_pad with the RoPE itself (q_rope_store fused into its epilogue;
-  // same bytes). Experiment knob: the trace report's per-layer figures key on q_rope_store.
-  bool fuse_rope_store = false;
+  // same bytes, tested) in the layers that run the unfused chain. kOff: never; kAuto: steps of
+  // kRopeStoreAutoMinRows..kRopeStoreAutoMaxRows rows (where it measured faster); kOn: wherever v2 takes it
+  // (gemm_v2_rope_store_supported).
+  Fusion fuse_rope_store = Fusion::kAuto;
   // When a plain layer (work QA | QB | KV, no compressor / indexer) runs as the fused Q chain. kOff:
   // never, the five-kernel chain with its window-K on lane K; kAuto: at most kQChainAutoRows rows
   // (where it measured faster in the three-lane cycle), and only with `gemm` kAuto (a forced GEMM
@@ -283,7 +292,7 @@ class GpuPrepareStack {
   void set_gemm_version(kernels::GemmVersion v);
   void set_s_fork(LayerIssue::SFork f);
   void set_lane_prologue(bool on);
-  void set_fuse_rope_store(bool on);  // GpuStackOptions::fuse_rope_store
+  void set_fuse_rope_store(Fusion f);  // GpuStackOptions::fuse_rope_store
   void set_fuse_qchain(Fusion f);     // GpuStackOptions::fuse_qchain
   void set_fuse_x_quant(Fusion f);    // GpuStackOptions::fuse_x_quant
 
