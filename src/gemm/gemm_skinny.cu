@@ -49,7 +49,9 @@
 // + ..., and stores; a last cluster barrier keeps every CTA's shared memory alive until all remote
 // reads are done. No workspace, no second kernel, no counters.
 #include <algorithm>
+#include <array>
 #include <string>
+#include <utility>
 
 #include "gemm/gemm_internal.h"
 #include "gemm/hopper_ptx.cuh"
@@ -449,13 +451,7 @@ __global__ void __launch_bounds__(kThreads) gemm_f32_skinny_kernel(const __grid_
   if (!w_lane)
     for (int s = 0; s < pre; ++s) load(s);
 
-  float acc[2][NT][4];
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
+  float acc[2][NT][4] = {};  // the block sums of each part are added from +0
 
   // ---- main loop: one K block per iteration ------------------------------------------------------------
   for (int it = 0; it < part.count; ++it) {
@@ -523,13 +519,7 @@ __global__ void __launch_bounds__(kThreads) gemm_f32_direct_kernel(const __grid_
     }
   };
 
-  float acc[2][NT][4];
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
+  float acc[2][NT][4] = {};  // the block sums of each part are added from +0
 
   // Ring of kDirectAhead + 1 register sets, indexed by it % (kDirectAhead + 1) in fully unrolled
   // groups so that every index is a compile-time constant (registers, not local memory).
@@ -564,42 +554,36 @@ __global__ void __launch_bounds__(kThreads) gemm_f32_direct_kernel(const __grid_
 
 using SkinnyKernel = void (*)(SkinnyParams);
 
-template <int R>
-SkinnyKernel pick_bf16_kernel(int nt) {
-  switch (nt) {
-    case 1: return gemm_bf16_skinny_kernel<1, R>;
-    case 2: return gemm_bf16_skinny_kernel<2, R>;
-    case 3: return gemm_bf16_skinny_kernel<3, R>;
-    case 4: return gemm_bf16_skinny_kernel<4, R>;
-    case 5: return gemm_bf16_skinny_kernel<5, R>;
-    case 6: return gemm_bf16_skinny_kernel<6, R>;
-    case 7: return gemm_bf16_skinny_kernel<7, R>;
-    case 8: return gemm_bf16_skinny_kernel<8, R>;
-    default: throw std::invalid_argument("gemm v5: m must be 1..64");
-  }
+// The instantiations of a kernel template over NT = 1..N token tiles, indexed by NT - 1.
+template <int R, int... I>
+constexpr std::array<SkinnyKernel, sizeof...(I)> bf16_kernels(std::integer_sequence<int, I...>) {
+  return {gemm_bf16_skinny_kernel<I + 1, R>...};
+}
+template <int... I>
+constexpr std::array<SkinnyKernel, sizeof...(I)> f32_ring_kernels(std::integer_sequence<int, I...>) {
+  return {gemm_f32_skinny_kernel<I + 1>...};
+}
+template <int... I>
+constexpr std::array<SkinnyKernel, sizeof...(I)> f32_direct_kernels(std::integer_sequence<int, I...>) {
+  return {gemm_f32_direct_kernel<I + 1>...};
+}
+template <size_t N>
+SkinnyKernel pick_nt(const std::array<SkinnyKernel, N>& kernels, int nt, const char* what) {
+  if (nt < 1 || nt > static_cast<int>(N)) throw std::invalid_argument(what);
+  return kernels[static_cast<size_t>(nt - 1)];
 }
 
+template <int R>
+SkinnyKernel pick_bf16_kernel(int nt) {
+  return pick_nt(bf16_kernels<R>(std::make_integer_sequence<int, 8>{}), nt, "gemm v5: m must be 1..64");
+}
 SkinnyKernel pick_f32_kernel(int m) {
-  switch ((m + 7) / 8) {
-    case 1: return gemm_f32_skinny_kernel<1>;
-    case 2: return gemm_f32_skinny_kernel<2>;
-    case 3: return gemm_f32_skinny_kernel<3>;
-    case 4: return gemm_f32_skinny_kernel<4>;
-    case 5: return gemm_f32_skinny_kernel<5>;
-    case 6: return gemm_f32_skinny_kernel<6>;
-    case 7: return gemm_f32_skinny_kernel<7>;
-    case 8: return gemm_f32_skinny_kernel<8>;
-    default: throw std::invalid_argument("gemm v5: m must be 1..64");
-  }
+  return pick_nt(f32_ring_kernels(std::make_integer_sequence<int, 8>{}), (m + 7) / 8, "gemm v5: m must be 1..64");
 }
 SkinnyKernel pick_f32_direct_kernel(int m) {
-  switch ((m + 7) / 8) {
-    case 1: return gemm_f32_direct_kernel<1>;
-    case 2: return gemm_f32_direct_kernel<2>;
-    case 3: return gemm_f32_direct_kernel<3>;
-    case 4: return gemm_f32_direct_kernel<4>;
-    default: throw std::invalid_argument("gemm v5: the fp32 direct path takes m <= " + std::to_string(kF32DirectMaxRows));
-  }
+  static_assert(kF32DirectMaxRows == 32, "f32_direct_kernels below instantiates NT = 1..4");
+  return pick_nt(f32_direct_kernels(std::make_integer_sequence<int, 4>{}), (m + 7) / 8,
+                 "gemm v5: the fp32 direct path takes m <= 32");
 }
 
 // Per-warp ring geometry of a plan (host; the kernels get it through SkinnyParams).
