@@ -247,8 +247,9 @@ void run_gemm_f32(const F32GemmParams& p, GemmVersion version, cudaStream_t stre
   if (!aligned_to(p.w, 16)) fail(who, "w must be 16-byte aligned");
   if (!aligned_to(p.x, 8) || p.x_stride % 4 != 0) fail(who, "x must be 8-byte aligned with x_stride % 4 == 0");
   if (p.force_splits < 0) fail(who, "force_splits < 0");
-  if (p.v5_path < 0 || p.v5_path > 2 || (p.v5_path == 1 && p.m > 32))
-    fail(who, "v5_path must be 0, 1 (m <= 32) or 2 (got " + std::to_string(p.v5_path) + " at m " + std::to_string(p.m) + ")");
+  if (p.v5_path < 0 || p.v5_path > 2 || (p.v5_path == 1 && p.m > kF32DirectMaxRows))
+    fail(who, "v5_path must be 0, 1 (m <= " + std::to_string(kF32DirectMaxRows) + ") or 2 (got " +
+                  std::to_string(p.v5_path) + " at m " + std::to_string(p.m) + ")");
   // kAuto: v5 (tensor cores) where f32_skinny_preferred and its requirements hold, else v1.
   if (version == GemmVersion::kAuto)
     version = f32_skinny_preferred(p.m, p.n, p.k) && aligned_to(p.x, 16) && p.x_stride % 8 == 0 ? GemmVersion::kSkinny

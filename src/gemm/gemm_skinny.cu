@@ -74,7 +74,6 @@ constexpr int kBf16RowBytes = kGemmBlock * 2;   // one K block of bf16 (64 B)
 constexpr int kF32RowBytes = kGemmBlock * 4;    // one K block of fp32 (128 B)
 constexpr int kF32Rows = 32;                    // fp32: weight rows per CTA (two m16 tiles)
 constexpr int kF32Chunks = kF32RowBytes / 16;   // 8 float4 per weight row and block
-constexpr int kF32DirectMaxRows = 32;           // fp32: the direct path (registers, no rings) up to this m
 constexpr size_t kBarrierBytes = kWarps * kMaxDepth * 8;  // one mbarrier per slot of every warp's ring
 
 struct SkinnyParams {

@@ -355,7 +355,7 @@ void check_f32_case(int64_t n, int64_t k, int m, Data d, uint64_t seed, int forc
   // reference, and the same bytes as each other (the same parts, blocks and arithmetic).
   const std::vector<float> ring = run_f32(pr, GemmVersion::kSkinny, force_splits, false, 2);
   const double worst = check_f32(ring, pr, d == Data::kExact, name + " rings");
-  if (m <= 32) {
+  if (m <= kF32DirectMaxRows) {
     const std::vector<float> direct = run_f32(pr, GemmVersion::kSkinny, force_splits, false, 1);
     EXPECT_EQ(0, std::memcmp(direct.data(), ring.data(), ring.size() * sizeof(float))) << name << ": direct path != rings";
   }
@@ -729,8 +729,8 @@ TEST(GpuGemmSkinny, RefusesBadArguments) {
       EXPECT_THROW(run_gemm_f32(p, v5, nullptr, false), std::invalid_argument) << "f32 v5_path " << path;
     }
     p = valid_f32();
-    p.m = 33;
-    p.v5_path = 1;  // the direct path takes m <= 32
+    p.m = kF32DirectMaxRows + 1;
+    p.v5_path = 1;  // the direct path takes m <= kF32DirectMaxRows
     EXPECT_THROW(run_gemm_f32(p, v5, nullptr, false), std::invalid_argument) << "f32 direct path at 33 rows";
     p = valid_f32();
     p.n = 6;

@@ -129,6 +129,7 @@ using num::bf16_t;
 
 constexpr int kGemmBlock = 32;    // K block of the fp8 GEMM / act quant; N block of weight scales
 constexpr int kGemmMaxRows = 64;  // M limit of the tensor-core versions
+constexpr int kF32DirectMaxRows = 32;  // fp32 v5: the direct data path (registers, no rings) up to this m
 
 // kAuto: fp8 GEMMs take best_fp8_gemm_version(m, n, k); bf16 / fp32 GEMMs take kSkinny where
 // skinny_gemm_preferred(m, n, k) says so (bf16: only single-group calls without v1 plan overrides;
@@ -347,8 +348,9 @@ struct F32GemmParams {
   int m = 0;
   int64_t n = 0, k = 0;
   int force_splits = 0;  // kSkinny plan override (its S, capped at 8; 0 = automatic); v0 / v1 ignore it
-  // kSkinny's data path (the same bytes either way): 0 automatic, 1 direct register loads (m <= 32),
-  // 2 per-warp shared-memory rings. v0 / v1 ignore it.
+  // kSkinny's data path (the same bytes either way): 0 automatic (direct up to kF32DirectMaxRows
+  // rows), 1 direct register loads (m <= kF32DirectMaxRows), 2 per-warp shared-memory rings. v0 / v1
+  // ignore it.
   int v5_path = 0;
 };
 void run_gemm_f32(const F32GemmParams& p, GemmVersion version, cudaStream_t stream, bool pdl);
