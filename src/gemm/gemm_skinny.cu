@@ -37,9 +37,10 @@
 // its rows g, g + 8 (two float4 each), splits every weight into three bf16 parts (w = hi + mid + lo
 // exactly, truncations: split_f32_pair) and runs, per m16 tile and token tile, six chained m16n8k16
 // mmas from zero (lo, mid, hi of elements 8t + 0..3, then of 8t + 4..7: the bf16 path's K
-// permutation), acc = add_rn(acc, blocksum). Why not the CUDA cores: at m = 32 the fma form is ~40 us
-// of issue for a 4.9 us stream (it was v5's fp32 path until session 11); the split costs ~11 ALU
-// operations per weight pair whatever m is.
+// permutation), acc = add_rn(acc, blocksum). Why not the CUDA cores: at m = 32 the fma forms took
+// 40 us (v1) and 53 us (v5's fp32 path until session 11) for a 4.9 us stream; the split costs ~11 ALU
+// operations per weight pair whatever m is. Up to kF32DirectMaxRows rows the data path is not the
+// rings but direct register loads (gemm_f32_direct_kernel: same parts, same arithmetic, same bytes).
 //
 // Epilogue (both): after a CTA barrier (the reduction buffer aliases the rings) every warp stores
 // its fp32 partial tile [m][block_n]; thread e of the CTA adds the 4 warps' values in warp order
