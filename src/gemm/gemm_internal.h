@@ -58,6 +58,15 @@ int v3_max_cta_stages(const GemmPlan& plan, int64_t k);
 
 inline bool aligned_to(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
 
+// The widest bf16 output stores a GEMM may use on `p`'s output (v2 and v3 epilogues): 2 = 16 bytes,
+// 1 = 8 bytes, 0 = element by element (every row and group start aligned to the width).
+inline int bf16_out_vector_width(const Fp8GemmParams& p) {
+  const bool one_group = p.groups == 1;
+  if (aligned_to(p.out, 16) && p.out_stride % 8 == 0 && (one_group || p.out_group_stride % 8 == 0)) return 2;
+  if (aligned_to(p.out, 8) && p.out_stride % 4 == 0 && (one_group || p.out_group_stride % 4 == 0)) return 1;
+  return 0;
+}
+
 // v1 of the fp32 GEMM: CUDA cores (gemm_f32.cu).
 void launch_gemm_f32_warp(const F32GemmParams& p, cudaStream_t stream, bool pdl);
 

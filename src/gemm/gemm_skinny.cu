@@ -538,8 +538,7 @@ __global__ void __launch_bounds__(kThreads) gemm_f32_direct_kernel(const __grid_
     for (int s = 0; s < kSets; ++s) {
       const int it = it0 + s;
       if (it < part.count) {
-        constexpr int kAhead = kDirectAhead;
-        const int nxt = it + kAhead, ns = (s + kAhead) % kSets;
+        const int nxt = it + kDirectAhead, ns = (s + kDirectAhead) % kSets;
         if (nxt < part.count) {
           load_w(nxt, wv[ns]);
           load_x(nxt, xb[ns]);
@@ -575,15 +574,17 @@ SkinnyKernel pick_nt(const std::array<SkinnyKernel, N>& kernels, int nt, const c
 
 template <int R>
 SkinnyKernel pick_bf16_kernel(int nt) {
-  return pick_nt(bf16_kernels<R>(std::make_integer_sequence<int, 8>{}), nt, "gemm v5: m must be 1..64");
+  static constexpr auto kKernels = bf16_kernels<R>(std::make_integer_sequence<int, 8>{});
+  return pick_nt(kKernels, nt, "gemm v5: m must be 1..64");
 }
 SkinnyKernel pick_f32_kernel(int m) {
-  return pick_nt(f32_ring_kernels(std::make_integer_sequence<int, 8>{}), (m + 7) / 8, "gemm v5: m must be 1..64");
+  static constexpr auto kKernels = f32_ring_kernels(std::make_integer_sequence<int, 8>{});
+  return pick_nt(kKernels, (m + 7) / 8, "gemm v5: m must be 1..64");
 }
 SkinnyKernel pick_f32_direct_kernel(int m) {
-  static_assert(kF32DirectMaxRows == 32, "f32_direct_kernels below instantiates NT = 1..4");
-  return pick_nt(f32_direct_kernels(std::make_integer_sequence<int, 4>{}), (m + 7) / 8,
-                 "gemm v5: the fp32 direct path takes m <= 32");
+  static constexpr auto kKernels = f32_direct_kernels(std::make_integer_sequence<int, kF32DirectMaxRows / 8>{});
+  static_assert(kF32DirectMaxRows == 32, "the message below names the limit");
+  return pick_nt(kKernels, (m + 7) / 8, "gemm v5: the fp32 direct path takes m <= 32");
 }
 
 // Per-warp ring geometry of a plan (host; the kernels get it through SkinnyParams).
@@ -635,8 +636,9 @@ bool skinny_gemm_preferred(int m, int64_t n, int64_t k) {
 // with PDL, us): v5 (direct path to 32 rows, rings above) against v1 at m = 1 / 6 / 8 / 12 / 16 / 24
 // / 32 / 64: 8.0 / 8.3 / 8.4 / 13.9 / 14.1 / 15.0 / 15.8 / 31.1 vs 6.8 / 11.4 / 13.3 / 17.0 / 20.9 /
 // 38.3 / 40.6 / 78.4. Below 16 rows v1 stays: v5 alone is faster from 6 rows, but in the three-lane
-// cycle it was not (verify bs 1 +0.2 %, decode bs 4 +0.8 %, decode bs 1 +1.4 %; v5's 256 clustered
-// CTAs of ~250 registers compete with the main lane for SMs), and 16 rows is where both agree.
+// cycle with kAuto forced to v5 it was not (verify bs 1 +0.2 %, decode bs 4 +0.8 %, decode bs 1
+// +1.4 %; the guess: v5's 256 clustered CTAs of ~250 registers compete with the main lane for SMs).
+// 8-15 rows were not measured in the cycle; from 16 rows v5 wins alone by >= 6 us.
 bool f32_skinny_preferred(int m, int64_t n, int64_t k) { return skinny_shape_ok(m, n, k) && m >= 16; }
 
 GemmPlan plan_gemm_skinny(int m, int64_t n, int64_t k, int groups, bool f32, int force_splits, int force_mtiles) {

@@ -156,7 +156,7 @@ struct WgmmaParams {
   int prewait_stages = 0;    // weight stages of the first ring fill issued before the PDL wait
   int prewait_pace_ns = 0;   // Fp8GemmParams::prewait_pace_ns
   int overlap = 1;           // consumer loop on full stages: 0 / 1 / 2 (Fp8GemmParams::v2_overlap)
-  int out_vec = 0;           // S == 1: 2 = 16-byte output stores allowed, else element by element
+  int out_vec = 0;           // S == 1: bf16_out_vector_width (2: 16-byte stores, else element by element)
   // kRope (run_gemm_fp8_rope_store): q_rope_store in the epilogue (S == 1 only).
   const int32_t* rope_pos = nullptr;  // [m]
   const float* rope_table = nullptr;  // [rope_max_pos, 64] (cos, sin) interleaved
@@ -625,8 +625,7 @@ void launch_gemm_fp8_wgmma(const Fp8GemmParams& p, const GemmPlan& plan, const G
   t.prewait_stages = p.prewait_stages < 0 ? plan.stages : p.prewait_stages;
   t.prewait_pace_ns = p.prewait_pace_ns;
   t.overlap = p.v2_overlap < 0 ? 2 : p.v2_overlap;  // 2 runs as 1 where m > 32
-  const bool one_group = p.groups == 1;
-  t.out_vec = aligned_to(p.out, 16) && p.out_stride % 8 == 0 && (one_group || p.out_group_stride % 8 == 0) ? 2 : 0;
+  t.out_vec = bf16_out_vector_width(p);
   if (plan.splits > 1) {
     uint8_t* wsb = static_cast<uint8_t*>(ws.data);
     t.counters = reinterpret_cast<uint32_t*>(wsb);
@@ -643,7 +642,6 @@ void launch_gemm_fp8_wgmma(const Fp8GemmParams& p, const GemmPlan& plan, const G
   if (rope) {  // the table region: one ring stage fewer where it does not fit beside the plan's ring
     while (t.stages > 1 && smem_request(smem_layout(plan.block_n, np, t.stages, t.max_split_blocks, true)) > kSmemLimit)
       --t.stages;
-    t.prewait_stages = std::min(t.prewait_stages, t.stages);
     smem_bytes = smem_request(smem_layout(plan.block_n, np, t.stages, t.max_split_blocks, true));
     if (smem_bytes > kSmemLimit) throw std::invalid_argument("gemm v2: the fused RoPE store does not fit shared memory");
   }

@@ -796,10 +796,7 @@ void launch_gemm_fp8_wgmma_pipelined(const Fp8GemmParams& p, const GemmPlan& pla
   t.stages = plan.stages;
   t.max_split_blocks = static_cast<int>((kb + plan.splits - 1) / plan.splits);
   t.int_mask = p.v3_int_mask < 0 ? kDefaultIntMask : p.v3_int_mask;
-  const bool one_group = p.groups == 1;
-  if (aligned_to(p.out, 16) && p.out_stride % 8 == 0 && (one_group || p.out_group_stride % 8 == 0)) t.out_vec = 2;
-  else if (aligned_to(p.out, 8) && p.out_stride % 4 == 0 && (one_group || p.out_group_stride % 4 == 0)) t.out_vec = 1;
-  else t.out_vec = 0;
+  t.out_vec = bf16_out_vector_width(p);
   const bool fused = p.a_bf16 != nullptr;
   const Wgmma3Kernel kernel = plan.warp_mtiles == 2 ? (fused ? pick_kernel<2, true>(np) : pick_kernel<2, false>(np))
                                                     : (fused ? pick_kernel<1, true>(np) : pick_kernel<1, false>(np));

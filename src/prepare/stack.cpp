@@ -4,6 +4,7 @@
 #include "v4attn/prepare/stack.h"
 
 #include <algorithm>
+#include <limits>
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
@@ -119,6 +120,17 @@ const char* to_string(Fusion f) {
     case Fusion::kOn: return "on";
   }
   return "?";
+}
+
+// Whether a Fusion knob of GpuStackOptions applies to a step of T rows: kOn up to on_max rows (the
+// fused form's own limit), kAuto within its measured range [auto_min, auto_max], kOff never.
+static bool fusion_applies(Fusion f, int T, int auto_min, int auto_max, int on_max = std::numeric_limits<int>::max()) {
+  switch (f) {
+    case Fusion::kOff: return false;
+    case Fusion::kAuto: return T >= auto_min && T <= auto_max;
+    case Fusion::kOn: return T <= on_max;
+  }
+  return false;
 }
 
 void validate_options(const ModelPlan& plan, const GpuStackOptions& o) {
@@ -752,7 +764,7 @@ void GpuPrepareStack::Impl::issue_qa(int L, int T, cudaStream_t s) {
   kn::Fp8GemmParams g;
   // fuse_x_quant: when the QA GEMM runs v3 and its plan holds a CTA's whole K range, v3 quantises x
   // itself (the same bytes as act quant + v3), which takes the act-quant launch off the main lane.
-  const bool fuse_x = o.fuse_x_quant == Fusion::kOn || (o.fuse_x_quant == Fusion::kAuto && T <= kXQuantAutoRows);
+  const bool fuse_x = fusion_applies(o.fuse_x_quant, T, 1, kXQuantAutoRows);
   g.v3_int_mask = o.v3_int_mask;
   if (fuse_x && fp8_version(T, qkv_w, dim) == kn::GemmVersion::kWgmmaPipelined &&
       kn::gemm_v3_fused_quant_supported(T, qkv_w, dim)) {
@@ -821,8 +833,7 @@ void GpuPrepareStack::Impl::issue_qb(int L, int T, cudaStream_t s) {
   g.v2_overlap = o.qb_overlap;
   g.prewait_pace_ns = o.qb_prewait_pace_ns >= 0 ? o.qb_prewait_pace_ns : (T == 1 ? 1000 : 0);
   // fuse_rope_store: the GEMM writes q_pad itself with the RoPE applied (v2 epilogue; same bytes).
-  const bool fuse_rope = o.fuse_rope_store == Fusion::kOn ||
-                         (o.fuse_rope_store == Fusion::kAuto && T >= kRopeStoreAutoMinRows && T <= kRopeStoreAutoMaxRows);
+  const bool fuse_rope = fusion_applies(o.fuse_rope_store, T, kRopeStoreAutoMinRows, kRopeStoreAutoMaxRows);
   if (fuse_rope && fp8_version(T, g.n, g.k) == kn::GemmVersion::kWgmma &&
       kn::gemm_v2_rope_store_supported(T, g.n, g.k)) {
     g.out = q_pad[static_cast<size_t>(L)];
@@ -853,11 +864,12 @@ void GpuPrepareStack::Impl::issue_qb(int L, int T, cudaStream_t s) {
 bool GpuPrepareStack::Impl::qchain_fused_layer(int L, int T) const {
   // kAuto only where the GEMMs are the automatic choice too: a forced GEMM version (kSimple for
   // the reference's bytes, a version under measurement) keeps the unfused chain that runs it.
-  const int max_rows = o.fuse_qchain == Fusion::kOn ? kn::kQChainMaxRows
-                       : o.fuse_qchain == Fusion::kAuto && o.gemm == kn::GemmVersion::kAuto ? kQChainAutoRows
-                                                                                                   : 0;
-  static_assert(kn::kQChainMaxRows < 32, "qchain_rows_ok holds one bit per row count");
-  return T <= max_rows && (qchain_rows_ok >> T & 1u) != 0 && lp(L).work == (kWorkQA | kWorkQB | kWorkKV);
+  const int auto_max = o.gemm == kn::GemmVersion::kAuto ? kQChainAutoRows : 0;
+  static_assert(kn::kQChainMaxRows < 32 && kQChainAutoRows <= kn::kQChainMaxRows,
+                "qchain_rows_ok holds one bit per row count, and kAuto stays within it");
+  // fusion_applies holds only at T <= kQChainMaxRows (both row limits are), which guards the shift.
+  return fusion_applies(o.fuse_qchain, T, 1, auto_max, kn::kQChainMaxRows) && (qchain_rows_ok >> T & 1u) != 0 &&
+         lp(L).work == (kWorkQA | kWorkQB | kWorkKV);
 }
 
 void GpuPrepareStack::Impl::issue_qchain_fused(int L, int T, cudaStream_t s) {

@@ -107,7 +107,7 @@
 //    (K / 32 * 18 + K / P + P) u a (s = sum_k x_k w_k, a = sum_k |x_k w_k|, u = 2^-24, first
 //    order), inside the 2 (K + 8) u a the tests check (measured: <= 1.2e-6 a at K = 5120, also on
 //    weights spread over 2^-40..2^8). Exact whenever every partial sum is representable (small
-//    integers). kAuto takes it from m = 16 (f32_skinny_preferred); v1 below (faster at 1-12 rows).
+//    integers). kAuto takes it from m = 16 (f32_skinny_preferred); v1 below.
 //
 // Conventions: params structs passed by value; all pointers are device pointers; strides and
 // group strides are in elements. Host launchers validate everything and throw
@@ -143,7 +143,8 @@ const char* gemm_version_name(GemmVersion v);
 bool skinny_gemm_preferred(int m, int64_t n, int64_t k);
 // The fp32 GEMM's kAuto rule: kSkinny (tensor cores) for 16 <= m <= 64 on the same small shapes,
 // v1 (CUDA cores) below (docs/perf.md, session 11: ratio-2 [wkv; wgate] at m = 16 / 24 / 32 / 64:
-// v1 20.9 / 38.3 / 40.6 / 78.4 us, v5 14.1 / 15.0 / 15.8 / 31.1; below 16 rows v1 won in the cycle).
+// v1 20.9 / 38.3 / 40.6 / 78.4 us, v5 14.1 / 15.0 / 15.8 / 31.1; at 1-6 rows v1 was faster in the
+// three-lane cycle, though not alone from 6 rows; 8-15 rows were not measured in the cycle).
 bool f32_skinny_preferred(int m, int64_t n, int64_t k);
 // The fastest exact-enough fp8 version for m rows: kWgmma for 1 <= m <= 64, kSimple otherwise
 // (no tensor-core version takes more than 64 rows).
