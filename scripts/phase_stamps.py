@@ -8,7 +8,8 @@ the recorded cycle, in time order: the earliest / latest value over the launch's
 in microseconds from the cycle's first stamp. Phases: 0 CTA start, 1 after griddepcontrol.wait,
 2 (GEMM v2) first stage ready for the consumers / (rmsnorm) sum of squares done, 5 (GEMM v3) scale
 tables in shared memory, 3 consumer loop done, 6 (v3) partials written (cluster barrier), 4 end.
-Per-stage phases (16+, 64+) are recorded for CTAs 0 and 1 only; --cta prints those records.
+Per-stage phases are recorded for CTAs 0 and 1 only (GEMM v2 / v3: 16+ consumer stage or iteration start,
+64+ converter stage done, 96+ stage data landed, 112+ its f16 slot free); --cta prints those records.
 
 Files from session 10 on start with a "# v4attn phase stamps v2" line and carry each launch's
 %gridid in the second column: CTAs are then grouped into launches exactly (older files: by start
@@ -79,12 +80,49 @@ def print_handoff(launches, t0):
             KINDS.get(kind, kind), len(v), statistics.median(x for x, _ in v), statistics.median(d for _, d in v)))
 
 
+def print_stages(launches, t0):
+    """Per v2 / v3 launch: the per-stage records of its first stamped CTA -- when its converters
+    saw each stage's data (96 + it: the later of the data landing and the converters finishing the
+    stage before), its f16 slot free (112 + it) and the stage converted (64 + it) -- relative to the
+    launch's first stamp, then per kind the medians of the interval between consecutive stages'
+    data and of the conversion (done - slot free). Data seen later than the previous stage's
+    conversion ended means the memory stream set the pace; a slot freed late, the consumers."""
+    gaps, convs = collections.defaultdict(list), collections.defaultdict(list)
+    for first, kind, g in launches:
+        if kind not in (1, 2):
+            continue
+        ctas = [c for c in g if any(96 <= p < 128 for p in c)]
+        if not ctas:
+            continue
+        c = min(ctas, key=lambda c: min(c.values()))
+        stages = sorted(p - 96 for p in c if 96 <= p < 112)
+        cells = []
+        for it in stages:
+            data, slot, done = c.get(96 + it), c.get(112 + it), c.get(64 + it)
+            f = lambda v: "%.2f" % ((v - first) / 1000) if v is not None else "-"
+            cells.append("%d:%s/%s/%s" % (it, f(data), f(slot), f(done)))
+            if slot is not None and done is not None:
+                convs[kind].append((done - slot) / 1000)
+            if it > 0 and 96 + it - 1 in c:
+                gaps[kind].append((data - c[96 + it - 1]) / 1000)
+        loop = "%.2f" % ((c[3] - first) / 1000) if 3 in c else "-"
+        print("%-4s at %9.1f us: stage data/slot/done %s; loop done %s" % (
+            KINDS[kind], (first - t0) / 1000, " ".join(cells), loop))
+    for kind in sorted(gaps):
+        print("median %-4s: data %.2f us after the previous stage's (%d intervals), conversion %.2f us" % (
+            KINDS[kind], statistics.median(gaps[kind]), len(gaps[kind]),
+            statistics.median(convs[kind]) if convs[kind] else float("nan")))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("stamps")
     ap.add_argument("--launches", type=int, default=60, help="launches to print (default 60)")
     ap.add_argument("--cta", nargs=2, type=float, metavar=("FROM_US", "TO_US"),
                     help="instead: the per-stage records of CTAs 0 and 1 that start in this window")
+    ap.add_argument("--stages", action="store_true",
+                    help="instead: per GEMM v2 / v3 launch, when each stage's data landed, its slot was free and "
+                         "its conversion done (CTA 0; needs a v2 file from session 12 on)")
     ap.add_argument("--handoff", action="store_true",
                     help="instead: per launch, its CTAs' entry and PDL-wait times after the previous launch's end "
                          "(needs a v2 file)")
@@ -105,10 +143,13 @@ def main():
                 print("%s cta(%d,%d) sm%d: " % (KINDS.get(kind, kind), x, y, sm) +
                       " ".join("%d:%.2f" % (p, (ph[p] - t0) / 1000) for p in sorted(ph)))
         return
-    if a.handoff and not v2:
-        raise SystemExit("--handoff needs a file with launch ids (written from session 10 on)")
+    if (a.handoff or a.stages) and not v2:
+        raise SystemExit("--handoff and --stages need a file with launch ids (written from session 10 on)")
     if v2:
         launches = launches_by_gridid(entries)
+        if a.stages:
+            print_stages(launches, t0)
+            return
         if a.handoff:
             print_handoff(launches[:a.launches], t0)
             return

@@ -75,6 +75,17 @@ if(V4ATTN_PYTHON3)
                    "${CMAKE_SOURCE_DIR}/tests/data/stamps_v2.txt" --handoff)
   set_tests_properties(scripts.phase_stamps_handoff PROPERTIES PASS_REGULAR_EXPRESSION
     "qchain +2 +21\\.0 +-16\\.00 +0\\.30 +0\\.70 +4\\.00 +36\\.00\nmedian qchain +1 launches: last wait 4\\.00 us after the previous end, length 36\\.00 us")
+  # --stages on a fixture with GEMM v3 and v2 per-stage records (96 + it data landed, 112 + it slot
+  # free, 64 + it converted): the per-launch cells of CTA 0 and the per-kind median intervals.
+  add_test(NAME scripts.phase_stamps_stages
+           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/phase_stamps.py"
+                   "${CMAKE_SOURCE_DIR}/tests/data/stamps_stages.txt" --stages)
+  set_tests_properties(scripts.phase_stamps_stages PROPERTIES PASS_REGULAR_EXPRESSION
+    "v3 +at +0\\.0 us: stage data/slot/done 0:3\\.10/3\\.20/3\\.70 1:4\\.10/4\\.20/4\\.80 2:5\\.20/5\\.40/5\\.90; loop done 7\\.00\nv2 +at +10\\.0 us: stage data/slot/done 0:2\\.00/2\\.10/2\\.40 1:2\\.80/2\\.90/3\\.20; loop done 4\\.00\nmedian v2 +: data 0\\.80 us after the previous stage's \\(1 intervals\\), conversion 0\\.30 us\nmedian v3 +: data 1\\.05 us after the previous stage's \\(2 intervals\\), conversion 0\\.50 us")
+  add_test(NAME scripts.phase_stamps_stages_old_file
+           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/phase_stamps.py"
+                   "${CMAKE_SOURCE_DIR}/tests/data/stamps_stages_v1.txt" --stages)
+  set_tests_properties(scripts.phase_stamps_stages_old_file PROPERTIES WILL_FAIL TRUE)
   add_test(NAME scripts.trace_layers_no_layers
            COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/trace_layers.py"
                    "${CMAKE_SOURCE_DIR}/tests/configs/missing_key.json")

@@ -312,7 +312,10 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
       for (int it = 0; it < n_iter; ++it) {
         const int s = it % ST, x = it % kXfSlots;
         mbar_wait(bar_full + 8u * s, static_cast<uint32_t>((it / ST) & 1));
+        // Measurement builds: 96 + it = the stage's data landed, 112 + it = its f16 slot is free.
+        if (ctid == 0 && blockIdx.x < 2 && it < 16) V4ATTN_STAMP_AT(stamp_rec, stamps::kGemmV2, 96 + it);
         if (it >= kXfSlots) mbar_wait(bar_xfree + 8u * x, static_cast<uint32_t>((it / kXfSlots - 1) & 1));
+        if (ctid == 0 && blockIdx.x < 2 && it < 16) V4ATTN_STAMP_AT(stamp_rec, stamps::kGemmV2, 112 + it);
         const uint8_t* xc = smem + L.xc + s * NP * kStageK;
         uint8_t* xf = smem + L.xf + x * NP * kStageK * 2;
         // Unit u: token n, 16-byte code chunk q = 2 j + sp (block j of the stage, half sp) -> the

@@ -498,7 +498,10 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
       for (int it = 0; it < n_iter; ++it) {
         const int s = it % ST, x = it % kXfSlots;
         mbar_wait(bar_full + 8u * s, static_cast<uint32_t>((it / ST) & 1));
+        // Measurement builds: 96 + it = the stage's data landed, 112 + it = its f16 slot is free.
+        if (ctid == 0 && blockIdx.x < 2 && it < 16) V4ATTN_STAMP_AT(stamp_rec, stamps::kGemmV3, 96 + it);
         if (it >= kXfSlots) mbar_wait(bar_xfree + 8u * x, static_cast<uint32_t>((it / kXfSlots - 1) & 1));
+        if (ctid == 0 && blockIdx.x < 2 && it < 16) V4ATTN_STAMP_AT(stamp_rec, stamps::kGemmV3, 112 + it);
         const int nb = min(kBlocksPerStage, nkb - it * kBlocksPerStage);
         const uint8_t* xc = smem + L.xc + s * NP * kStageK;
         uint8_t* xf = smem + L.xf + x * NP * kStageK * 2;
