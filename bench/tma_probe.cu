@@ -13,7 +13,8 @@
 // and GB/s per (K, box_rows, depth), and the percentage of the 4.27 TB/s floor.
 //
 // Usage: bench_tma_probe [--k 1280 5120] [--rows 64 128 256] [--depth 1 2 4 6 8] [--rounds 4]
-//                        [--ctas 132] [--reps 20] [--json FILE]
+//                        [--ctas 132] [--reps 20] [--no-hint] [--json FILE]
+// --no-hint: plain loads instead of the GEMMs' evict-first L2 policy (dev::l2_policy_stream).
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
@@ -38,7 +39,8 @@ constexpr int kSmemLimit = 227 * 1024;   // sm_90 opt-in dynamic shared memory p
 constexpr int kMaxDepth = 16;
 
 __global__ void __launch_bounds__(32, 1) tma_stream_kernel(const __grid_constant__ CUtensorMap map, int box_rows,
-                                                           int depth, int chunks, int rounds, unsigned int* sink) {
+                                                           int depth, int chunks, int rounds, bool hint,
+                                                           unsigned int* sink) {
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = smem_u32(smem_raw);
   const uint32_t base = (raw + (kSmemAlign - 1)) & ~static_cast<uint32_t>(kSmemAlign - 1);
@@ -52,7 +54,9 @@ __global__ void __launch_bounds__(32, 1) tma_stream_kernel(const __grid_constant
     const int s = i % depth, r = i / chunks, c = i - r * chunks;
     const int row0 = (r * static_cast<int>(gridDim.x) + static_cast<int>(blockIdx.x)) * box_rows;
     mbar_arrive_expect_tx(bars + 8u * s, slot_bytes);
-    tma_load_weights_3d(base + static_cast<uint32_t>(s) * slot_bytes, &map, bars + 8u * s, c * kChunk, row0, 0);
+    const uint32_t dst = base + static_cast<uint32_t>(s) * slot_bytes;
+    if (hint) tma_load_weights_3d(dst, &map, bars + 8u * s, c * kChunk, row0, 0);  // the GEMMs' evict-first policy
+    else tma_load_3d(dst, &map, bars + 8u * s, c * kChunk, row0, 0);
   };
   for (int i = 0; i < depth && i < total; ++i) issue(i);
   for (int i = 0; i < total; ++i) {
@@ -69,6 +73,7 @@ __global__ void __launch_bounds__(32, 1) tma_stream_kernel(const __grid_constant
 struct Row {
   int64_t k = 0;
   int box_rows = 0, depth = 0, ctas = 0, rounds = 0;
+  bool hint = true;
   int64_t bytes = 0;
   double us = 0.0;
 };
@@ -84,6 +89,7 @@ int main(int argc, char** argv) {
   std::vector<int> rows = {64, 128, 256};
   std::vector<int> depths = {1, 2, 4, 6, 8};
   int rounds = 4, ctas = 132, reps = 20;
+  bool no_hint = false;
   std::string json_path;
   app.add_option("--k", ks, "K bytes per row (multiples of 128)")->delimiter(',');
   app.add_option("--rows", rows, "rows per box (8..256, multiple of 8)")->delimiter(',');
@@ -91,6 +97,7 @@ int main(int argc, char** argv) {
   app.add_option("--rounds", rounds, "row blocks per CTA")->check(CLI::Range(1, 64));
   app.add_option("--ctas", ctas, "CTAs (one per SM)")->check(CLI::Range(1, 1024));
   app.add_option("--reps", reps, "timed launches per case (median)")->check(CLI::Range(3, 1000));
+  app.add_flag("--no-hint", no_hint, "plain TMA loads (default: the GEMMs' evict-first L2 policy)");
   app.add_option("--json", json_path, "also write the rows as JSON");
   CLI11_PARSE(app, argc, argv);
   for (int64_t k : ks)
@@ -136,7 +143,7 @@ int main(int argc, char** argv) {
           V4_CUDA_CHECK(cudaEventCreate(&a));
           V4_CUDA_CHECK(cudaEventCreate(&b));
           V4_CUDA_CHECK(cudaEventRecord(a, stream));
-          tma_stream_kernel<<<ctas, 32, smem, stream>>>(map, r, d, chunks, rounds, sink.get());
+          tma_stream_kernel<<<ctas, 32, smem, stream>>>(map, r, d, chunks, rounds, !no_hint, sink.get());
           V4_CUDA_CHECK(cudaGetLastError());
           V4_CUDA_CHECK(cudaEventRecord(b, stream));
           V4_CUDA_CHECK(cudaEventSynchronize(b));
@@ -152,6 +159,7 @@ int main(int argc, char** argv) {
         row.depth = d;
         row.ctas = ctas;
         row.rounds = rounds;
+        row.hint = !no_hint;
         row.bytes = n_rows * k;
         row.us = median_us(ms);
         out.push_back(row);
@@ -163,7 +171,7 @@ int main(int argc, char** argv) {
   if (!json_path.empty()) {
     nlohmann::json j = nlohmann::json::array();
     for (const Row& r : out)
-      j.push_back({{"k", r.k}, {"box_rows", r.box_rows}, {"depth", r.depth}, {"ctas", r.ctas}, {"rounds", r.rounds},
+      j.push_back({{"k", r.k}, {"box_rows", r.box_rows}, {"depth", r.depth}, {"ctas", r.ctas}, {"rounds", r.rounds}, {"l2_hint", r.hint},
                    {"bytes", r.bytes}, {"us", r.us}, {"pct_floor", pct_of_floor(r.bytes, r.us)}});
     std::ofstream(json_path) << j.dump(2) << "\n";
   }
