@@ -136,23 +136,12 @@ int main(int argc, char** argv) {
         const size_t smem = static_cast<size_t>(d) * r * kChunk + 8 * kMaxDepth + kSmemAlign;
         if (smem > static_cast<size_t>(kSmemLimit)) continue;
         const int chunks = static_cast<int>(k / kChunk);
-        std::vector<float> ms;
-        for (int rep = 0; rep < reps + 1; ++rep) {
-          l2.flush(stream, rep);
-          cudaEvent_t a, b;
-          V4_CUDA_CHECK(cudaEventCreate(&a));
-          V4_CUDA_CHECK(cudaEventCreate(&b));
-          V4_CUDA_CHECK(cudaEventRecord(a, stream));
-          tma_stream_kernel<<<ctas, 32, smem, stream>>>(map, r, d, chunks, rounds, !no_hint, sink.get());
-          V4_CUDA_CHECK(cudaGetLastError());
-          V4_CUDA_CHECK(cudaEventRecord(b, stream));
-          V4_CUDA_CHECK(cudaEventSynchronize(b));
-          float t = 0.0f;
-          V4_CUDA_CHECK(cudaEventElapsedTime(&t, a, b));
-          if (rep > 0) ms.push_back(t);  // the first launch warms the code and the map
-          V4_CUDA_CHECK(cudaEventDestroy(a));
-          V4_CUDA_CHECK(cudaEventDestroy(b));
-        }
+        const double us = cold_l2_median_us(
+            [&](cudaStream_t st) {
+              tma_stream_kernel<<<ctas, 32, smem, st>>>(map, r, d, chunks, rounds, !no_hint, sink.get());
+              V4_CUDA_CHECK(cudaGetLastError());
+            },
+            reps, l2, stream);
         Row row;
         row.k = k;
         row.box_rows = r;
@@ -161,7 +150,7 @@ int main(int argc, char** argv) {
         row.rounds = rounds;
         row.hint = !no_hint;
         row.bytes = n_rows * k;
-        row.us = median_us(ms);
+        row.us = us;
         out.push_back(row);
         std::printf("%6lld %5d %5d %5d %10.1f %10.2f %8.1f %6.1f%%\n", static_cast<long long>(k), r, d, ctas,
                     static_cast<double>(row.bytes) / 1e6, row.us, static_cast<double>(row.bytes) / row.us / 1e3,
@@ -173,7 +162,7 @@ int main(int argc, char** argv) {
     for (const Row& r : out)
       j.push_back({{"k", r.k}, {"box_rows", r.box_rows}, {"depth", r.depth}, {"ctas", r.ctas}, {"rounds", r.rounds}, {"l2_hint", r.hint},
                    {"bytes", r.bytes}, {"us", r.us}, {"pct_floor", pct_of_floor(r.bytes, r.us)}});
-    std::ofstream(json_path) << j.dump(2) << "\n";
+    write_json(json_path, j);
   }
   V4_CUDA_CHECK(cudaStreamDestroy(stream));
   return 0;
