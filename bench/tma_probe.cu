@@ -142,15 +142,7 @@ int main(int argc, char** argv) {
               V4_CUDA_CHECK(cudaGetLastError());
             },
             reps, l2, stream);
-        Row row;
-        row.k = k;
-        row.box_rows = r;
-        row.depth = d;
-        row.ctas = ctas;
-        row.rounds = rounds;
-        row.hint = !no_hint;
-        row.bytes = n_rows * k;
-        row.us = us;
+        const Row row{k, r, d, ctas, rounds, !no_hint, n_rows * k, us};
         out.push_back(row);
         std::printf("%6lld %5d %5d %5d %10.1f %10.2f %8.1f %6.1f%%\n", static_cast<long long>(k), r, d, ctas,
                     static_cast<double>(row.bytes) / 1e6, row.us, static_cast<double>(row.bytes) / row.us / 1e3,

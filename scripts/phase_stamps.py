@@ -122,7 +122,7 @@ def main():
                     help="instead: the per-stage records of CTAs 0 and 1 that start in this window")
     ap.add_argument("--stages", action="store_true",
                     help="instead: per GEMM v2 / v3 launch, when each stage's data landed, its slot was free and "
-                         "its conversion done (CTA 0; needs a v2 file from session 12 on)")
+                         "its conversion done (its first stamped CTA; needs a v2 file from session 12 on)")
     ap.add_argument("--handoff", action="store_true",
                     help="instead: per launch, its CTAs' entry and PDL-wait times after the previous launch's end "
                          "(needs a v2 file)")

@@ -6,11 +6,11 @@ x itself, or its fused Q chain kernel) and ends where the next layer's starts (t
 the last kernel's end). Per layer it prints the time ("us", start to start), the main lane's time
 ("chain": its q_rope_store's -- or fused chain's, or RoPE-storing wq_b GEMM's -- end after the
 previous layer's; use this one where kernels launched early under PDL start on free SMs long before
-their predecessors end, as the fused chain does), when the main lane's q_rope_store (or its stand-in) ends, when the layer's last kernel
-ends and which one that is, and the "tail": how long the side lanes run past the q_rope_store (the
-index-source layers' selection, typically). `--detail
-20,24` lists every kernel of those layers (stream, start, end, relative to the layer's start);
-`--json F` writes the table. Times are those of the traced cycle (CUPTI tracing inflates them:
+their predecessors end, as the fused chain does), when the main lane's q_rope_store (or its
+stand-in) ends, when the layer's last kernel ends and which one that is, and the "tail": how long
+the side lanes run past the q_rope_store (the index-source layers' selection, typically).
+`--detail 20,24` lists every kernel of those layers (stream, start, end, relative to the layer's
+start); `--json F` writes the table. Times are those of the traced cycle (CUPTI tracing inflates them:
 compare layers with each other, not with event-timed cycles).
 
     v4attn bench --mode verify --bs 1 --schedule three-lane --cycles 5 --trace-cycles 2 --trace t.json

@@ -591,6 +591,10 @@ SkinnyKernel pick_f32_direct_kernel(int m) {
 struct RingGeometry {
   size_t slot_bytes = 0, warp_bytes = 0;
 };
+// The epilogue's reduction buffer: every warp's fp32 partial tile [kWarps][m][block_n].
+size_t reduction_bytes(int m, int block_n) {
+  return static_cast<size_t>(kWarps) * static_cast<size_t>(m) * static_cast<size_t>(block_n) * sizeof(float);
+}
 RingGeometry ring_geometry(bool f32, int m, int warp_mtiles, int depth) {
   RingGeometry g;
   const int nt = std::max(1, (m + 7) / 8);
@@ -598,6 +602,19 @@ RingGeometry ring_geometry(bool f32, int m, int warp_mtiles, int depth) {
                      : static_cast<size_t>((16 * warp_mtiles + 8 * nt) * kBf16RowBytes);
   g.warp_bytes = (static_cast<size_t>(depth) * g.slot_bytes + 127) / 128 * 128;
   return g;
+}
+
+// One launch over the plan's tiles: grid (tiles_n, S, groups), the S CTAs of a tile one cluster.
+void launch_tiles(const char* name, SkinnyKernel kernel, const SkinnyParams& t, const GemmPlan& plan, int groups,
+                  size_t smem_bytes, cudaStream_t stream, bool pdl) {
+  LaunchConfig cfg;
+  cfg.grid = dim3(static_cast<unsigned>(plan.tiles_n), static_cast<unsigned>(plan.splits), static_cast<unsigned>(groups));
+  cfg.block = dim3(kThreads);
+  cfg.cluster = dim3(1, static_cast<unsigned>(plan.splits), 1);  // {1, 1, 1} when S == 1: no cluster attribute
+  cfg.smem_bytes = smem_bytes;
+  cfg.stream = stream;
+  cfg.pdl = pdl;
+  launch_kernel(name, kernel, cfg, t);
 }
 
 void launch_skinny(const char* name, SkinnyKernel kernel, SkinnyParams t, const GemmPlan& plan, bool f32, int groups,
@@ -608,14 +625,7 @@ void launch_skinny(const char* name, SkinnyKernel kernel, SkinnyParams t, const 
   t.slot_bytes = static_cast<uint32_t>(geo.slot_bytes);
   t.warp_bytes = static_cast<uint32_t>(geo.warp_bytes);
   t.bar_offset = static_cast<uint32_t>(plan.smem_bytes - kBarrierBytes);
-  LaunchConfig cfg;
-  cfg.grid = dim3(static_cast<unsigned>(plan.tiles_n), static_cast<unsigned>(plan.splits), static_cast<unsigned>(groups));
-  cfg.block = dim3(kThreads);
-  cfg.cluster = dim3(1, static_cast<unsigned>(plan.splits), 1);  // {1, 1, 1} when S == 1: no cluster attribute
-  cfg.smem_bytes = plan.smem_bytes;
-  cfg.stream = stream;
-  cfg.pdl = pdl;
-  launch_kernel(name, kernel, cfg, t);
+  launch_tiles(name, kernel, t, plan, groups, plan.smem_bytes, stream, pdl);
 }
 
 }  // namespace
@@ -690,7 +700,7 @@ GemmPlan plan_gemm_skinny(int m, int64_t n, int64_t k, int groups, bool f32, int
   plan.stages = static_cast<int>(std::clamp<int64_t>(std::min<int64_t>(fit, max_part), 1, kMaxDepth));
   const RingGeometry geo = ring_geometry(f32, m, r, plan.stages);
   const size_t ring = kWarps * geo.warp_bytes;
-  const size_t red = static_cast<size_t>(kWarps) * static_cast<size_t>(m) * static_cast<size_t>(plan.block_n) * sizeof(float);
+  const size_t red = reduction_bytes(m, plan.block_n);
   // The slot barriers go past both (the reduction buffer aliases the rings, never the barriers).
   plan.smem_bytes = (std::max(ring, red) + 127) / 128 * 128 + kBarrierBytes;
   if (plan.smem_bytes > kSmemLimit) fail("shared memory plan over the limit (internal)");
@@ -739,14 +749,7 @@ void launch_gemm_f32_skinny(const F32GemmParams& p, const GemmPlan& plan, cudaSt
   // the reduction buffer only.
   SkinnyParams t = skinny_params(p);
   t.splits = plan.splits;
-  LaunchConfig cfg;
-  cfg.grid = dim3(static_cast<unsigned>(plan.tiles_n), static_cast<unsigned>(plan.splits), 1u);
-  cfg.block = dim3(kThreads);
-  cfg.cluster = dim3(1, static_cast<unsigned>(plan.splits), 1);
-  cfg.smem_bytes = static_cast<size_t>(kWarps) * static_cast<size_t>(p.m) * kF32Rows * sizeof(float);
-  cfg.stream = stream;
-  cfg.pdl = pdl;
-  launch_kernel("gemm_f32_direct", pick_f32_direct_kernel(p.m), cfg, t);
+  launch_tiles("gemm_f32_direct", pick_f32_direct_kernel(p.m), t, plan, 1, reduction_bytes(p.m, kF32Rows), stream, pdl);
 }
 
 }  // namespace detail

@@ -4,9 +4,9 @@
 #include "v4attn/prepare/stack.h"
 
 #include <algorithm>
-#include <limits>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <utility>
