@@ -116,6 +116,42 @@ inline double cold_l2_median_us(const std::function<void(cudaStream_t)>& launch,
   return median_us(std::move(ms));
 }
 
+// Per-launch time of `launches` back-to-back launches (launch(s, i) queues launch i on `s`)
+// captured in one CUDA graph: median over `replays` timed replays (after `warmups`) of
+// (replay time / launches). No host launch latency between the launches: how the engine runs them.
+// The caller rotates whatever must not stay in L2 (weight copies) by i.
+inline double graph_per_launch_us(const std::function<void(cudaStream_t, int)>& launch, int launches, cudaStream_t s,
+                                  int warmups = 2, int replays = 15) {
+  cudaGraph_t graph = nullptr;
+  V4_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
+  try {
+    for (int i = 0; i < launches; ++i) launch(s, i);
+  } catch (...) {
+    cudaGraph_t junk = nullptr;
+    cudaStreamEndCapture(s, &junk);
+    if (junk) cudaGraphDestroy(junk);
+    throw;
+  }
+  V4_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t inst = cudaGraphInstantiate(&exec, graph, 0);
+  cudaGraphDestroy(graph);
+  V4_CUDA_CHECK(inst);
+  EventTimer timer;
+  std::vector<float> ms;
+  try {
+    for (int r = 0; r < warmups + replays; ++r) {
+      const float t = timer.time_ms(s, [&] { V4_CUDA_CHECK(cudaGraphLaunch(exec, s)); });
+      if (r >= warmups) ms.push_back(t);
+    }
+  } catch (...) {
+    cudaGraphExecDestroy(exec);
+    throw;
+  }
+  V4_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  return median_us(std::move(ms)) / launches;
+}
+
 // A device copy of a host vector (one element when it is empty, so that get() is never null).
 template <class T>
 DeviceBuffer<T> to_device(const std::vector<T>& h) {

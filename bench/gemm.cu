@@ -50,6 +50,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <stdexcept>
@@ -61,6 +62,7 @@
 
 #include "bench_common.h"
 #include "runtime/cuda_utils.h"
+#include "runtime/phase_stamps.h"
 #include "v4attn/kernels/gemm.h"
 #include "v4attn/reference/gemm.h"
 
@@ -175,31 +177,11 @@ double event_median_us(const Launch& launch, bool pdl, int reps, bench::L2Flush&
   return bench::median_us(std::move(ms));
 }
 
-// Per-launch time of `launches` back-to-back launches (launch i on weight copy i % copies)
-// captured in one CUDA graph: median over kGraphReplays timed replays of (replay time / launches).
+// Per-launch time of `launches` back-to-back launches (launch i on weight copy i % copies) in one
+// CUDA graph (bench::graph_per_launch_us).
 double graph_us(const Launch& launch, bool pdl, int copies, int launches, cudaStream_t s) {
-  cudaGraph_t graph = nullptr;
-  V4_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
-  try {
-    for (int i = 0; i < launches; ++i) launch(s, i % copies, pdl);
-  } catch (...) {
-    cudaGraph_t junk = nullptr;
-    cudaStreamEndCapture(s, &junk);
-    if (junk) cudaGraphDestroy(junk);
-    throw;
-  }
-  V4_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
-  cudaGraphExec_t exec = nullptr;
-  V4_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  bench::EventTimer timer;
-  std::vector<float> ms;
-  for (int r = 0; r < kGraphWarmups + kGraphReplays; ++r) {
-    const float t = timer.time_ms(s, [&] { V4_CUDA_CHECK(cudaGraphLaunch(exec, s)); });
-    if (r >= kGraphWarmups) ms.push_back(t);
-  }
-  V4_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  V4_CUDA_CHECK(cudaGraphDestroy(graph));
-  return bench::median_us(std::move(ms)) / launches;
+  return bench::graph_per_launch_us([&](cudaStream_t st, int i) { launch(st, i % copies, pdl); }, launches, s,
+                                    kGraphWarmups, kGraphReplays);
 }
 
 // Weight copies for a graph: enough that each launch reads weights no longer in L2.
@@ -318,6 +300,19 @@ void time_row(Row& r, Env& env, const Launch& launch, bool event_pdl, int copies
   r.copies = copies;
   r.graph_us = graph_us(launch, false, copies, env.graph_launches, env.stream);
   if (graph_pdl) r.graph_pdl_us = graph_us(launch, true, copies, env.graph_launches, env.stream);
+  // Measurement builds (-DV4ATTN_PHASE_STAMPS): the in-kernel phase stamps of one more graph
+  // replay (PDL as in us_gpdl when measured), written to $V4ATTN_STAMPS_OUT.<shape>.<version>.m<M>
+  // for scripts/phase_stamps.py.
+  if (const char* out = std::getenv("V4ATTN_STAMPS_OUT"); out != nullptr && stamps::available()) {
+    stamps::reset();
+    graph_us(launch, graph_pdl, copies, env.graph_launches, env.stream);
+    std::string tag = r.version;
+    for (char& ch : tag)
+      if (ch == ' ' || ch == '+' || ch == '|') ch = '_';
+    const std::string path = std::string(out) + "." + r.shape + "." + tag + ".m" + std::to_string(r.m);
+    const long n = stamps::dump(path);
+    std::fprintf(stderr, "bench_gemm: wrote %ld phase stamps to %s\n", n, path.c_str());
+  }
 }
 
 // The shared split-K workspace, grown (and zeroed) when a plan needs more.
