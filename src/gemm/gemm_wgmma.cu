@@ -232,13 +232,11 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
       issue_weight_stage(it);
     }
   }
-  {  // weight scales of the tile's K range, decoded once (rows >= n: 0, never stored)
-    const uint8_t* sw_g = p.w_scale + grp * p.w_scale_group_stride + static_cast<int64_t>(row0 / 32) * p.k_blocks + kb_begin;
-    for (int i = tid; i < (BN / 32) * nkb; i += kThreads) {
-      const int rg = i / nkb, b = i % nkb;
-      sw_s[rg * msb + b] = row0 + rg * 32 < p.n ? num::f32_from_ue8m0(sw_g[rg * p.k_blocks + b]) : 0.0f;
-    }
-  }
+  // Weight scales of the tile's K range, decoded once: loaded before the PDL wait, stored after it
+  // with the activation scales (wgmma_fp8::WeightScalePrefetch says why).
+  wgmma_fp8::WeightScalePrefetch<kThreads> sw_pre;
+  sw_pre.prefetch(p.w_scale + grp * p.w_scale_group_stride + static_cast<int64_t>(row0 / 32) * p.k_blocks + kb_begin,
+                  p.k_blocks, row0, p.n, BN / 32, nkb, msb, sw_s, tid);
 
   if constexpr (kRope) {
     // The table rows of the step's positions and a written / not-written flag per row, into their
@@ -282,13 +280,10 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
       tma_load_3d(base + L.xc + static_cast<uint32_t>(it * NP * kStageK), &p.tmap_x, bar_full + 8u * it,
                   (kb_begin + it * kBlocksPerStage) * kGemmBlock, 0, grp);
   }
-  {  // activation scales [block][token]; tokens >= m get 0
-    const uint8_t* sa_g = p.a_scale + grp * p.a_scale_group_stride + kb_begin;
-    for (int i = tid; i < NP * nkb; i += kThreads) {
-      const int r = i / nkb, b = i % nkb;
-      sa_s[b * NP + r] = r < p.m ? num::f32_from_ue8m0(sa_g[r * p.a_scale_stride + b]) : 0.0f;
-    }
-  }
+  // activation scales [block][token]; tokens >= m get 0
+  wgmma_fp8::load_activation_scales<kThreads, NP>(p.a_scale + grp * p.a_scale_group_stride + kb_begin, p.a_scale_stride,
+                                                  p.m, nkb, sa_s, tid);
+  sw_pre.store(msb, sw_s);
   __syncthreads();  // scale arrays visible to the consumers
 
   if (warp < 4) {

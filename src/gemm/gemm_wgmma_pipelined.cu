@@ -385,24 +385,14 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
                           (kb_begin + it * kBlocksPerStage) * kGemmBlock, row0, grp);
     }
   }
-  {  // weight scales of the tile's K range (rows >= n: 0, never stored). All loads of a round are
-     // issued before any use (one memory latency per round, not per element).
-    constexpr int kBatch = 4;
-    const uint8_t* sw_g = p.w_scale + grp * p.w_scale_group_stride + static_cast<int64_t>(row0 / 32) * p.k_blocks + kb_begin;
-    const int total = RG * nkb;
-    for (int i0 = tid; i0 < total; i0 += kBatch * kThreads) {
-      uint32_t v[kBatch];
-#pragma unroll
-      for (int r = 0; r < kBatch; ++r) {
-        const int i = i0 + r * kThreads, rg = i / nkb, b = i - rg * nkb;
-        v[r] = i < total && row0 + rg * 32 < p.n ? sw_g[rg * p.k_blocks + b] : 0u;
-      }
-#pragma unroll
-      for (int r = 0; r < kBatch; ++r) {
-        const int i = i0 + r * kThreads, rg = i / nkb, b = i - rg * nkb;
-        if (i < total) sw_s[rg * msb + b] = row0 + rg * 32 < p.n ? num::f32_from_ue8m0(static_cast<uint8_t>(v[r])) : 0.0f;
-      }
-    }
+  // Weight scales of the tile's K range, loaded and stored before the PDL wait. (v2 stores its first
+  // element after the wait, beside the activation scales; here that measured slower at 24 rows --
+  // verify bs 4 +0.4 to +0.6 % over five repetitions, docs/perf.md session 13 -- and is not used.)
+  {
+    wgmma_fp8::WeightScalePrefetch<kThreads> sw_pre;
+    sw_pre.prefetch(p.w_scale + grp * p.w_scale_group_stride + static_cast<int64_t>(row0 / 32) * p.k_blocks + kb_begin,
+                    p.k_blocks, row0, p.n, RG, nkb, msb, sw_s, tid);
+    sw_pre.store(msb, sw_s);
   }
 
   dev::pdl_wait();  // activation codes and scales (fused: the bf16 activations) are the predecessor's output
@@ -454,24 +444,9 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
       tma_load_3d(base + L.xc + static_cast<uint32_t>(it * NP * kStageK), &p.tmap_x, bar_full + 8u * it,
                   (kb_begin + it * kBlocksPerStage) * kGemmBlock, 0, grp);
   }
-  if (!fused) {  // activation scales [block][token]; tokens >= m get 0 (so their scale products are 0)
-    constexpr int kBatch = 8;
-    const uint8_t* sa_g = p.a_scale + grp * p.a_scale_group_stride + kb_begin;
-    const int total = NP * nkb;
-    for (int i0 = tid; i0 < total; i0 += kBatch * kThreads) {
-      uint32_t v[kBatch];
-#pragma unroll
-      for (int r = 0; r < kBatch; ++r) {
-        const int i = i0 + r * kThreads, tok = i / nkb, b = i - tok * nkb;
-        v[r] = i < total && tok < p.m ? sa_g[tok * p.a_scale_stride + b] : 0u;
-      }
-#pragma unroll
-      for (int r = 0; r < kBatch; ++r) {
-        const int i = i0 + r * kThreads, tok = i / nkb, b = i - tok * nkb;
-        if (i < total) sa_s[b * NP + tok] = tok < p.m ? num::f32_from_ue8m0(static_cast<uint8_t>(v[r])) : 0.0f;
-      }
-    }
-  }
+  if (!fused)  // activation scales [block][token]; tokens >= m get 0 (so their scale products are 0)
+    wgmma_fp8::load_activation_scales<kThreads, NP>(p.a_scale + grp * p.a_scale_group_stride + kb_begin, p.a_scale_stride,
+                                                    p.m, nkb, sa_s, tid);
   __syncthreads();  // scale arrays (fused: and the activation codes) visible to the converters
   if (tid == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kGemmV3, 5);
 

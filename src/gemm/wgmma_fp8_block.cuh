@@ -137,4 +137,72 @@ __device__ __forceinline__ float rope_head_value(float x, float partner, int n, 
   return im;
 }
 
+
+// ---- the scale tables of a CTA's K range (v2, v3) ----------------------------------------------
+// Weight scales sw[rg][b] (fp32, row stride msb) of the 32-row groups rg of the tile at row0 and
+// the K blocks [kb_begin, kb_begin + nkb); groups past n get 0 (their outputs are never stored).
+// Split around the PDL wait: prefetch() loads this thread's first element into a register (before
+// the wait: the scales are constants), store() writes it (after the wait, beside the activation
+// scales), so that a CTA that starts after its predecessor has ended -- its wait returns at once --
+// pays one memory latency for both tables, not one each (v2: 12 / 16 rows -1 %, perf.md session 13).
+// v3 calls store() right after prefetch(), before the wait: the split measured slower there at 24
+// rows. Elements past the first kThreads (no tile of the model's shapes has that many) are loaded
+// and stored by prefetch(), batched.
+template <int kThreads>
+struct WeightScalePrefetch {
+  int rg = 0, b = 0;
+  bool mine = false, real = false;
+  uint32_t code = 0;
+  __device__ __forceinline__ void prefetch(const uint8_t* sw_g, int64_t k_blocks, int row0, int n, int rgs, int nkb,
+                                           int msb, float* sw_s, int tid) {
+    const int total = rgs * nkb;
+    rg = tid / nkb;
+    b = tid - rg * nkb;
+    mine = tid < total;
+    real = mine && row0 + rg * 32 < n;
+    code = real ? sw_g[rg * k_blocks + b] : 0u;
+    constexpr int kBatch = 4;
+    for (int i0 = tid + kThreads; i0 < total; i0 += kBatch * kThreads) {
+      uint32_t v[kBatch];
+#pragma unroll
+      for (int r = 0; r < kBatch; ++r) {
+        const int i = i0 + r * kThreads, g = i / nkb, bb = i - g * nkb;
+        v[r] = i < total && row0 + g * 32 < n ? sw_g[g * k_blocks + bb] : 0u;
+      }
+#pragma unroll
+      for (int r = 0; r < kBatch; ++r) {
+        const int i = i0 + r * kThreads, g = i / nkb, bb = i - g * nkb;
+        if (i < total) sw_s[g * msb + bb] = row0 + g * 32 < n ? num::f32_from_ue8m0(static_cast<uint8_t>(v[r])) : 0.0f;
+      }
+    }
+  }
+  __device__ __forceinline__ void store(int msb, float* sw_s) const {
+    if (mine) sw_s[rg * msb + b] = real ? num::f32_from_ue8m0(static_cast<uint8_t>(code)) : 0.0f;
+  }
+};
+
+// Activation scales sa[b][token] (fp32, NP tokens per block) of the K blocks [0, nkb) from sa_g
+// (token r's block b at sa_g[r * stride + b]); tokens >= m get 0, so that their scale products are
+// 0. Every load of a round is issued before any use: one memory latency per round (this runs right
+// after the PDL wait, on the critical path).
+template <int kThreads, int NP>
+__device__ __forceinline__ void load_activation_scales(const uint8_t* sa_g, int64_t stride, int m, int nkb, float* sa_s,
+                                                       int tid) {
+  constexpr int kBatch = 8;
+  const int total = NP * nkb;
+  for (int i0 = tid; i0 < total; i0 += kBatch * kThreads) {
+    uint32_t v[kBatch];
+#pragma unroll
+    for (int r = 0; r < kBatch; ++r) {
+      const int i = i0 + r * kThreads, tok = i / nkb, b = i - tok * nkb;
+      v[r] = i < total && tok < m ? sa_g[tok * stride + b] : 0u;
+    }
+#pragma unroll
+    for (int r = 0; r < kBatch; ++r) {
+      const int i = i0 + r * kThreads, tok = i / nkb, b = i - tok * nkb;
+      if (i < total) sa_s[b * NP + tok] = tok < m ? num::f32_from_ue8m0(static_cast<uint8_t>(v[r])) : 0.0f;
+    }
+  }
+}
+
 }  // namespace v4attn::kernels::wgmma_fp8
