@@ -1756,19 +1756,47 @@ TEST(GpuGemmRopeStore, SupportPredicateAndRefusals) {
   EXPECT_THROW(run_gemm_fp8_rope_store(p, nullptr, false), std::invalid_argument);
   p.n = 32768;
   EXPECT_THROW(run_gemm_fp8_rope_store(p, nullptr, false), std::invalid_argument);  // null pointers, no table
-  // Every pointer set (never dereferenced: the call refuses first) but a table the prologue's 16-byte
-  // loads could not read.
-  alignas(16) static uint8_t fake[4096];
-  p.a_q = fake;
-  p.a_scale = fake;
-  p.w = fake;
-  p.w_scale = fake;
-  p.out = reinterpret_cast<bf16_t*>(fake);
-  p.a_stride = 1280;
-  p.a_scale_stride = 40;
-  p.out_stride = 32768;
-  p.rope_pos = reinterpret_cast<const int32_t*>(fake);
-  p.rope_table = reinterpret_cast<const float*>(fake + 4);
+}
+
+// Every operand a real device buffer of its full size (so that a launch, were the check missing,
+// would run and write `out` rather than fault on a host address) but a RoPE table the prologue's
+// 16-byte loads could not read: refused, and the poisoned output stays untouched; the same call
+// with an aligned table is accepted and writes it (so the first half can fail).
+TEST(GpuGemmRopeStore, MisalignedTableRefusedOutputUntouched) {
+  V4_REQUIRE_GPU();
+  const int64_t n = 32768, k = 1280, m = 6;
+  DeviceBuffer<uint8_t> w(static_cast<size_t>(n * k)), w_scale(static_cast<size_t>(n / 32 * (k / 32)));
+  DeviceBuffer<uint8_t> a_q(static_cast<size_t>(m * k)), a_scale(static_cast<size_t>(m * (k / 32)));
+  DeviceBuffer<bf16_t> out(static_cast<size_t>(m * n));
+  DeviceBuffer<int32_t> pos(static_cast<size_t>(m));
+  DeviceBuffer<float> table(static_cast<size_t>(8 * 64 + 4));
+  for (auto* b : {&w, &w_scale, &a_q, &a_scale}) b->fill_bytes(0x38);  // e4m3 1.0, scale 2^-71
+  pos.fill_bytes(0);
+  table.fill_bytes(0);
+  out.fill_bytes(kPoisonByte);
+  Fp8GemmParams p;
+  p.m = static_cast<int>(m);
+  p.n = n;
+  p.k = k;
+  p.a_q = a_q.get();
+  p.a_scale = a_scale.get();
+  p.w = w.get();
+  p.w_scale = w_scale.get();
+  p.out = out.get();
+  p.a_stride = k;
+  p.a_scale_stride = k / 32;
+  p.out_stride = n;
+  p.rope_pos = pos.get();
+  p.rope_table = table.get() + 1;  // 4-byte aligned, not 16
   p.rope_max_pos = 8;
-  EXPECT_THROW(run_gemm_fp8_rope_store(p, nullptr, false), std::invalid_argument);  // misaligned table
+  EXPECT_THROW(run_gemm_fp8_rope_store(p, nullptr, false), std::invalid_argument);
+  V4_CUDA_CHECK(cudaDeviceSynchronize());
+  const std::vector<bf16_t> h = to_host(out);
+  EXPECT_TRUE(std::all_of(h.begin(), h.end(), [](bf16_t v) { return v == kPoisonBf16; })) << "a refused call wrote its output";
+  p.rope_table = table.get();
+  EXPECT_NO_THROW(run_gemm_fp8_rope_store(p, nullptr, false));
+  V4_CUDA_CHECK(cudaDeviceSynchronize());
+  const std::vector<bf16_t> h2 = to_host(out);
+  EXPECT_FALSE(std::all_of(h2.begin(), h2.end(), [](bf16_t v) { return v == kPoisonBf16; }))
+      << "the accepted call wrote nothing (so the refusal above proves nothing)";
 }
