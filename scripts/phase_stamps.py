@@ -85,8 +85,11 @@ def print_stages(launches, t0):
     saw each stage's data (96 + it: the later of the data landing and the converters finishing the
     stage before), its f16 slot free (112 + it) and the stage converted (64 + it) -- relative to the
     launch's first stamp, then per kind the medians of the interval between consecutive stages'
-    data and of the conversion (done - slot free). Data seen later than the previous stage's
-    conversion ended means the memory stream set the pace; a slot freed late, the consumers."""
+    data and of the conversion (done - slot free). Caution (session 13): these stamps slow the
+    converter that takes them (three per stage; ~1 us per launch in all), and a stage is seen on
+    the converter's schedule, so "data seen ~0.4 us after the previous conversion" also appears
+    when the data landed long before (v3 with the fused x quant): read the gaps as the converter's
+    pace unless bench_tma_probe says the stream is slower."""
     gaps, convs = collections.defaultdict(list), collections.defaultdict(list)
     for first, kind, g in launches:
         if kind not in (1, 2):

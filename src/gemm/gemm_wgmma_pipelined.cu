@@ -387,7 +387,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
   }
   // Weight scales of the tile's K range, loaded and stored before the PDL wait. (v2 stores its first
   // element after the wait, beside the activation scales; here that measured slower at 24 rows --
-  // verify bs 4 +0.4 to +0.6 % over five repetitions, docs/perf.md session 13 -- and is not used.)
+  // verify bs 4 +0.4 to +0.8 % over five repetitions, docs/perf.md session 13 -- and is not used.)
   {
     wgmma_fp8::WeightScalePrefetch<kThreads> sw_pre;
     sw_pre.prefetch(p.w_scale + grp * p.w_scale_group_stride + static_cast<int64_t>(row0 / 32) * p.k_blocks + kb_begin,
