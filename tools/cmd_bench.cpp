@@ -249,6 +249,7 @@ struct BenchCliOptions {
   int aq_warps = -1;
   bool idx_scores_main = false;
   std::string fuse_rope_store = "auto";
+  std::string fuse_qnorm = "auto";
   std::string fuse_qchain = "auto";
   uint64_t seed = 1;
   std::string json_path;
@@ -398,6 +399,7 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
     j["aq_warps"] = c.knobs.aq_warps;
     j["idx_scores_on_main"] = c.knobs.idx_scores_on_main;
     j["fuse_rope_store"] = to_string(c.knobs.fuse_rope_store);
+    j["fuse_qnorm"] = to_string(c.knobs.fuse_qnorm);
     j["fuse_qchain"] = to_string(c.knobs.fuse_qchain);
     j["seed"] = c.knobs.seed;
     j["device_bytes"] = stack.device_bytes();
@@ -532,6 +534,12 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       ->capture_default_str();
   sub->add_flag("--no-idx-gemm-main", o->no_idx_gemm_main,
                 "Index-source layers: run the indexer's wq_b GEMM first on lane S (default: on main after q_norm)");
+  sub->add_option("--fuse-qnorm", o->fuse_qnorm,
+                  "q_norm and its act quant inside the wq_b GEMM's prologue in the unfused chain's layers without an "
+                  "indexer: on (wherever v2 takes it), or auto / off (the rmsnorm kernel: the fused form measured slower); "
+                  "same bytes; experiment knob")
+      ->check(CLI::IsMember({"auto", "on", "off"}))
+      ->capture_default_str();
   sub->add_option("--fuse-rope-store", o->fuse_rope_store,
                   "q_rope_store fused into the wq_b GEMM's epilogue in the layers that run the unfused chain: auto "
                   "(steps of " + std::to_string(prepare::kRopeStoreAutoMinRows) + "-" +
@@ -636,6 +644,7 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       c.knobs.aq_warps = o->aq_warps;
       c.knobs.idx_scores_on_main = o->idx_scores_main && c.knobs.idx_gemm_on_main;
       c.knobs.fuse_rope_store = fusion_from(o->fuse_rope_store);
+      c.knobs.fuse_qnorm = fusion_from(o->fuse_qnorm);
       c.knobs.fuse_qchain = fusion_from(o->fuse_qchain);
       c.knobs.gemm_small = o->gemm_small == "tc"       ? kernels::GemmVersion::kTensorCore
                      : o->gemm_small == "skinny" ? kernels::GemmVersion::kSkinny

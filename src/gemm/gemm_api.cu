@@ -2,6 +2,7 @@
 // then dispatch to v0 (gemm_simple.cu), v1 (gemm_tc.cu, gemm_f32.cu), v2 (gemm_wgmma.cu), v3
 // (gemm_wgmma_pipelined.cu) or v5 (gemm_skinny.cu, bf16 / fp32).
 #include <algorithm>
+#include <cmath>
 #include <string>
 
 #include "gemm/gemm_internal.h"
@@ -108,7 +109,10 @@ void run_gemm_fp8(const Fp8GemmParams& p, const GemmWorkspace& ws, GemmVersion v
   if (version == GemmVersion::kAuto || version == GemmVersion::kSkinny) version = best_fp8_gemm_version(p.m, p.n, p.k);
   const bool fused_quant = p.a_bf16 != nullptr;
   const bool rope = p.rope_table != nullptr || p.rope_pos != nullptr;
+  const bool qnorm = p.qnorm_x != nullptr || p.qnorm_w != nullptr;
   if (fused_quant && version != GemmVersion::kWgmmaPipelined) fail(who, "a_bf16 needs GemmVersion::kWgmmaPipelined");
+  if (qnorm && version != GemmVersion::kWgmma) fail(who, "the fused q_norm (qnorm_x) needs GemmVersion::kWgmma");
+  if (qnorm && fused_quant) fail(who, "qnorm_x and a_bf16 exclude each other");
   if (rope && version != GemmVersion::kWgmma) fail(who, "the fused RoPE store (rope_table) needs GemmVersion::kWgmma");
   if (p.prewait_stages < -1) fail(who, "prewait_stages must be >= -1 (-1: every stage of the first ring fill)");
   if (p.prewait_pace_ns < 0 || p.prewait_pace_ns > 100000) fail(who, "prewait_pace_ns must be in [0, 100000]");
@@ -123,6 +127,17 @@ void run_gemm_fp8(const Fp8GemmParams& p, const GemmWorkspace& ws, GemmVersion v
     if (p.a_bf16_stride < p.k) fail(who, "a_bf16_stride < k");
     if (!aligned_to(p.a_bf16, 16) || p.a_bf16_stride % 8 != 0)
       fail(who, "a_bf16 must be 16-byte aligned with a_bf16_stride % 8 == 0");
+  } else if (qnorm) {  // the GEMM normalises and quantises x itself
+    if (!p.qnorm_x || !p.qnorm_w) fail(who, "the fused q_norm needs qnorm_x and qnorm_w");
+    if (p.a_q != nullptr || p.a_scale != nullptr) fail(who, "a_q and a_scale must be null when qnorm_x is set");
+    if (p.groups != 1 || p.force_splits != 0 || p.force_mtiles != 0)
+      fail(who, "the fused q_norm takes groups == 1 and no plan overrides");
+    if (p.qnorm_x_stride < p.k) fail(who, "qnorm_x_stride < k");
+    if (!aligned_to(p.qnorm_x, 16) || p.qnorm_x_stride % 8 != 0)
+      fail(who, "qnorm_x must be 16-byte aligned with qnorm_x_stride % 8 == 0");
+    if (!aligned_to(p.qnorm_w, 16)) fail(who, "qnorm_w must be 16-byte aligned");
+    if (p.k > 2048) fail(who, "the fused q_norm takes k <= 2048");
+    if (!(p.qnorm_eps > 0.0f) || !std::isfinite(p.qnorm_eps)) fail(who, "qnorm_eps must be finite and > 0");
   } else {
     if (!p.a_q || !p.a_scale) fail(who, "null pointer");
     if (p.a_stride < p.k) fail(who, "a_stride < k");
@@ -156,6 +171,9 @@ void run_gemm_fp8(const Fp8GemmParams& p, const GemmWorkspace& ws, GemmVersion v
       if (rope && (plan.splits != 1 || plan.warp_mtiles != 2))
         fail(who, "the fused RoPE store needs v2's plan with one split and two m64 tiles per warpgroup "
                   "(gemm_v2_rope_store_supported)");
+      if (qnorm && !gemm_v2_qnorm_supported(p.m, p.n, p.k))
+        fail(who, "the fused q_norm needs v2's plan with one split and two m64 tiles per warpgroup and its codes "
+                  "in shared memory (gemm_v2_qnorm_supported)");
       detail::launch_gemm_fp8_wgmma(p, plan, ws, stream, pdl);
       return;
     }
@@ -185,6 +203,11 @@ void run_gemm_fp8_fused_quant(const Fp8GemmParams& p, GemmVersion version, cudaS
   if (p.a_bf16 == nullptr)
     throw std::invalid_argument("run_gemm_fp8_fused_quant: a_bf16 is null (use run_gemm_fp8 for quantised activations)");
   run_gemm_fp8(p, GemmWorkspace{}, version, stream, pdl);  // v3 needs no workspace
+}
+
+void run_gemm_fp8_qnorm(const Fp8GemmParams& p, cudaStream_t stream, bool pdl) {
+  if (p.qnorm_x == nullptr) throw std::invalid_argument("run_gemm_fp8_qnorm: qnorm_x is null");
+  run_gemm_fp8(p, GemmWorkspace{}, GemmVersion::kWgmma, stream, pdl);  // one split: no workspace
 }
 
 void run_gemm_fp8_rope_store(const Fp8GemmParams& p, cudaStream_t stream, bool pdl) {

@@ -73,6 +73,7 @@
 #include "gemm/wgmma_f16.cuh"
 #include "gemm/wgmma_fp8_block.cuh"
 #include "kernels/device_common.cuh"
+#include "kernels/prepare_common.cuh"
 #include "runtime/launch.h"
 #include "runtime/phase_stamps.cuh"
 
@@ -109,18 +110,20 @@ static_assert(kWarpgroupThreads * kProducerRegs + kConsumerThreads * kConsumerRe
 // Byte offsets inside the CTA's shared memory (from the 1024-aligned base). Host and device use
 // the same function, so the launcher sizes exactly what the kernel addresses.
 struct SmemLayout {
-  uint32_t w = 0, xc = 0, xf = 0, sw = 0, sa = 0, tab = 0, bar = 0, flag = 0, total = 0;
+  uint32_t w = 0, xc = 0, xf = 0, sw = 0, sa = 0, tab = 0, rstd = 0, bar = 0, flag = 0, total = 0;
 };
 // rope: the kRope form's RoPE table rows of the step ([np][64] fp32) and row flags ([np] int), loaded
 // in the prologue (the plain form has none: its layout is unchanged).
+// qnorm_stages > 0 (the kQNorm form): the activation codes of all K (qnorm_stages stages, written by
+// the prologue, never refilled) instead of a ring of `stages` TMA slots, and the rows' rstd ([np] fp32).
 __host__ __device__ constexpr SmemLayout smem_layout(int block_n, int np, int stages, int max_split_blocks,
-                                                     bool rope = false) {
+                                                     bool rope = false, int qnorm_stages = 0) {
   SmemLayout l;
   uint32_t off = 0;
   l.w = off;
   off += static_cast<uint32_t>(stages * block_n * kStageK);
   l.xc = off;
-  off += static_cast<uint32_t>(stages * np * kStageK);
+  off += static_cast<uint32_t>((qnorm_stages > 0 ? qnorm_stages : stages) * np * kStageK);
   l.xf = off;
   off += static_cast<uint32_t>(kXfSlots * np * kStageK * 2);
   l.sw = off;
@@ -130,6 +133,8 @@ __host__ __device__ constexpr SmemLayout smem_layout(int block_n, int np, int st
   off = (off + 15u) & ~15u;
   l.tab = off;
   if (rope) off += static_cast<uint32_t>(np * (num::kRopeDim + 1) * 4);
+  l.rstd = off;
+  if (qnorm_stages > 0) off += static_cast<uint32_t>(np * 4);
   off = (off + 7u) & ~7u;
   l.bar = off;  // full[stages], empty[stages], xready[2], xfree[2]
   off += static_cast<uint32_t>((2 * stages + 2 * kXfSlots) * 8);
@@ -162,7 +167,72 @@ struct WgmmaParams {
   const float* rope_table = nullptr;  // [rope_max_pos, 64] (cos, sin) interleaved
   int64_t rope_max_pos = 0;
   unsigned long long* rope_err = nullptr;
+  // kQNorm (run_gemm_fp8_qnorm): q_norm + act quant of x in the prologue (S == 1 only).
+  const bf16_t* qn_x = nullptr;  // [m][k], row r at qn_x + r * qn_x_stride
+  int64_t qn_x_stride = 0;
+  const float* qn_w = nullptr;   // [k]
+  float qn_eps = 0.0f;
 };
+
+// The kQNorm prologue (after the PDL wait; see the kernel's comment): rstd per row, then the codes of
+// all K into xc (stage it at xc + it * NP * 128, 128B-swizzled like the TMA box) and the scales into
+// sa [block][token]. Ends with a CTA barrier (rstd is read across warps).
+constexpr int kQNormMaxChunksPerLane = 8;  // k <= 2048 (the launcher checks)
+template <int NP>
+__device__ __forceinline__ void qnorm_quant_prologue(const WgmmaParams& p, uint8_t* xc, float* rstd_s, float* sa_s, int nkb,
+                                                     int tid) {
+  using namespace detail;  // prepare_common.cuh: the chunk helpers of rmsnorm.cu
+  const int k = nkb * kGemmBlock, n_chunks = k / kChunk;
+  const int warp = tid >> 5, lane = tid & 31;
+  for (int row = warp; row < p.m; row += kThreads / 32) {  // rmsnorm_kernel's warp 0, one row per warp
+    const bf16_t* x = p.qn_x + static_cast<int64_t>(row) * p.qn_x_stride;
+    float u[kQNormMaxChunksPerLane][kChunk];
+#pragma unroll
+    for (int i = 0; i < kQNormMaxChunksPerLane; ++i)
+      if (lane + 32 * i < n_chunks) load_bf16x8(x + (lane + 32 * i) * kChunk, u[i]);
+    float acc = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kQNormMaxChunksPerLane; ++i)
+      if (lane + 32 * i < n_chunks)
+#pragma unroll
+        for (int e = 0; e < kChunk; ++e) acc = num::add_rn(acc, num::mul_rn(u[i][e], u[i][e]));
+    const float r = num::rmsnorm_rstd(dev::warp_lane_sum(acc), k, p.qn_eps);
+    if (lane == 0) rstd_s[row] = r;
+  }
+  __syncthreads();
+  // One thread per chunk e = tok * n_chunks + c; n_chunks % 4 == 0 and NP * n_chunks % 32 == 0, and
+  // the stride is 384: the 4 chunks of a block are 4 consecutive lanes, and every warp runs each
+  // round's shuffles with all its lanes. Loads of a round are issued before its math.
+  constexpr int kBatch = 4;
+  const int total = NP * n_chunks;
+  for (int e0 = tid; e0 < total; e0 += kBatch * kThreads) {
+    float v[kBatch][kChunk], wv[kBatch][kChunk];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int e = e0 + b * kThreads, tok = e / n_chunks, c = e - tok * n_chunks;
+      if (e < total && tok < p.m) {
+        load_bf16x8(p.qn_x + static_cast<int64_t>(tok) * p.qn_x_stride + c * kChunk, v[b]);
+        ldg_f32x8(p.qn_w + c * kChunk, wv[b]);
+      } else {
+#pragma unroll
+        for (int q = 0; q < kChunk; ++q) v[b][q] = wv[b][q] = 0.0f;
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int e = e0 + b * kThreads, tok = e / n_chunks, c = e - tok * n_chunks;
+      if (e >= total) break;  // uniform per warp
+      const bool row_real = tok < p.m;
+      if (row_real) rmsnorm_apply_chunk(v[b], rstd_s[tok], wv[b]);
+      int scale_exp = 0;
+      uint2 codes = act_quant_chunk<4>(v[b], scale_exp);
+      if (!row_real) codes = make_uint2(0u, 0u);
+      const int it = c / 16, cc = c % 16, q = cc >> 1;  // stage (16 chunks = 128 bytes), 16-byte piece
+      *reinterpret_cast<uint2*>(xc + it * NP * kStageK + tok * kStageK + ((q ^ (tok & 7)) << 4) + (cc & 1) * 8) = codes;
+      if ((c & 3) == 0) sa_s[(c >> 2) * NP + tok] = row_real ? num::f32_from_ue8m0(num::ue8m0_from_exp(scale_exp)) : 0.0f;
+    }
+  }
+}
 
 // kRope: the wq_b GEMM with q_rope_store fused into its epilogue (its own instantiation, so the
 // plain kernel is compiled exactly as without it). Output column n is dim n % 512 of head n / 512;
@@ -171,11 +241,21 @@ struct WgmmaParams {
 // i), so one xor shuffle brings it. Numerics exactly those of q_rope_store on the GEMM's bf16
 // output: each value rounded to bf16 first, then num::rope_rotate in fp32, rounded to bf16. A row
 // whose position is outside the table is not written and counted once (like q_rope_store).
-template <int MT, int NP, bool kRope = false>
+//
+// kQNorm: the wq_b GEMM with q_norm and its act quant fused into the prologue (its own instantiation,
+// like kRope). After the PDL wait the CTA computes rstd of each of the m rows of qn_x in the LaneSum
+// order of rmsnorm.cu (one warp per row: lane l sums chunks l, l + 32, ... in order, then
+// dev::warp_lane_sum, num::rmsnorm_rstd), then per 8-element chunk rmsnorm_apply_chunk and
+// act_quant_chunk<4> (4 consecutive lanes hold the 4 chunks of a 32-block), exactly the functions
+// and order of rmsnorm_kernel with q_codes -- so the codes and scales are the bytes q_norm would have
+// written for the plain GEMM to load. The codes of all K go to a shared buffer laid out like the TMA
+// slots (stage it at xc + it * NP * 128, 128B swizzle), rows >= m zero with scale 0 (the TMA's zero
+// fill and the scale loads' 0). One split only: every CTA needs the whole K of x anyway.
+template <int MT, int NP, bool kRope = false, bool kQNorm = false>
 __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __grid_constant__ WgmmaParams p) {
   constexpr int BN = kConsumerWarpgroups * 64 * MT;  // weight rows per CTA
   constexpr int R = NP / 2;                          // accumulator registers per m64 tile per thread
-  constexpr uint32_t kStageTx = static_cast<uint32_t>((BN + NP) * kStageK);
+  constexpr uint32_t kStageTx = static_cast<uint32_t>((BN + (kQNorm ? 0 : NP)) * kStageK);  // kQNorm: no x box
   static_assert(NP % 8 == 0 && NP >= 8 && NP <= 64, "NP is m rounded up to 8");
 
   extern __shared__ uint8_t smem_raw[];
@@ -184,7 +264,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
   uint8_t* smem = smem_raw + (base - raw_addr);
   const int ST = p.stages;
   const int msb = p.max_split_blocks;
-  const SmemLayout L = smem_layout(BN, NP, ST, msb, kRope);
+  const SmemLayout L = smem_layout(BN, NP, ST, msb, kRope, kQNorm ? (msb + kBlocksPerStage - 1) / kBlocksPerStage : 0);
   float* sw_s = reinterpret_cast<float*>(smem + L.sw);  // [BN/32][msb]
   float* sa_s = reinterpret_cast<float*>(smem + L.sa);  // [msb][NP]
   int* s_flag = reinterpret_cast<int*>(smem + L.flag);
@@ -213,7 +293,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
     }
     fence_mbarrier_init();
     prefetch_tensormap(&p.tmap_w);
-    prefetch_tensormap(&p.tmap_x);
+    if (!kQNorm) prefetch_tensormap(&p.tmap_x);  // kQNorm: tmap_x is not a valid map
   }
   __syncthreads();
   [[maybe_unused]] unsigned int stamp_rec = 0u;  // measurement builds only (phase_stamps.cuh)
@@ -276,13 +356,18 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
 
   if (tid == 0) {
     for (int it = early; it < prologue; ++it) issue_weight_stage(it);
-    for (int it = 0; it < prologue; ++it)
-      tma_load_3d(base + L.xc + static_cast<uint32_t>(it * NP * kStageK), &p.tmap_x, bar_full + 8u * it,
-                  (kb_begin + it * kBlocksPerStage) * kGemmBlock, 0, grp);
+    if constexpr (!kQNorm)
+      for (int it = 0; it < prologue; ++it)
+        tma_load_3d(base + L.xc + static_cast<uint32_t>(it * NP * kStageK), &p.tmap_x, bar_full + 8u * it,
+                    (kb_begin + it * kBlocksPerStage) * kGemmBlock, 0, grp);
   }
-  // activation scales [block][token]; tokens >= m get 0
-  wgmma_fp8::load_activation_scales<kThreads, NP>(p.a_scale + grp * p.a_scale_group_stride + kb_begin, p.a_scale_stride,
-                                                  p.m, nkb, sa_s, tid);
+  if constexpr (kQNorm) {
+    qnorm_quant_prologue<NP>(p, smem + L.xc, reinterpret_cast<float*>(smem + L.rstd), sa_s, nkb, tid);
+  } else {
+    // activation scales [block][token]; tokens >= m get 0
+    wgmma_fp8::load_activation_scales<kThreads, NP>(p.a_scale + grp * p.a_scale_group_stride + kb_begin,
+                                                    p.a_scale_stride, p.m, nkb, sa_s, tid);
+  }
   sw_pre.store(msb, sw_s);
   __syncthreads();  // scale arrays visible to the consumers
 
@@ -298,7 +383,8 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
           mbar_arrive_expect_tx(bar_full + 8u * s, kStageTx);
           tma_load_weights_3d(base + L.w + static_cast<uint32_t>(s * BN * kStageK), &p.tmap_w, bar_full + 8u * s, kx, row0,
                               grp);
-          tma_load_3d(base + L.xc + static_cast<uint32_t>(s * NP * kStageK), &p.tmap_x, bar_full + 8u * s, kx, 0, grp);
+          if constexpr (!kQNorm)
+            tma_load_3d(base + L.xc + static_cast<uint32_t>(s * NP * kStageK), &p.tmap_x, bar_full + 8u * s, kx, 0, grp);
         }
       }
     } else {
@@ -311,7 +397,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
         if (ctid == 0 && blockIdx.x < 2 && it < 16) V4ATTN_STAMP_AT(stamp_rec, stamps::kGemmV2, 96 + it);
         if (it >= kXfSlots) mbar_wait(bar_xfree + 8u * x, static_cast<uint32_t>((it / kXfSlots - 1) & 1));
         if (ctid == 0 && blockIdx.x < 2 && it < 16) V4ATTN_STAMP_AT(stamp_rec, stamps::kGemmV2, 112 + it);
-        const uint8_t* xc = smem + L.xc + s * NP * kStageK;
+        const uint8_t* xc = smem + L.xc + (kQNorm ? it : s) * NP * kStageK;  // kQNorm: all K, never refilled
         uint8_t* xf = smem + L.xf + x * NP * kStageK * 2;
         // Unit u: token n, 16-byte code chunk q = 2 j + sp (block j of the stage, half sp) -> the
         // 16 f16 of wgmma sp of block j: low byte pairs at logical k 0..7, high pairs at 8..15.
@@ -509,17 +595,17 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
 
 using WgmmaKernel = void (*)(WgmmaParams);
 
-template <int MT, bool kRope = false>
+template <int MT, bool kRope = false, bool kQNorm = false>
 WgmmaKernel pick_wgmma_kernel(int np) {
   switch (np) {
-    case 8: return gemm_fp8_wgmma_kernel<MT, 8, kRope>;
-    case 16: return gemm_fp8_wgmma_kernel<MT, 16, kRope>;
-    case 24: return gemm_fp8_wgmma_kernel<MT, 24, kRope>;
-    case 32: return gemm_fp8_wgmma_kernel<MT, 32, kRope>;
-    case 40: return gemm_fp8_wgmma_kernel<MT, 40, kRope>;
-    case 48: return gemm_fp8_wgmma_kernel<MT, 48, kRope>;
-    case 56: return gemm_fp8_wgmma_kernel<MT, 56, kRope>;
-    case 64: return gemm_fp8_wgmma_kernel<MT, 64, kRope>;
+    case 8: return gemm_fp8_wgmma_kernel<MT, 8, kRope, kQNorm>;
+    case 16: return gemm_fp8_wgmma_kernel<MT, 16, kRope, kQNorm>;
+    case 24: return gemm_fp8_wgmma_kernel<MT, 24, kRope, kQNorm>;
+    case 32: return gemm_fp8_wgmma_kernel<MT, 32, kRope, kQNorm>;
+    case 40: return gemm_fp8_wgmma_kernel<MT, 40, kRope, kQNorm>;
+    case 48: return gemm_fp8_wgmma_kernel<MT, 48, kRope, kQNorm>;
+    case 56: return gemm_fp8_wgmma_kernel<MT, 56, kRope, kQNorm>;
+    case 64: return gemm_fp8_wgmma_kernel<MT, 64, kRope, kQNorm>;
     default: throw std::invalid_argument("gemm v2: m must be 1..64");
   }
 }
@@ -585,6 +671,25 @@ GemmPlan plan_gemm_wgmma(int m, int64_t n, int64_t k, int groups, int force_spli
   return plan;
 }
 
+namespace {
+// Ring stages of the kQNorm form (the codes of all K beside the ring; and the RoPE table with kRope):
+// the plan's, fewer where they do not fit; 0 when not even one does.
+int qnorm_stages(const GemmPlan& plan, int np, int64_t k, bool rope) {
+  const int msb = static_cast<int>(k / kGemmBlock), xs = (msb + kBlocksPerStage - 1) / kBlocksPerStage;
+  int st = plan.stages;
+  while (st >= 1 && smem_request(smem_layout(plan.block_n, np, st, msb, rope, xs)) > static_cast<size_t>(kSmemLimit)) --st;
+  return st;
+}
+}  // namespace
+
+bool gemm_v2_qnorm_supported(int m, int64_t n, int64_t k) {
+  if (m < 1 || m > kGemmMaxRows || n <= 0 || k <= 0 || k % kGemmBlock != 0 || k > 2048) return false;
+  const GemmPlan plan = plan_gemm_wgmma(m, n, k, 1);
+  if (plan.splits != 1 || plan.warp_mtiles != 2 || plan.stages < 1) return false;
+  const int np = (m + 7) / 8 * 8;
+  return qnorm_stages(plan, np, k, false) >= 1 && (n % kRopeHeadDim != 0 || qnorm_stages(plan, np, k, true) >= 1);
+}
+
 bool gemm_v2_rope_store_supported(int m, int64_t n, int64_t k) {
   if (m < 1 || m > kGemmMaxRows || n <= 0 || n % kRopeHeadDim != 0 || k <= 0 || k % kGemmBlock != 0) return false;
   const GemmPlan plan = plan_gemm_wgmma(m, n, k, 1);
@@ -603,8 +708,10 @@ void launch_gemm_fp8_wgmma(const Fp8GemmParams& p, const GemmPlan& plan, const G
   t.tmap_w = make_tensor_map(p.w, static_cast<uint64_t>(p.k), static_cast<uint64_t>(p.n), static_cast<uint64_t>(p.groups),
                              static_cast<uint64_t>(p.k), w_group, static_cast<uint32_t>(plan.block_n));
   const uint64_t a_group = p.groups > 1 ? static_cast<uint64_t>(p.a_group_stride) : static_cast<uint64_t>(p.m) * p.a_stride;
-  t.tmap_x = make_tensor_map(p.a_q, static_cast<uint64_t>(p.k), static_cast<uint64_t>(p.m), static_cast<uint64_t>(p.groups),
-                             static_cast<uint64_t>(p.a_stride), a_group, static_cast<uint32_t>(np));
+  const bool qnorm = p.qnorm_x != nullptr;
+  if (!qnorm)  // kQNorm: no activation TMA (the map stays zero and is never used)
+    t.tmap_x = make_tensor_map(p.a_q, static_cast<uint64_t>(p.k), static_cast<uint64_t>(p.m), static_cast<uint64_t>(p.groups),
+                               static_cast<uint64_t>(p.a_stride), a_group, static_cast<uint32_t>(np));
   t.w_scale = p.w_scale;
   t.a_scale = p.a_scale;
   t.out = p.out;
@@ -637,13 +744,26 @@ void launch_gemm_fp8_wgmma(const Fp8GemmParams& p, const GemmPlan& plan, const G
   t.rope_max_pos = p.rope_max_pos;
   t.rope_err = p.rope_err;
   size_t smem_bytes = plan.smem_bytes;
-  if (rope) {  // the table region: one ring stage fewer where it does not fit beside the plan's ring
+  if (qnorm) {  // the codes of all K beside the ring (and the table with the RoPE store)
+    if (plan.splits != 1 || plan.warp_mtiles != 2 || p.groups != 1)
+      throw std::invalid_argument("gemm v2: the fused q_norm needs one split, two m64 tiles per warpgroup, one group");
+    t.stages = qnorm_stages(plan, np, p.k, rope);
+    if (t.stages < 1) throw std::invalid_argument("gemm v2: the fused q_norm does not fit shared memory");
+    smem_bytes = smem_request(smem_layout(plan.block_n, np, t.stages, t.max_split_blocks, rope,
+                                          (t.max_split_blocks + kBlocksPerStage - 1) / kBlocksPerStage));
+    t.qn_x = p.qnorm_x;
+    t.qn_x_stride = p.qnorm_x_stride;
+    t.qn_w = p.qnorm_w;
+    t.qn_eps = p.qnorm_eps;
+  } else if (rope) {  // the table region: one ring stage fewer where it does not fit beside the plan's ring
     while (t.stages > 1 && smem_request(smem_layout(plan.block_n, np, t.stages, t.max_split_blocks, true)) > kSmemLimit)
       --t.stages;
     smem_bytes = smem_request(smem_layout(plan.block_n, np, t.stages, t.max_split_blocks, true));
     if (smem_bytes > kSmemLimit) throw std::invalid_argument("gemm v2: the fused RoPE store does not fit shared memory");
   }
-  const WgmmaKernel kernel = rope                    ? pick_wgmma_kernel<2, true>(np)
+  const WgmmaKernel kernel = qnorm                   ? (rope ? pick_wgmma_kernel<2, true, true>(np)
+                                                             : pick_wgmma_kernel<2, false, true>(np))
+                             : rope                  ? pick_wgmma_kernel<2, true>(np)
                              : plan.warp_mtiles == 2 ? pick_wgmma_kernel<2>(np)
                                                      : pick_wgmma_kernel<1>(np);
   set_max_dynamic_smem(kernel, smem_bytes);

@@ -360,6 +360,7 @@ struct GpuPrepareStack::Impl {
   void issue_cycle(int T);
   void issue_qa(int L, int T, cudaStream_t s);
   void issue_q_norm(int L, int T, cudaStream_t s);
+  bool qnorm_fused_layer(int L, int T) const;  // GpuStackOptions::fuse_qnorm applies to layer L
   void issue_qb(int L, int T, cudaStream_t s);
   // GpuStackOptions::fuse_qchain: whether layer L runs as one fused kernel at T rows, and that kernel.
   bool qchain_fused_layer(int L, int T) const;
@@ -797,7 +798,17 @@ void GpuPrepareStack::Impl::issue_qa(int L, int T, cudaStream_t s) {
   kn::run_gemm_fp8(g, ws_for(s), o.gemm, s, pdl_rest());
 }
 
+bool GpuPrepareStack::Impl::qnorm_fused_layer(int L, int T) const {
+  // Only where nothing reads q_norm's output but the wq_b GEMM: the indexer's wq_b reads its codes.
+  if (lp(L).work & kWorkIDX) return false;
+  // kAuto: never (measured slower at every row count it applies to, perf.md session 13 run 14).
+  if (o.fuse_qnorm != Fusion::kOn) return false;
+  const int64_t n = static_cast<int64_t>(H) * kHd;
+  return fp8_version(T, n, q_rank) == kn::GemmVersion::kWgmma && kn::gemm_v2_qnorm_supported(T, n, q_rank);
+}
+
 void GpuPrepareStack::Impl::issue_q_norm(int L, int T, cudaStream_t s) {
+  if (qnorm_fused_layer(L, T)) return;  // the wq_b GEMM normalises its input itself (issue_qb)
   kn::RmsNormParams p;
   p.x = qkv_a;
   p.x_stride = qkv_w;
@@ -832,6 +843,15 @@ void GpuPrepareStack::Impl::issue_qb(int L, int T, cudaStream_t s) {
   g.prewait_stages = o.qb_prewait_stages;
   g.v2_overlap = o.qb_overlap;
   g.prewait_pace_ns = o.qb_prewait_pace_ns >= 0 ? o.qb_prewait_pace_ns : (T == 1 ? 1000 : 0);
+  if (qnorm_fused_layer(L, T)) {  // q_norm + act quant in the GEMM's prologue, from the QA output
+    g.a_q = nullptr;
+    g.a_scale = nullptr;
+    g.a_stride = g.a_scale_stride = 0;
+    g.qnorm_x = qkv_a;
+    g.qnorm_x_stride = qkv_w;
+    g.qnorm_w = d.q_norm;
+    g.qnorm_eps = eps;
+  }
   // fuse_rope_store: the GEMM writes q_pad itself with the RoPE applied (v2 epilogue; same bytes).
   const bool fuse_rope = fusion_applies(o.fuse_rope_store, T, kRopeStoreAutoMinRows, kRopeStoreAutoMaxRows);
   if (fuse_rope && fp8_version(T, g.n, g.k) == kn::GemmVersion::kWgmma &&
@@ -1211,6 +1231,7 @@ void GpuPrepareStack::set_pdl_everywhere(bool on) { impl_->set_option(&GpuStackO
 void GpuPrepareStack::set_gemm_version(kernels::GemmVersion v) { impl_->set_option(&GpuStackOptions::gemm, v); }
 void GpuPrepareStack::set_s_fork(LayerIssue::SFork f) { impl_->set_option(&GpuStackOptions::s_fork, f); }
 void GpuPrepareStack::set_fuse_rope_store(Fusion f) { impl_->set_option(&GpuStackOptions::fuse_rope_store, f); }
+void GpuPrepareStack::set_fuse_qnorm(Fusion f) { impl_->set_option(&GpuStackOptions::fuse_qnorm, f); }
 void GpuPrepareStack::set_fuse_qchain(Fusion f) { impl_->set_option(&GpuStackOptions::fuse_qchain, f); }
 void GpuPrepareStack::set_fuse_x_quant(Fusion f) { impl_->set_option(&GpuStackOptions::fuse_x_quant, f); }
 void GpuPrepareStack::set_lane_prologue(bool on) { impl_->set_option(&GpuStackOptions::lane_prologue, on); }

@@ -31,6 +31,7 @@
 
 #include "gpu_test_util.h"
 #include "v4attn/kernels/gemm.h"
+#include "v4attn/kernels/norm_kernels.h"
 #include "v4attn/kernels/prepare_kernels.h"
 #include "v4attn/reference/gemm.h"
 
@@ -1799,4 +1800,150 @@ TEST(GpuGemmRopeStore, MisalignedTableRefusedOutputUntouched) {
   const std::vector<bf16_t> h2 = to_host(out);
   EXPECT_FALSE(std::all_of(h2.begin(), h2.end(), [](bf16_t v) { return v == kPoisonBf16; }))
       << "the accepted call wrote nothing (so the refusal above proves nothing)";
+}
+
+namespace {
+
+// The fused q_norm (run_gemm_fp8_qnorm) against the two kernels it replaces -- run_rmsnorm with its
+// act quant, then the plain v2 GEMM on those codes (and, with rope, the fused RoPE store of both) --
+// byte for byte on the wq_b shape, x rows with a stride like the QA output's, poisoned outputs
+// (rows m, m + 1 and the columns past n must stay poison).
+void check_qnorm_case(int m, uint64_t seed, bool rope, bool pdl) {
+  constexpr int kHeads = 64, kHd = 512;
+  constexpr int64_t kQRank = 1280, kXStride = 1792;  // x = the q part of the wq_a|wkv output
+  const Fp8Case cs{static_cast<int64_t>(kHeads) * kHd, kQRank};
+  ASSERT_TRUE(gemm_v2_qnorm_supported(m, cs.n, cs.k)) << m;
+  const Fp8Weights w = make_fp8_weights(cs, Data::kRealistic, seed);
+  Rng rng(seed * 11 + 3);
+  std::vector<bf16_t> x(static_cast<size_t>(m) * kXStride);
+  for (auto& v : x) v = num::bf16_from_f32(rng.uniform() * (rng.range(0, 15) == 0 ? 40.0f : 2.0f));
+  std::vector<float> qw(static_cast<size_t>(kQRank));
+  for (auto& v : qw) v = 1.0f + 0.25f * rng.uniform();
+  const float eps = 1e-6f;
+  const auto d_x = to_device(x);
+  const auto d_qw = to_device(qw);
+  const int64_t max_pos = 4096;
+  std::vector<float> table(static_cast<size_t>(max_pos * 64));
+  for (auto& v : table) v = rng.uniform();
+  std::vector<int32_t> pos(static_cast<size_t>(m));
+  for (auto& p : pos) p = rng.range(0, static_cast<int>(max_pos) - 1);
+  const auto d_table = to_device(table);
+  const auto d_pos = to_device(pos);
+  DeviceBuffer<unsigned long long> err(2);
+  err.fill_bytes(0);
+  // Unfused: q_norm with its act quant, then the plain GEMM (or its fused RoPE store form).
+  DeviceBuffer<bf16_t> y(static_cast<size_t>(m) * kQRank);
+  DeviceBuffer<uint8_t> codes(static_cast<size_t>(m) * kQRank), scales(static_cast<size_t>(m) * (kQRank / 32));
+  codes.fill_bytes(kPoisonByte);
+  scales.fill_bytes(kPoisonByte);
+  RmsNormParams rn;
+  rn.x = d_x.get();
+  rn.x_stride = kXStride;
+  rn.w = d_qw.get();
+  rn.eps = eps;
+  rn.y = y.get();
+  rn.y_stride = kQRank;
+  rn.q_codes = codes.get();
+  rn.q_stride = kQRank;
+  rn.q_scales = scales.get();
+  rn.s_stride = kQRank / 32;
+  rn.rows = m;
+  rn.n = static_cast<int>(kQRank);
+  run_rmsnorm(rn, nullptr, pdl);
+  const OutLayout l = make_layout(m, cs.n, 1, rope ? 4 * kHd : 24);  // rope: whole padding heads past n
+  DeviceBuffer<bf16_t> want(l.elems()), got(l.elems());
+  want.fill_bytes(kPoisonByte);
+  got.fill_bytes(kPoisonByte);
+  Fp8GemmParams g;
+  g.a_q = codes.get();
+  g.a_stride = kQRank;
+  g.a_scale = scales.get();
+  g.a_scale_stride = kQRank / 32;
+  g.w = w.d_w.get();
+  g.w_scale = w.d_ws.get();
+  g.out = want.get();
+  g.out_stride = l.stride;
+  g.m = m;
+  g.n = cs.n;
+  g.k = cs.k;
+  if (rope) {
+    g.rope_pos = d_pos.get();
+    g.rope_table = d_table.get();
+    g.rope_max_pos = max_pos;
+    g.rope_err = err.get();
+  }
+  run_gemm_fp8(g, GemmWorkspace{}, GemmVersion::kWgmma, nullptr, pdl);
+  // Fused.
+  Fp8GemmParams f = g;
+  f.a_q = nullptr;
+  f.a_scale = nullptr;
+  f.a_stride = f.a_scale_stride = 0;
+  f.qnorm_x = d_x.get();
+  f.qnorm_x_stride = kXStride;
+  f.qnorm_w = d_qw.get();
+  f.qnorm_eps = eps;
+  f.out = got.get();
+  if (rope) f.rope_err = err.get() + 1;
+  run_gemm_fp8_qnorm(f, nullptr, pdl);
+  V4_CUDA_CHECK(cudaDeviceSynchronize());
+  const std::vector<bf16_t> hw = to_host(want), hg = to_host(got);
+  size_t differ = 0, written = 0;
+  for (size_t i = 0; i < hw.size(); ++i) {
+    if (hw[i] != kPoisonBf16) ++written;
+    if (hw[i] != hg[i] && differ++ < 5)
+      ADD_FAILURE() << "element " << i << " (row " << i / static_cast<size_t>(l.stride) << "): fused " << hg[i] << ", unfused " << hw[i];
+  }
+  EXPECT_EQ(differ, 0u) << "m " << m << " rope " << rope << " pdl " << pdl;
+  EXPECT_GT(written, static_cast<size_t>(m) * static_cast<size_t>(cs.n) / 2) << "the unfused path wrote almost nothing";
+  if (rope) {
+    const std::vector<unsigned long long> he = to_host(err);
+    EXPECT_EQ(he[0], 0u);
+    EXPECT_EQ(he[1], 0u);
+  }
+}
+
+}  // namespace
+
+TEST(GpuGemmQNorm, MatchesRmsNormThenGemmBytes) {
+  V4_REQUIRE_GPU();
+  use_all_cores();
+  uint64_t seed = 1300;
+  for (int m : {1, 6, 9, 16, 24, 32, 40, 64})
+    for (bool rope : {false, true})
+      for (bool pdl : {false, true}) check_qnorm_case(m, ++seed, rope, pdl);
+}
+
+TEST(GpuGemmQNorm, SupportAndRefusals) {
+  EXPECT_TRUE(gemm_v2_qnorm_supported(24, 32768, 1280));
+  EXPECT_TRUE(gemm_v2_qnorm_supported(64, 32768, 1280));
+  EXPECT_FALSE(gemm_v2_qnorm_supported(24, 32768, 2048 + 32));  // k > 2048
+  EXPECT_FALSE(gemm_v2_qnorm_supported(24, 4096, 1280));        // v2 splits K here
+  EXPECT_FALSE(gemm_v2_qnorm_supported(0, 32768, 1280));
+  Fp8GemmParams p;
+  p.m = 6;
+  p.n = 32768;
+  p.k = 1280;
+  EXPECT_THROW(run_gemm_fp8_qnorm(p, nullptr, false), std::invalid_argument);  // qnorm_x null
+  alignas(16) static const bf16_t fake_x[16] = {};
+  alignas(16) static const float fake_w[16] = {};
+  p.qnorm_x = fake_x;
+  p.qnorm_w = fake_w;
+  p.qnorm_x_stride = 1280;
+  p.qnorm_eps = 1e-6f;
+  static uint8_t fake_bytes[64];
+  p.w = fake_bytes;
+  p.w_scale = fake_bytes;
+  p.out = reinterpret_cast<bf16_t*>(fake_bytes);
+  p.out_stride = p.n;
+  p.a_q = fake_bytes;  // a_q with qnorm_x: refused before anything runs
+  EXPECT_THROW(run_gemm_fp8_qnorm(p, nullptr, false), std::invalid_argument);
+  p.a_q = nullptr;
+  p.qnorm_eps = 0.0f;
+  EXPECT_THROW(run_gemm_fp8_qnorm(p, nullptr, false), std::invalid_argument);  // eps must be > 0
+  p.qnorm_eps = 1e-6f;
+  p.qnorm_x_stride = 1000;
+  EXPECT_THROW(run_gemm_fp8_qnorm(p, nullptr, false), std::invalid_argument);  // stride < k
+  p.qnorm_x_stride = 1280;
+  Fp8GemmParams v3 = p;
+  EXPECT_THROW(run_gemm_fp8(v3, GemmWorkspace{}, GemmVersion::kWgmmaPipelined, nullptr, false), std::invalid_argument);
 }

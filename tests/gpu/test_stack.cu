@@ -648,6 +648,7 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
     Fusion fuse_rope_store = Fusion::kOff;  // q_rope_store in the wq_b GEMM's epilogue (v2)
     Fusion fuse_qchain = Fusion::kOff;  // plain layers as one kernel (kernels/qchain.h)
     Fusion fuse_x_quant = Fusion::kAuto;  // x quantised inside the wq_a|wkv GEMM (the default)
+    Fusion fuse_qnorm = Fusion::kAuto;    // q_norm inside the wq_b GEMM (the default: its own kernel)
   };
   const Config configs[] = {{Schedule::kSerial, false, false},
                             {Schedule::kThreeLane, true, true},
@@ -662,7 +663,10 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
                             // x quantised by its own kernel / always inside the GEMM, against the
                             // first configuration's automatic choice (inside up to 8 rows).
                             {Schedule::kSerial, false, false, Fusion::kOff, Fusion::kOff, Fusion::kOff},
-                            {Schedule::kThreeLane, true, true, Fusion::kOff, Fusion::kOff, Fusion::kOn}};
+                            {Schedule::kThreeLane, true, true, Fusion::kOff, Fusion::kOff, Fusion::kOn},
+                            // q_norm inside the wq_b GEMM, against the first configuration's q_norm kernel.
+                            {Schedule::kSerial, false, false, Fusion::kOff, Fusion::kOff, Fusion::kAuto, Fusion::kOn},
+                            {Schedule::kThreeLane, true, true, Fusion::kAuto, Fusion::kOff, Fusion::kAuto, Fusion::kOn}};
   // The fused form must really run here (wq_b at this config and bucket), or the configs above
   // that ask for it would silently compare the unfused path with itself.
   if (tp == 1) {
@@ -670,6 +674,9 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
                                                       cfg.q_lora_rank));
     // Likewise the fused Q chain (its QA GEMM widens every block with cvt, as v3's default mask).
     EXPECT_TRUE(kernels::qchain_fused_supported(buckets_rows(go, kind), cfg.dim, cfg.q_lora_rank, cfg.n_heads));
+    // And the wq_b GEMM that normalises its input itself.
+    EXPECT_TRUE(kernels::gemm_v2_qnorm_supported(buckets_rows(go, kind), static_cast<int64_t>(cfg.n_heads) * 512,
+                                                 cfg.q_lora_rank));
     // And the QA GEMM that quantises x itself.
     EXPECT_TRUE(kernels::gemm_v3_fused_quant_supported(buckets_rows(go, kind), cfg.q_lora_rank + 512, cfg.dim));
   }
@@ -678,7 +685,7 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
   for (size_t c = 0; c < std::size(configs); ++c) {
     const std::string name = std::string(to_string(configs[c].schedule)) + (configs[c].graph ? " graph" : " eager") +
                              " rope-store " + to_string(configs[c].fuse_rope_store) + " qchain " + to_string(configs[c].fuse_qchain) +
-                             " x-quant " + to_string(configs[c].fuse_x_quant);
+                             " x-quant " + to_string(configs[c].fuse_x_quant) + " qnorm " + to_string(configs[c].fuse_qnorm);
     SCOPED_TRACE(name);
     gpu.upload_caches(initial);
     gpu.set_schedule(configs[c].schedule);
@@ -686,6 +693,7 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
     gpu.set_fuse_rope_store(configs[c].fuse_rope_store);
     gpu.set_fuse_qchain(configs[c].fuse_qchain);
     gpu.set_fuse_x_quant(configs[c].fuse_x_quant);
+    gpu.set_fuse_qnorm(configs[c].fuse_qnorm);
     gpu.reset_error_count();
     for (int step = 0; step < 2; ++step) {
       gpu.poison_outputs(kPoison);

@@ -279,6 +279,14 @@ struct Fp8GemmParams {
   // (byte-identical to run_act_quant_fp8 on the same rows), and a_q / a_scale must be null.
   const bf16_t* a_bf16 = nullptr;
   int64_t a_bf16_stride = 0;  // elements, >= k
+  // v2 only (run_gemm_fp8_qnorm): q_norm and its act quant fused into the prologue. The bf16 rows
+  // [m, k] (row r at qnorm_x + r * qnorm_x_stride elements; 16-byte aligned, stride % 8 == 0) are
+  // RMS-normalised with the fp32 weights qnorm_w [k] and eps qnorm_eps, then act-quantised, exactly
+  // as run_rmsnorm (with q_codes) would before the plain GEMM; a_q / a_scale must then be null.
+  const bf16_t* qnorm_x = nullptr;
+  int64_t qnorm_x_stride = 0;  // elements, >= k
+  const float* qnorm_w = nullptr;
+  float qnorm_eps = 0.0f;
   // v2 only (run_gemm_fp8_rope_store): q_rope_store fused into the epilogue.
   const int32_t* rope_pos = nullptr;      // [m] positions
   const float* rope_table = nullptr;      // [rope_max_pos, 64] fp32 (cos, sin) interleaved
@@ -312,6 +320,19 @@ void run_gemm_fp8_fused_quant(const Fp8GemmParams& p, GemmVersion version, cudaS
 // (wq_b at TP1: n 32768, k 1280), n a multiple of 512, groups == 1.
 bool gemm_v2_rope_store_supported(int m, int64_t n, int64_t k);
 void run_gemm_fp8_rope_store(const Fp8GemmParams& p, cudaStream_t stream, bool pdl);
+
+// wq_b with q_norm fused into its prologue (v2): out = run_gemm_fp8(rmsnorm_quant(qnorm_x)), byte
+// for byte, in one kernel -- after its PDL wait every CTA computes the RMSNorm of the m rows (the
+// LaneSum order of run_rmsnorm, one warp per row), applies the weights and act-quantises them into
+// its shared memory (all of K: one split), instead of TMA-loading the codes q_norm would have
+// written. Saves the q_norm kernel and its PDL hand-offs where nothing else reads q_norm's output
+// (the layers without an indexer) -- but measured slower in the stack (docs/perf.md session 13: every
+// CTA redoes all m rows' exact per-chunk arithmetic), so the stack runs it only on request
+// (GpuStackOptions::fuse_qnorm kOn). May be combined with the fused RoPE store (rope_*). Supported
+// when v2's plan has one split and two m64 tiles per warpgroup, groups == 1, k <= 2048 and the
+// codes of all K fit beside at least one ring stage (gemm_v2_qnorm_supported).
+bool gemm_v2_qnorm_supported(int m, int64_t n, int64_t k);
+void run_gemm_fp8_qnorm(const Fp8GemmParams& p, cudaStream_t stream, bool pdl);
 
 // ---- bf16 GEMM --------------------------------------------------------------------------------
 // out[m, n] = bf16( sum_k x[m, k] * w[n, k] ), fp32 accumulation. Requirements as for fp8;

@@ -89,7 +89,7 @@ class RefStack;
 namespace prepare {
 
 enum class WeightSource : uint8_t { kReference, kDeviceRandom };
-// A fusion knob of GpuStackOptions (fuse_qchain, fuse_x_quant, fuse_rope_store): never, by the measured rule of
+// A fusion knob of GpuStackOptions (fuse_qchain, fuse_x_quant, fuse_rope_store, fuse_qnorm): never, by the measured rule of
 // the field (kAuto), or wherever the fused form takes the shape.
 enum class Fusion : uint8_t { kOff, kAuto, kOn };
 // kAuto's row limit. Measured (docs/perf.md, session 10, three-lane, fused vs unfused, two
@@ -210,6 +210,14 @@ struct GpuStackOptions {
   // kRopeStoreAutoMinRows..kRopeStoreAutoMaxRows rows (where it measured faster); kOn: wherever v2 takes it
   // (gemm_v2_rope_store_supported).
   Fusion fuse_rope_store = Fusion::kAuto;
+  // The wq_b GEMM (v2) computes q_norm and its act quant itself, in its prologue (same bytes,
+  // tested), in the layers that run the unfused chain and have no indexer (nothing else reads
+  // q_norm's output there): one kernel and its two PDL hand-offs fewer per layer. kOff and kAuto:
+  // never -- measured slower (docs/perf.md session 13 run 14: verify bs 2 +6.8 %, decode bs 16
+  // +7.6 %, verify bs 4 +12 %, decode bs 32 +17 %: every CTA normalises and quantises all m rows, a
+  // long exact-arithmetic chain per chunk, which costs more than the kernel boundary it removes);
+  // kOn: wherever v2 takes it (gemm_v2_qnorm_supported). Experiment knob.
+  Fusion fuse_qnorm = Fusion::kAuto;
   // When a plain layer (work QA | QB | KV, no compressor / indexer) runs as the fused Q chain. kOff:
   // never, the five-kernel chain with its window-K on lane K; kAuto: at most kQChainAutoRows rows
   // (where it measured faster in the three-lane cycle), and only with `gemm` kAuto (a forced GEMM
@@ -293,6 +301,7 @@ class GpuPrepareStack {
   void set_s_fork(LayerIssue::SFork f);
   void set_lane_prologue(bool on);
   void set_fuse_rope_store(Fusion f);  // GpuStackOptions::fuse_rope_store
+  void set_fuse_qnorm(Fusion f);       // GpuStackOptions::fuse_qnorm
   void set_fuse_qchain(Fusion f);     // GpuStackOptions::fuse_qchain
   void set_fuse_x_quant(Fusion f);    // GpuStackOptions::fuse_x_quant
 
