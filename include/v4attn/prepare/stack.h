@@ -213,8 +213,8 @@ struct GpuStackOptions {
   // The wq_b GEMM (v2) computes q_norm and its act quant itself, in its prologue (same bytes,
   // tested), in the layers that run the unfused chain and have no indexer (nothing else reads
   // q_norm's output there): one kernel and its two PDL hand-offs fewer per layer. kOff and kAuto:
-  // never -- measured slower (docs/perf.md session 13 run 14: verify bs 2 +6.8 %, decode bs 16
-  // +7.6 %, verify bs 4 +12 %, decode bs 32 +17 %: every CTA normalises and quantises all m rows, a
+  // never -- measured slower (docs/perf.md session 13 run 14: verify bs 2 +6.9 %, decode bs 16
+  // +8.7 %, verify bs 4 +11.9 %, decode bs 32 +17 % against the q_norm kernel: every CTA normalises and quantises all m rows, a
   // long exact-arithmetic chain per chunk, which costs more than the kernel boundary it removes);
   // kOn: wherever v2 takes it (gemm_v2_qnorm_supported). Experiment knob.
   Fusion fuse_qnorm = Fusion::kAuto;
