@@ -186,17 +186,7 @@ __device__ __forceinline__ void qnorm_quant_prologue(const WgmmaParams& p, uint8
   const int warp = tid >> 5, lane = tid & 31;
   for (int row = warp; row < p.m; row += kThreads / 32) {  // rmsnorm_kernel's warp 0, one row per warp
     const bf16_t* x = p.qn_x + static_cast<int64_t>(row) * p.qn_x_stride;
-    float u[kQNormMaxChunksPerLane][kChunk];
-#pragma unroll
-    for (int i = 0; i < kQNormMaxChunksPerLane; ++i)
-      if (lane + 32 * i < n_chunks) load_bf16x8(x + (lane + 32 * i) * kChunk, u[i]);
-    float acc = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kQNormMaxChunksPerLane; ++i)
-      if (lane + 32 * i < n_chunks)
-#pragma unroll
-        for (int e = 0; e < kChunk; ++e) acc = num::add_rn(acc, num::mul_rn(u[i][e], u[i][e]));
-    const float r = num::rmsnorm_rstd(dev::warp_lane_sum(acc), k, p.qn_eps);
+    const float r = num::rmsnorm_rstd(warp_row_sum_squares_n<kQNormMaxChunksPerLane>(x, n_chunks, lane), k, p.qn_eps);
     if (lane == 0) rstd_s[row] = r;
   }
   __syncthreads();

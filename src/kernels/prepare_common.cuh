@@ -241,6 +241,24 @@ __device__ __forceinline__ float warp_row_sum_squares(const bf16_t* row, int lan
   return dev::warp_lane_sum(lane_sum_squares_part<kPerLane>(x));
 }
 
+// The same for a row of n_chunks chunks known at run time (n_chunks <= 32 * kMaxPerLane): lane l
+// sums its chunks l, l + 32, ... in order (lanes past the row add nothing), all loads issued before
+// the first add, then dev::warp_lane_sum. rmsnorm.cu's warp 0 and the wq_b GEMM's fused q_norm.
+template <int kMaxPerLane>
+__device__ __forceinline__ float warp_row_sum_squares_n(const bf16_t* row, int n_chunks, int lane) {
+  float u[kMaxPerLane][kChunk];
+#pragma unroll
+  for (int i = 0; i < kMaxPerLane; ++i)
+    if (lane + num::kLaneSumLanes * i < n_chunks) load_bf16x8(row + (lane + num::kLaneSumLanes * i) * kChunk, u[i]);
+  float acc = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kMaxPerLane; ++i)
+    if (lane + num::kLaneSumLanes * i < n_chunks)
+#pragma unroll
+      for (int k = 0; k < kChunk; ++k) acc = num::add_rn(acc, num::mul_rn(u[i][k], u[i][k]));
+  return dev::warp_lane_sum(acc);
+}
+
 // x <- bf16(w * (x * r)) for one pair, kept as the (exact) float values of the bf16s.
 __device__ __forceinline__ void rmsnorm_apply_pair(float& x0, float& x1, float r, float2 w) {
   x0 = num::f32_from_bf16(num::rmsnorm_apply(x0, r, w.x));

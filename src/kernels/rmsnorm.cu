@@ -42,17 +42,7 @@ __global__ void __launch_bounds__(kMaxThreads) rmsnorm_kernel(const RmsNormParam
   if (active) load_bf16x8(x + c * kChunk, v);
   if (threadIdx.x < 32) {
     // LaneSum: lane l accumulates its chunks l, l+32, ... in order (all loads issued first).
-    float u[kMaxChunks][kChunk];
-#pragma unroll
-    for (int i = 0; i < kMaxChunks; ++i)
-      if (lane + 32 * i < n_chunks) load_bf16x8(x + (lane + 32 * i) * kChunk, u[i]);
-    float acc = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kMaxChunks; ++i)
-      if (lane + 32 * i < n_chunks)
-#pragma unroll
-        for (int k = 0; k < kChunk; ++k) acc = num::add_rn(acc, num::mul_rn(u[i][k], u[i][k]));
-    const float r = num::rmsnorm_rstd(dev::warp_lane_sum(acc), p.n, p.eps);
+    const float r = num::rmsnorm_rstd(warp_row_sum_squares_n<kMaxChunks>(x, n_chunks, lane), p.n, p.eps);
     if (lane == 0) s_rstd = r;
   }
   __syncthreads();

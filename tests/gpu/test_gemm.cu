@@ -1930,7 +1930,7 @@ TEST(GpuGemmQNorm, SupportAndRefusals) {
   p.qnorm_w = fake_w;
   p.qnorm_x_stride = 1280;
   p.qnorm_eps = 1e-6f;
-  static uint8_t fake_bytes[64];
+  alignas(16) static uint8_t fake_bytes[64];  // every other check passes: each refusal below is its own
   p.w = fake_bytes;
   p.w_scale = fake_bytes;
   p.out = reinterpret_cast<bf16_t*>(fake_bytes);

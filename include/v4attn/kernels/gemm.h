@@ -330,7 +330,8 @@ void run_gemm_fp8_rope_store(const Fp8GemmParams& p, cudaStream_t stream, bool p
 // CTA redoes all m rows' exact per-chunk arithmetic), so the stack runs it only on request
 // (GpuStackOptions::fuse_qnorm kOn). May be combined with the fused RoPE store (rope_*). Supported
 // when v2's plan has one split and two m64 tiles per warpgroup, groups == 1, k <= 2048 and the
-// codes of all K fit beside at least one ring stage (gemm_v2_qnorm_supported).
+// codes of all K fit beside at least one ring stage -- where n is whole heads of 512, also with the
+// RoPE store's table, so that a caller may add it (gemm_v2_qnorm_supported).
 bool gemm_v2_qnorm_supported(int m, int64_t n, int64_t k);
 void run_gemm_fp8_qnorm(const Fp8GemmParams& p, cudaStream_t stream, bool pdl);
 
