@@ -97,8 +97,10 @@ enum class Fusion : uint8_t { kOff, kAuto, kOn };
 // rows) +3.8 %, decode bs 16 +7.5 %: the kernel's per-row work (act quant of its K range, q_norm of
 // every row in every CTA) grows with the rows, and it holds every SM while the index layers' side
 // lanes want some. (Session 9, before the fused chain's ring fill waited for its prologue loads:
-// faster only up to 4 rows.)
-constexpr int kQChainAutoRows = 8;
+// faster only up to 4 rows.) Session 14, against the unfused chain WITH the fused RoPE store (same
+// binary, two repetitions): decode bs 8 +1.4 / +1.3 % (so 8 rows now run unfused), decode bs 6
+// -1.5 / -1.8 %, verify bs 1 (6 rows) -2.6 / -2.4 %.
+constexpr int kQChainAutoRows = 7;
 // fuse_x_quant's kAuto row limit (docs/perf.md, session 9, three-lane, three repetitions: verify
 // bs 1 (6 rows) -0.5 %, decode bs 8 -0.8 %, decode bs 2 even, verify bs 2 (12 rows) +1.0 %).
 constexpr int kXQuantAutoRows = 8;
@@ -109,8 +111,9 @@ constexpr int kXQuantAutoRows = 8;
 // binary: verify bs 4 -1.0 / -1.1 %, decode bs 32 -0.3 / -0.6 %, verify bs 6 (36) even, verify bs 8
 // (48) -2.1 / -1.9 %, decode bs 48 -1.7 / -1.7 %, but decode bs 64 +1.4 / +1.8 %; at 1-8 rows
 // (index layers only: the plain layers run the fused chain) verify bs 1 +0.4 / +0.9 %, decode bs 1
-// +0.6 / +0.4 %, decode bs 8 even.
-constexpr int kRopeStoreAutoMinRows = 9;
+// +0.6 / +0.4 %, decode bs 8 even (with the fused chain on its plain layers); 8 rows joined the range
+// with kQChainAutoRows = 7 (the unfused chain with the fused RoPE store beats the fused chain there).
+constexpr int kRopeStoreAutoMinRows = 8;
 constexpr int kRopeStoreAutoMaxRows = 48;
 const char* to_string(Fusion f);
 const char* to_string(WeightSource w);
@@ -231,7 +234,7 @@ struct GpuStackOptions {
   // GEMM widens every block with cvt (v3_int_mask 0, v3's default), so it writes the unfused
   // chain's bytes (tested at the kernel and over whole cycles; with another v3_int_mask the bytes
   // may differ by 1 bf16 ulp in rare elements, spec section 6). kAuto by default since session 9
-  // (kQChainAutoRows: where it measured; 4 rows in session 9, 8 since session 10).
+  // (kQChainAutoRows: where it measured; 4 rows in session 9, 8 in sessions 10-13, 7 since 14).
   Fusion fuse_qchain = Fusion::kAuto;
   // Index-source layers: run the indexer's wq_b GEMM (qr -> qi) on the main lane right after
   // q_norm instead of first on lane S (experiment knob; docs/perf.md).
