@@ -99,7 +99,7 @@ enum class Fusion : uint8_t { kOff, kAuto, kOn };
 // lanes want some. (Session 9, before the fused chain's ring fill waited for its prologue loads:
 // faster only up to 4 rows.) Session 14, against the unfused chain WITH the fused RoPE store (same
 // binary, two repetitions): decode bs 8 +1.4 / +1.3 % (so 8 rows now run unfused), decode bs 6
-// -1.5 / -1.8 %, verify bs 1 (6 rows) -2.6 / -2.4 %.
+// -1.4 / -1.6 %, verify bs 1 (6 rows) -2.6 / -2.4 %.
 constexpr int kQChainAutoRows = 7;
 // fuse_x_quant's kAuto row limit (docs/perf.md, session 9, three-lane, three repetitions: verify
 // bs 1 (6 rows) -0.5 %, decode bs 8 -0.8 %, decode bs 2 even, verify bs 2 (12 rows) +1.0 %).
