@@ -801,8 +801,9 @@ void GpuPrepareStack::Impl::issue_qa(int L, int T, cudaStream_t s) {
 bool GpuPrepareStack::Impl::qnorm_fused_layer(int L, int T) const {
   // Only where nothing reads q_norm's output but the wq_b GEMM: the indexer's wq_b reads its codes.
   if (lp(L).work & kWorkIDX) return false;
-  // kAuto: never (measured slower at every row count it applies to, perf.md session 13 run 14).
-  if (o.fuse_qnorm != Fusion::kOn) return false;
+  // kAuto's row range is empty: measured slower at every row count it applies to (perf.md session 13
+  // run 14).
+  if (!fusion_applies(o.fuse_qnorm, T, 1, 0)) return false;
   const int64_t n = static_cast<int64_t>(H) * kHd;
   return fp8_version(T, n, q_rank) == kn::GemmVersion::kWgmma && kn::gemm_v2_qnorm_supported(T, n, q_rank);
 }
