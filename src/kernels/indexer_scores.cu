@@ -97,8 +97,10 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
 // prmt's generic mode copies source byte (nibble & 7) when the nibble's bit 3 is clear and
 // replicates that byte's sign bit (0 for our table, all values < 128) when it is set. So `pos`
 // holds the magnitude of the positive codes (0 for negative ones) and `neg`, with bit 3 flipped,
-// the magnitude of the negative codes; (128 + pos - neg) per byte never borrows, and xor 0x80
-// turns the biased byte into the two's complement of pos - neg.
+// the magnitude of the negative codes (0 for positive ones): each byte is 0 in one of them. Per
+// byte, 128 - neg never borrows (neg <= 96) and xor 0x80 turns it into -neg mod 256 (0 for
+// neg == 0), which OR pos merges: two ops (IADD3, LOP3) after the PRMTs where
+// ((pos | 0x80) - neg) ^ 0x80 takes three (measured neutral in time; docs/perf.md session 15).
 // With the table shifted left by s (s <= 3: every byte stays < 128, no carry between bytes) the
 // same two PRMTs give twice the value times 2^s (|.| <= 96, still int8 and still borrow-free).
 constexpr uint32_t kTwiceLo = 0x03020100u;  // codes 0..3 -> 0, 1, 2, 3   (twice 0, .5, 1, 1.5)
@@ -106,7 +108,7 @@ constexpr uint32_t kTwiceHi = 0x0C080604u;  // codes 4..7 -> 4, 6, 8, 12  (twice
 __device__ __forceinline__ uint32_t e2m1x4_to_s8(uint32_t sel, uint32_t lo, uint32_t hi) {
   const uint32_t pos = prmt(lo, hi, sel);
   const uint32_t neg = prmt(lo, hi, sel ^ 0x8888u);
-  return ((pos | 0x80808080u) - neg) ^ 0x80808080u;
+  return ((0x80808080u - neg) ^ 0x80808080u) | pos;
 }
 
 // D = A * B + C, int8 x int8 -> int32, m16n8k32 (exact; no saturation needed: |D| < 2^31).
@@ -198,6 +200,19 @@ __host__ __device__ __forceinline__ SmemLayout smem_layout(int S, int G, int RS 
   return L;
 }
 
+// The index-K pool's page geometry, computed on the host: the per-step address math uses it
+// directly (CacheLayout::page_bytes() in the loop compiled to a 64-bit division per step, ~35
+// instructions of a step's ~780 at decode shapes: 32 rows x 64K 111.7 -> 104.6 us, 8 rows 34.9 ->
+// 32.4). The one-step kernels (ring of 1: one issue per run) keep the inline page_bytes(): with
+// the host value the 6-row verify tile measured 1 us slower (20.1 -> 21.2 us, code layout of a
+// one-shot kernel rather than arithmetic; docs/perf.md session 15).
+struct PageGeom {
+  int64_t page_bytes;  // layout.page_bytes()
+  int64_t scale_base;  // page_size * 64: the scales' offset in a page
+  int32_t shift;       // log2(page_size)
+  int32_t unused;
+};
+
 // Context of one run of equal-req rows [r0, r1) of the CTA's group over the CTA's tile, streamed
 // by each warp through a ring of S K buffers (one cp.async commit group per step).
 struct RunCtx {
@@ -254,8 +269,8 @@ __device__ __forceinline__ int32_t load_slot(const IndexerScoresParams& p, const
 
 // K of step k (its slots loaded: `slot`) into ring buffer `buf` with cp.async, then one commit
 // group (empty when the step has nothing to read). Sets the buffer's valid bit.
-template <bool kMasked>
-__device__ __forceinline__ void issue_step(const IndexerScoresParams& p, int page_shift, RunCtx& run,
+template <bool kMasked, bool kInlinePageBytes>
+__device__ __forceinline__ void issue_step(const IndexerScoresParams& p, const PageGeom& pg, RunCtx& run,
                                            const uint32_t* list, int64_t tile_base, int k, int32_t slot, int buf,
                                            uint32_t* kd_warp, uint32_t* ks_warp) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
@@ -267,14 +282,14 @@ __device__ __forceinline__ void issue_step(const IndexerScoresParams& p, int pag
   if (in_c && !ok && static_cast<int>(threadIdx.x) < kThreads) dev::count_error(p.err_count);
   run.valid_bits = (run.valid_bits & ~(1u << buf)) | (static_cast<uint32_t>(ok) << buf);
   if (__any_sync(kFullMask, in_c)) {  // warp-uniform
-    const int64_t page_bytes = p.layout.page_bytes();
-    const int64_t page_mask = (int64_t{1} << page_shift) - 1;
-    const int64_t scale_base = static_cast<int64_t>(p.layout.page_size) * kIndexerCodeBytes;
+    const int64_t page_bytes = kInlinePageBytes ? p.layout.page_bytes() : pg.page_bytes;
+    const int32_t page_mask = (int32_t{1} << pg.shift) - 1;
+    const int64_t scale_base = pg.scale_base;
     // Each lane copies its own position's 64 code bytes (4 chunks, swizzled: conflict-free both for
     // these writes and for the A reads) and its 4 scale bytes; zero-filled when unusable.
     const int32_t use = ok ? slot : 0;
-    const uint8_t* page = p.index_k_cache + (static_cast<int64_t>(use) >> page_shift) * page_bytes;
-    const int64_t in_page = use & page_mask;
+    const uint8_t* page = p.index_k_cache + static_cast<int64_t>(use >> pg.shift) * page_bytes;
+    const int32_t in_page = use & page_mask;
     const uint8_t* codes = page + in_page * kIndexerCodeBytes;
     uint32_t* kd = kd_warp + buf * (kStepPositions * 16) + lane * 16;
     const int n = ok ? 16 : 0;
@@ -293,7 +308,7 @@ __device__ __forceinline__ void issue_step(const IndexerScoresParams& p, int pag
 // waits for one table latency and one K latency per run, and the later steps' loads overlap the
 // computing of the earlier ones.
 template <int S, bool kMasked>
-__device__ RunCtx issue_run(const IndexerScoresParams& p, int page_shift, int r0, int r1, int64_t tile_base,
+__device__ RunCtx issue_run(const IndexerScoresParams& p, const PageGeom& pg, int r0, int r1, int64_t tile_base,
                             int64_t tile_end, const RowMeta* meta, uint32_t* kd_warp, uint32_t* ks_warp,
                             const uint32_t* list, int nsel) {
   RunCtx run{r0, r1, 0, 0u, nsel, tile_end, 0, -1};
@@ -304,7 +319,7 @@ __device__ RunCtx issue_run(const IndexerScoresParams& p, int page_shift, int r0
 #pragma unroll
   for (int k = 0; k < S; ++k) slot[k] = load_slot<kMasked>(p, run, list, tile_base, k);
 #pragma unroll
-  for (int k = 0; k < S; ++k) issue_step<kMasked>(p, page_shift, run, list, tile_base, k, slot[k], k, kd_warp, ks_warp);
+  for (int k = 0; k < S; ++k) issue_step<kMasked, S == 1>(p, pg, run, list, tile_base, k, slot[k], k, kd_warp, ks_warp);
   run.next_slot = load_slot<kMasked>(p, run, list, tile_base, S);
   return run;
 }
@@ -393,7 +408,7 @@ __device__ __forceinline__ void fused_mma_chains(int (&acc)[2][4][4], const uint
 // entry writes nothing, a row that keeps none of the step's blocks writes -inf and skips its MMAs,
 // and an m-tile (two blocks) that the row does not keep skips its MMAs (its positions get -inf).
 template <int S, int RS, bool kMasked = false>
-__device__ void compute_run(const IndexerScoresParams& p, int page_shift, RunCtx& run, int64_t row0, int64_t tile_base,
+__device__ void compute_run(const IndexerScoresParams& p, const PageGeom& pg, RunCtx& run, int64_t row0, int64_t tile_base,
                             const RowMeta* meta, const uint4* qfrag, const RowConst* rc, uint32_t* kd_warp,
                             uint32_t* ks_warp, float* terms, const uint32_t* list = nullptr) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
@@ -617,7 +632,7 @@ __device__ void compute_run(const IndexerScoresParams& p, int page_shift, RunCtx
       }
     }
     __syncwarp();  // every lane is done with ring buffer buf: it takes step k + S
-    issue_step<kMasked>(p, page_shift, run, list, tile_base, k + S, run.next_slot, buf, kd_warp, ks_warp);
+    issue_step<kMasked, S == 1>(p, pg, run, list, tile_base, k + S, run.next_slot, buf, kd_warp, ks_warp);
     run.next_slot = load_slot<kMasked>(p, run, list, tile_base, k + S + 1);
   }
   cp_async_wait<0>();
@@ -636,7 +651,7 @@ __device__ void compute_run(const IndexerScoresParams& p, int page_shift, RunCtx
 // list, 4 per step; RS must be 1.
 template <int S, int RS, int MB = 3, int TBLK = 0>
 __global__ void __launch_bounds__(kThreads * RS, RS == 1 ? MB : 1)
-    indexer_scores_kernel(const __grid_constant__ IndexerScoresParams p, int group_rows, int page_shift,
+    indexer_scores_kernel(const __grid_constant__ IndexerScoresParams p, int group_rows, const PageGeom pg,
                           int span_steps) {
   constexpr bool kMasked = TBLK > 0;
   static_assert(!kMasked || RS == 1, "the masked kernel has one warp set");
@@ -728,7 +743,7 @@ __global__ void __launch_bounds__(kThreads * RS, RS == 1 ? MB : 1)
   while (r1 < n_rows && meta[r1].req == meta[0].req) ++r1;
   int nsel = 0;
   if constexpr (kMasked) nsel = build_block_list<TBLK>(p, row0, 0, r1, tile_base, meta, list);
-  RunCtx run = issue_run<S, kMasked>(p, page_shift, 0, r1, tile_base, tile_end, meta, kd_warp, ks_warp, list, nsel);
+  RunCtx run = issue_run<S, kMasked>(p, pg, 0, r1, tile_base, tile_end, meta, kd_warp, ks_warp, list, nsel);
 
   if (has_work) {
 #pragma unroll
@@ -772,12 +787,12 @@ __global__ void __launch_bounds__(kThreads * RS, RS == 1 ? MB : 1)
 
   // ---- runs (one per group for verify rows; the next one is issued when this one is done) ----
   for (;;) {
-    compute_run<S, RS, kMasked>(p, page_shift, run, row0, tile_base, meta, qfrag, rc, kd_warp, ks_warp, terms, list);
+    compute_run<S, RS, kMasked>(p, pg, run, row0, tile_base, meta, qfrag, rc, kd_warp, ks_warp, terms, list);
     if (run.r1 >= n_rows) break;
     int e = run.r1 + 1;
     while (e < n_rows && meta[e].req == meta[run.r1].req) ++e;
     if constexpr (kMasked) nsel = build_block_list<TBLK>(p, row0, run.r1, e, tile_base, meta, list);
-    run = issue_run<S, kMasked>(p, page_shift, run.r1, e, tile_base, tile_end, meta, kd_warp, ks_warp, list, nsel);
+    run = issue_run<S, kMasked>(p, pg, run.r1, e, tile_base, tile_end, meta, kd_warp, ks_warp, list, nsel);
   }
 
   dev::pdl_launch_dependents();  // after this thread's last store
@@ -861,8 +876,8 @@ void run_indexer_scores(const IndexerScoresParams& p, cudaStream_t stream, bool 
               p.layout.align == want.align,
           who, "layout is not the index-K layout (64 + 4 bytes per slot)");
   const int P = p.layout.page_size;
-  require(P >= 4 && (P & (P - 1)) == 0, who,
-          "index-K page size " + std::to_string(P) + " must be a power of two >= 4 (16-byte aligned slots)");
+  require(P >= 4 && P <= (1 << 20) && (P & (P - 1)) == 0, who,
+          "index-K page size " + std::to_string(P) + " must be a power of two in [4, 2^20] (16-byte aligned slots)");
   require(p.n_slots >= 0, who, "negative n_slots");
   require(p.comp_table_stride >= 0 && p.comp_table_rows >= 0, who, "negative slot table shape");
   require(p.steps_per_warp >= 0 && p.steps_per_warp <= kMaxSteps, who, "steps_per_warp must be in [0, 64]");
@@ -893,11 +908,11 @@ void run_indexer_scores(const IndexerScoresParams& p, cudaStream_t stream, bool 
             "mask_tile_blocks must be 0 (automatic), 16, 32, 64, 128 or 256");
   }
 
-  int page_shift = 0;
-  while ((1 << page_shift) < P) ++page_shift;
+  PageGeom pg{p.layout.page_bytes(), int64_t{P} * kIndexerCodeBytes, 0, 0};
+  while ((1 << pg.shift) < P) ++pg.shift;
   const IndexerScoresShape sh = indexer_scores_shape(p);
   require(sh.tiles <= 65535, who, "score_stride too large for the tile grid");
-  using Kernel = void (*)(IndexerScoresParams, int, int, int);
+  using Kernel = void (*)(IndexerScoresParams, int, PageGeom, int);
   Kernel kernel = nullptr;
   if (sh.masked) {
     switch (sh.mask_tile_blocks) {
@@ -920,7 +935,7 @@ void run_indexer_scores(const IndexerScoresParams& p, cudaStream_t stream, bool 
   cfg.smem_bytes = sh.smem_bytes;
   cfg.stream = stream;
   cfg.pdl = pdl;
-  launch_kernel(sh.masked ? "indexer_scores_masked" : "indexer_scores", kernel, cfg, p, p.group_rows, page_shift,
+  launch_kernel(sh.masked ? "indexer_scores_masked" : "indexer_scores", kernel, cfg, p, p.group_rows, pg,
                 sh.span_steps);
 }
 
