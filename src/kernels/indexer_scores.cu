@@ -815,20 +815,26 @@ IndexerScoresShape indexer_scores_shape(const IndexerScoresParams& p) {
   const int G = std::max(p.group_rows, 1);
   sh.masked = p.candidate_mask != nullptr;
   sh.groups = (std::max<int64_t>(p.T, 0) + G - 1) / G;
-  // Automatic tiles: the largest of `positions` (largest first) that still gives >= 1024 CTAs,
-  // else the smallest.
-  const auto largest_tile = [&](std::initializer_list<int64_t> positions) {
+  // Automatic tiles: the largest of `positions` (largest first) that still gives >= min_ctas
+  // CTAs, else the smallest.
+  const auto largest_tile = [&](std::initializer_list<int64_t> positions, int64_t min_ctas) {
     for (const int64_t t : positions)
-      if (sh.groups * ((p.score_stride + t - 1) / t) >= 1024) return t;
+      if (sh.groups * ((p.score_stride + t - 1) / t) >= min_ctas) return t;
     return *(positions.end() - 1);
   };
   if (sh.masked) {
     // Tiles of TBLK blocks whose kept blocks are compacted (the kept fraction is unknown here:
     // ~1/4 of the blocks for one row at 64K, the union of a verify request's rows more), at least
-    // 16 blocks (128 positions, one step per warp, one K buffer).
+    // 16 blocks (128 positions, one step per warp, one K buffer): the largest tile giving >= 1024
+    // CTAs, or >= 384 (about one wave of 3 CTAs on 132 SMs) for one-row groups, whose CTAs hold a
+    // quarter of a verify group's kept blocks and pay the same prologue. Three-lane cycles
+    // (docs/perf.md session 15): decode bs 6 (tile 32 -> 128) -1.5 %; decode bs 2 / 4 / 8 / 16
+    // (16 -> 32, 32 -> 64, 64 -> 128, 128 -> 256) within the noise; verify groups stay at 1024
+    // (384 measured +0.6 % at verify bs 2, +1 % at verify bs 8).
+    const int64_t min_ctas = G == 1 ? 384 : 1024;
     sh.mask_tile_blocks = p.mask_tile_blocks != 0
                               ? p.mask_tile_blocks
-                              : static_cast<int>(largest_tile({8 * 256, 8 * 128, 8 * 64, 8 * 32, 8 * 16}) / 8);
+                              : static_cast<int>(largest_tile({8 * 256, 8 * 128, 8 * 64, 8 * 32, 8 * 16}, min_ctas) / 8);
     sh.tile_positions = 8 * sh.mask_tile_blocks;
     sh.ring = sh.mask_tile_blocks == 16 ? 1 : 2;
     sh.threads = kThreads;
@@ -846,7 +852,7 @@ IndexerScoresShape indexer_scores_shape(const IndexerScoresParams& p) {
     constexpr int64_t kStep = int64_t{kWarps} * kStepPositions;  // positions per step of the 4 warps
     sh.span_steps = p.steps_per_warp != 0
                         ? p.steps_per_warp
-                        : static_cast<int>(largest_tile({16 * kStep, 8 * kStep, 4 * kStep, 2 * kStep, kStep}) / kStep);
+                        : static_cast<int>(largest_tile({16 * kStep, 8 * kStep, 4 * kStep, 2 * kStep, kStep}, 1024) / kStep);
     sh.tile_positions = kStep * sh.span_steps;
     sh.ring = sh.span_steps == 1 ? 1 : 2;
     // Row split: 1 unless asked. Two warp sets were measured slower in the stack (verify bs 1:

@@ -1619,7 +1619,8 @@ TEST(GpuIndexerHostChecks, ScoresLaunchShapes) {
   EXPECT_EQ(shape(6, 6, 65536, false, 0, 0, 2).threads, 256);
   EXPECT_EQ(shape(6, 6, 65536, false, 0, 0, 2).min_blocks, 1);
   EXPECT_EQ(shape(6, 6, 65536, false, 0, 0, 1, 4).min_blocks, 4);
-  // Masked: the largest of 256 / 128 / 64 / 32 blocks giving >= 1024 CTAs, else 16.
+  // Masked: the largest of 256 / 128 / 64 / 32 blocks giving >= 1024 CTAs (>= 384 for one-row
+  // groups), else 16.
   s = shape(6, 6, 65536, true);  // verify bs 1
   EXPECT_TRUE(s.masked);
   EXPECT_EQ(s.mask_tile_blocks, 16);
@@ -1629,8 +1630,11 @@ TEST(GpuIndexerHostChecks, ScoresLaunchShapes) {
   EXPECT_EQ(shape(32, 1, 65536, true, 0, 256, 0, 4).min_blocks, 3);    // larger tiles: always 3
   EXPECT_EQ(shape(32, 1, 65536, true).mask_tile_blocks, 256);  // decode bs 32 (1024 CTAs)
   EXPECT_EQ(shape(64, 1, 65536, true).mask_tile_blocks, 256);
-  EXPECT_EQ(shape(16, 1, 65536, true).mask_tile_blocks, 128);
-  EXPECT_EQ(shape(8, 1, 65536, true).mask_tile_blocks, 64);    // decode bs 8
+  EXPECT_EQ(shape(16, 1, 65536, true).mask_tile_blocks, 256);  // 512 CTAs
+  EXPECT_EQ(shape(8, 1, 65536, true).mask_tile_blocks, 128);    // decode bs 8 (512 CTAs)
+  EXPECT_EQ(shape(6, 1, 65536, true).mask_tile_blocks, 128);    // decode bs 6 (384 CTAs)
+  EXPECT_EQ(shape(1, 1, 65536, true).mask_tile_blocks, 16);     // decode bs 1 (512 CTAs)
+  EXPECT_EQ(shape(12, 6, 65536, true).mask_tile_blocks, 16);    // verify bs 2 (2 groups: 1024 CTAs)
   s = shape(32, 1, 65536, true, 0, 32);
   EXPECT_EQ(s.mask_tile_blocks, 32);
   EXPECT_EQ(s.tile_positions, 256);
