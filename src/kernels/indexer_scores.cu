@@ -848,11 +848,15 @@ IndexerScoresShape indexer_scores_shape(const IndexerScoresParams& p) {
     // steps. Small grids take one step per warp for parallelism (verify bs 1 at 64K, 6 rows per
     // CTA: 1 step (512 CTAs) beat 2 (256) by 37 us per 40-layer cycle, docs/perf.md session 2);
     // large ones amortise the CTA's prologue (meta, q decode, first table and K latencies) over
-    // more steps whose loads overlap the compute (session 6).
+    // more steps whose loads overlap the compute (session 6). One-row (decode) groups: from 768
+    // CTAs (a CTA does a sixth of a verify group's work per step for the same prologue); three-lane
+    // decode bs 3 / 6 / 12 / 24 -0.4 / -1.0 / -1.0 / -0.5 %, every other batch unchanged
+    // (docs/perf.md session 15).
     constexpr int64_t kStep = int64_t{kWarps} * kStepPositions;  // positions per step of the 4 warps
     sh.span_steps = p.steps_per_warp != 0
                         ? p.steps_per_warp
-                        : static_cast<int>(largest_tile({16 * kStep, 8 * kStep, 4 * kStep, 2 * kStep, kStep}, 1024) / kStep);
+                        : static_cast<int>(largest_tile({16 * kStep, 8 * kStep, 4 * kStep, 2 * kStep, kStep},
+                                                        G == 1 ? 768 : 1024) / kStep);
     sh.tile_positions = kStep * sh.span_steps;
     sh.ring = sh.span_steps == 1 ? 1 : 2;
     // Row split: 1 unless asked. Two warp sets were measured slower in the stack (verify bs 1:

@@ -1597,7 +1597,8 @@ TEST(GpuIndexerHostChecks, ScoresLaunchShapes) {
     }
     return kernels::indexer_scores_shape(p);
   };
-  // Automatic steps: the largest of 16 / 8 / 4 / 2 giving >= 1024 CTAs, else 1.
+  // Automatic steps: the largest of 16 / 8 / 4 / 2 giving >= 1024 CTAs (>= 768 for one-row
+  // groups), else 1.
   auto s = shape(6, 6, 65536, false);  // verify bs 1: one step per warp, 512 CTAs, one K buffer
   EXPECT_EQ(s.span_steps, 1);
   EXPECT_EQ(s.ring, 1);
@@ -1612,6 +1613,11 @@ TEST(GpuIndexerHostChecks, ScoresLaunchShapes) {
   EXPECT_EQ(s.tile_positions, 1024);
   EXPECT_EQ(s.groups * s.tiles, 1024);
   EXPECT_EQ(shape(32, 1, 65536, false).span_steps, 16);
+  EXPECT_EQ(shape(6, 1, 65536, false).span_steps, 4);    // decode bs 6: 768 CTAs
+  EXPECT_EQ(shape(6, 1, 32768, false).span_steps, 2);
+  EXPECT_EQ(shape(8, 1, 65536, false).span_steps, 4);    // decode bs 8: 1024 CTAs (8 steps: 512)
+  EXPECT_EQ(shape(24, 1, 65536, false).span_steps, 16);  // decode bs 24: 768 CTAs
+  EXPECT_EQ(shape(1, 1, 65536, false).span_steps, 1);    // decode bs 1: 512 CTAs
   // Knobs: steps, row split (two warp sets, one CTA per SM), the 4-CTA register cap.
   s = shape(32, 1, 32768, false, 13);
   EXPECT_EQ(s.span_steps, 13);
