@@ -217,33 +217,13 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float x0, float x1) {
 // Two constant floats at p (8-byte aligned) through the read-only path (norm weights, RoPE tables).
 __device__ __forceinline__ float2 ldg_f32x2(const float* p) { return __ldg(reinterpret_cast<const float2*>(p)); }
 
-// The LaneSum of the squares of the bf16 row[0, kN), computed by the calling warp alone (all 32
-// lanes must call it; every lane gets the total). Lane l holds chunks l, l+32, ...; lanes past the
-// last chunk hold zeros (the zero partials of num::lane_sum_squares). All loads are issued before
-// the first add.
-template <int kN>
-__device__ __forceinline__ float warp_row_sum_squares(const bf16_t* row, int lane) {
-  constexpr int kChunks = kN / kChunk;
-  constexpr int kPerLane = (kChunks + num::kLaneSumLanes - 1) / num::kLaneSumLanes;
-  static_assert(kN % kChunk == 0 && (kChunks % num::kLaneSumLanes == 0 || kChunks < num::kLaneSumLanes),
-                "whole chunks, every lane the same number of them or lanes past the row idle");
-  float x[kPerLane][kChunk];
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    const int c = i * num::kLaneSumLanes + lane;
-    if (c < kChunks) {
-      load_bf16x8(row + c * kChunk, x[i]);
-    } else {
-#pragma unroll
-      for (int k = 0; k < kChunk; ++k) x[i][k] = 0.0f;
-    }
-  }
-  return dev::warp_lane_sum(lane_sum_squares_part<kPerLane>(x));
-}
-
-// The same for a row of n_chunks chunks known at run time (n_chunks <= 32 * kMaxPerLane): lane l
-// sums its chunks l, l + 32, ... in order (lanes past the row add nothing), all loads issued before
-// the first add, then dev::warp_lane_sum. rmsnorm.cu's warp 0 and the wq_b GEMM's fused q_norm.
+// The LaneSum of the squares of the bf16 row's n_chunks chunks (n_chunks <= 32 * kMaxPerLane),
+// computed by the calling warp alone (all 32 lanes must call it; every lane gets the total): lane
+// l sums its chunks l, l + 32, ... in order, all loads issued before the first add, then
+// dev::warp_lane_sum. Lanes past the row add nothing, which equals num::lane_sum_squares' zero
+// partials bit for bit (a sum of squares starts at +0 and adding +0 leaves it unchanged).
+// rmsnorm.cu's warp 0 and the wq_b GEMM's fused q_norm (n_chunks at run time), and through
+// warp_row_sum_squares<kN> the prepare kernels' rows of a compile-time width.
 template <int kMaxPerLane>
 __device__ __forceinline__ float warp_row_sum_squares_n(const bf16_t* row, int n_chunks, int lane) {
   float u[kMaxPerLane][kChunk];
@@ -257,6 +237,14 @@ __device__ __forceinline__ float warp_row_sum_squares_n(const bf16_t* row, int n
 #pragma unroll
       for (int k = 0; k < kChunk; ++k) acc = num::add_rn(acc, num::mul_rn(u[i][k], u[i][k]));
   return dev::warp_lane_sum(acc);
+}
+// The same for the bf16 row[0, kN) of a compile-time width.
+template <int kN>
+__device__ __forceinline__ float warp_row_sum_squares(const bf16_t* row, int lane) {
+  constexpr int kChunks = kN / kChunk;
+  static_assert(kN % kChunk == 0 && (kChunks % num::kLaneSumLanes == 0 || kChunks < num::kLaneSumLanes),
+                "whole chunks, every lane the same number of them or lanes past the row idle");
+  return warp_row_sum_squares_n<(kChunks + num::kLaneSumLanes - 1) / num::kLaneSumLanes>(row, kChunks, lane);
 }
 
 // x <- bf16(w * (x * r)) for one pair, kept as the (exact) float values of the bf16s.
