@@ -1474,6 +1474,12 @@ TEST(GpuIndexerHostChecks, BadShapesAreRefusedBeforeLaunch) {
     p.layout = cache_layout(CacheKind::kIndexK, 48);  // not a power of two
     EXPECT_THROW(kernels::run_indexer_scores(p, nullptr, false), std::invalid_argument);
     p = valid_scores_params();
+    p.layout = cache_layout(CacheKind::kIndexK, 1 << 21);  // past 2^20 (32-bit in-page offsets)
+    EXPECT_THROW(kernels::run_indexer_scores(p, nullptr, false), std::invalid_argument);
+    p.layout = cache_layout(CacheKind::kIndexK, 1 << 20);  // the largest page: accepted (nothing to launch at T 0)
+    p.T = 0;
+    EXPECT_NO_THROW(kernels::run_indexer_scores(p, nullptr, false));
+    p = valid_scores_params();
     p.q_codes = reinterpret_cast<uint8_t*>(uintptr_t{0x10004});  // misaligned
     EXPECT_THROW(kernels::run_indexer_scores(p, nullptr, false), std::invalid_argument);
     p = valid_scores_params();
