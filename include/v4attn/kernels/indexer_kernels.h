@@ -102,7 +102,7 @@ struct IndexerScoresParams {
   const uint8_t* q_scales = nullptr;      // [T, 32, 4]  (16-byte aligned)
   const float* weights = nullptr;         // [T, 32]
   const uint8_t* index_k_cache = nullptr; // index-K pool (16-byte aligned)
-  CacheLayout layout{};                   // cache_layout(CacheKind::kIndexK, P), P power of 2, P % 4 == 0
+  CacheLayout layout{};                   // cache_layout(CacheKind::kIndexK, P), P a power of 2 in [4, 2^20]
   int64_t n_slots = 0;                    // slots the pool holds
   const int32_t* req = nullptr;           // [T]
   const int32_t* clen = nullptr;          // [T]
