@@ -86,6 +86,18 @@ if(V4ATTN_PYTHON3)
            COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/phase_stamps.py"
                    "${CMAKE_SOURCE_DIR}/tests/data/stamps_stages_v1.txt" --stages)
   set_tests_properties(scripts.phase_stamps_stages_old_file PROPERTIES WILL_FAIL TRUE)
+  # scripts/ncu_sass_summary.py on a five-instruction fixture of ncu's SASS source export: opcodes
+  # with predicates folded (two PRMTs), counts per unit of work (--per 100), stall shares, the
+  # hottest instruction first; a file that is not such an export is refused.
+  add_test(NAME scripts.ncu_sass_summary
+           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/ncu_sass_summary.py"
+                   "${CMAKE_SOURCE_DIR}/tests/data/ncu_sass_small.csv" --per 100 --top 1)
+  set_tests_properties(scripts.ncu_sass_summary PROPERTIES PASS_REGULAR_EXPRESSION
+    "2500 warp instructions \\(25\\.0 per unit\\), 100 stall samples.*PRMT +16\\.0 +64\\.0% +10\\.0%.*IMMA\\.16832\\.S8\\.S8 +4\\.0 +16\\.0% +50\\.0%.*0x7f0000000030 +4\\.00 +50  IMMA")
+  add_test(NAME scripts.ncu_sass_summary_not_an_export
+           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/ncu_sass_summary.py"
+                   "${CMAKE_SOURCE_DIR}/tests/data/stamps_v2.txt")
+  set_tests_properties(scripts.ncu_sass_summary_not_an_export PROPERTIES WILL_FAIL TRUE)
   add_test(NAME scripts.trace_layers_no_layers
            COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/trace_layers.py"
                    "${CMAKE_SOURCE_DIR}/tests/configs/missing_key.json")

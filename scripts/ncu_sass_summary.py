@@ -1,0 +1,84 @@
+#!/usr/bin/env python3
+"""Summarise the SASS source view of one Nsight Compute profile: where a kernel's instructions and
+its warp stalls go, per opcode and per instruction.
+
+Export the view on the machine that has ncu (the profile needs `--import-source yes`), e.g.
+    ncu --kernel-name regex:indexer_scores_kernel --launch-skip 3 --launch-count 1 --set full \\
+        --import-source yes -o sc bench_indexer --T 32 --clen 65536 --shape decode --only scores:auto
+    ncu -i sc.ncu-rep --page source --csv --print-source sass > sc_sass.csv
+then, anywhere:
+    scripts/ncu_sass_summary.py sc_sass.csv --per 65536 --top 30
+`--per N` divides the instruction counts by N (e.g. the warp steps of a kernel: 32 rows x 65536 / 32
+positions = 65536 for the scores kernel at 32 rows x 64K), so a kernel's "instructions per unit of
+work" can be compared across versions. Stall shares are of all the warp-state samples of the
+profile ("Warp Stall Sampling (All Samples)"); the hottest instructions come with their address,
+their execution count per unit and their samples, in the order of their samples.
+"""
+import argparse
+import collections
+import csv
+import re
+import sys
+
+
+def read_rows(path):
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    # The export starts with a "Kernel Name" line, then the header.
+    start = 1 if rows and rows[0] and rows[0][0].startswith("Kernel Name") else 0
+    header, data = rows[start], rows[start + 1:]
+    need = ["Address", "Source", "Instructions Executed", "Warp Stall Sampling (All Samples)"]
+    missing = [c for c in need if c not in header]
+    if missing:
+        sys.exit(f"{path}: not an ncu SASS source export (missing columns: {', '.join(missing)})")
+    idx = {c: header.index(c) for c in need}
+    out = []
+    for r in data:
+        if len(r) <= max(idx.values()):
+            continue
+        try:
+            n = float(r[idx["Instructions Executed"]] or 0)
+            s = float(r[idx["Warp Stall Sampling (All Samples)"]] or 0)
+        except ValueError:
+            continue
+        out.append((r[idx["Address"]], r[idx["Source"]].strip(), n, s))
+    return out
+
+
+def opcode(src):
+    # "@!P2  BRA 0x..." -> "BRA"; "IMAD.MOV.U32 R1, ..." -> "IMAD.MOV.U32"
+    return re.sub(r"^@!?U?P\w+\s+", "", src).split(" ")[0]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("csv", help="ncu --page source --csv --print-source sass export")
+    ap.add_argument("--per", type=float, default=1.0, help="divide instruction counts by this (units of work)")
+    ap.add_argument("--ops", type=int, default=30, help="opcodes to list (default 30)")
+    ap.add_argument("--top", type=int, default=20, help="hottest instructions by stall samples (default 20)")
+    a = ap.parse_args()
+    if a.per <= 0:
+        sys.exit("--per must be positive")
+    rows = read_rows(a.csv)
+    total_n = sum(r[2] for r in rows)
+    total_s = sum(r[3] for r in rows)
+    if total_n == 0:
+        sys.exit(f"{a.csv}: no executed instructions in the export")
+    by_n, by_s = collections.Counter(), collections.Counter()
+    for _, src, n, s in rows:
+        by_n[opcode(src)] += n
+        by_s[opcode(src)] += s
+    print(f"{total_n:.0f} warp instructions ({total_n / a.per:.1f} per unit), {total_s:.0f} stall samples")
+    print(f"{'opcode':<24} {'per unit':>10} {'instr %':>8} {'stall %':>8}")
+    for op, n in by_n.most_common(a.ops):
+        stall = 100.0 * by_s[op] / total_s if total_s else 0.0
+        print(f"{op:<24} {n / a.per:>10.1f} {100.0 * n / total_n:>7.1f}% {stall:>7.1f}%")
+    if a.top > 0 and total_s > 0:
+        print(f"\nhottest instructions (stall samples):\n{'address':<18} {'per unit':>9} {'samples':>8}  source")
+        for addr, src, n, s in sorted(rows, key=lambda r: -r[3])[:a.top]:
+            print(f"{addr:<18} {n / a.per:>9.2f} {s:>8.0f}  {src}")
+
+
+if __name__ == "__main__":
+    main()
