@@ -107,6 +107,10 @@ constexpr uint32_t kProducerRegs = 40, kConsumerRegs = 232;
 static_assert(kWarpgroupThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= kThreads * 168,
               "setmaxnreg split must fit the CTA's register pool (168 per thread at launch)");
 
+// The kQNorm form's code stages: all of a CTA's K blocks, 4 per 128-byte stage (host and kernel).
+__host__ __device__ constexpr int qnorm_code_stages(int max_split_blocks) {
+  return (max_split_blocks + kBlocksPerStage - 1) / kBlocksPerStage;
+}
 // Byte offsets inside the CTA's shared memory (from the 1024-aligned base). Host and device use
 // the same function, so the launcher sizes exactly what the kernel addresses.
 struct SmemLayout {
@@ -254,7 +258,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
   uint8_t* smem = smem_raw + (base - raw_addr);
   const int ST = p.stages;
   const int msb = p.max_split_blocks;
-  const SmemLayout L = smem_layout(BN, NP, ST, msb, kRope, kQNorm ? (msb + kBlocksPerStage - 1) / kBlocksPerStage : 0);
+  const SmemLayout L = smem_layout(BN, NP, ST, msb, kRope, kQNorm ? qnorm_code_stages(msb) : 0);
   float* sw_s = reinterpret_cast<float*>(smem + L.sw);  // [BN/32][msb]
   float* sa_s = reinterpret_cast<float*>(smem + L.sa);  // [msb][NP]
   int* s_flag = reinterpret_cast<int*>(smem + L.flag);
@@ -662,12 +666,15 @@ GemmPlan plan_gemm_wgmma(int m, int64_t n, int64_t k, int groups, int force_spli
 }
 
 namespace {
-// Ring stages of the kQNorm form (the codes of all K beside the ring; and the RoPE table with kRope):
-// the plan's, fewer where they do not fit; 0 when not even one does.
-int qnorm_stages(const GemmPlan& plan, int np, int64_t k, bool rope) {
-  const int msb = static_cast<int>(k / kGemmBlock), xs = (msb + kBlocksPerStage - 1) / kBlocksPerStage;
+// Ring stages of a one-split form with extra shared-memory regions beside the ring (the RoPE table
+// with rope; with qnorm the codes of all max_split_blocks K blocks): the plan's, fewer where they do
+// not fit; 0 when not even one does. The launcher and the support predicates use the same count.
+int fitting_stages(const GemmPlan& plan, int np, int max_split_blocks, bool rope, bool qnorm) {
+  const int xs = qnorm ? qnorm_code_stages(max_split_blocks) : 0;
   int st = plan.stages;
-  while (st >= 1 && smem_request(smem_layout(plan.block_n, np, st, msb, rope, xs)) > static_cast<size_t>(kSmemLimit)) --st;
+  while (st >= 1 &&
+         smem_request(smem_layout(plan.block_n, np, st, max_split_blocks, rope, xs)) > static_cast<size_t>(kSmemLimit))
+    --st;
   return st;
 }
 }  // namespace
@@ -676,8 +683,9 @@ bool gemm_v2_qnorm_supported(int m, int64_t n, int64_t k) {
   if (m < 1 || m > kGemmMaxRows || n <= 0 || k <= 0 || k % kGemmBlock != 0 || k > 2048) return false;
   const GemmPlan plan = plan_gemm_wgmma(m, n, k, 1);
   if (plan.splits != 1 || plan.warp_mtiles != 2 || plan.stages < 1) return false;
-  const int np = (m + 7) / 8 * 8;
-  return qnorm_stages(plan, np, k, false) >= 1 && (n % kRopeHeadDim != 0 || qnorm_stages(plan, np, k, true) >= 1);
+  const int np = (m + 7) / 8 * 8, msb = static_cast<int>(k / kGemmBlock);
+  return fitting_stages(plan, np, msb, false, true) >= 1 &&
+         (n % kRopeHeadDim != 0 || fitting_stages(plan, np, msb, true, true) >= 1);
 }
 
 bool gemm_v2_rope_store_supported(int m, int64_t n, int64_t k) {
@@ -727,29 +735,22 @@ void launch_gemm_fp8_wgmma(const Fp8GemmParams& p, const GemmPlan& plan, const G
     t.partials = reinterpret_cast<float*>(wsb + workspace_counter_bytes(p.groups, plan.tiles_n));
   }
   const bool rope = p.rope_table != nullptr;
-  if (rope && (plan.splits != 1 || plan.warp_mtiles != 2 || p.groups != 1))
-    throw std::invalid_argument("gemm v2: the fused RoPE store needs one split, two m64 tiles per warpgroup, one group");
   t.rope_pos = p.rope_pos;
   t.rope_table = p.rope_table;
   t.rope_max_pos = p.rope_max_pos;
   t.rope_err = p.rope_err;
+  t.qn_x = p.qnorm_x;
+  t.qn_x_stride = p.qnorm_x_stride;
+  t.qn_w = p.qnorm_w;
+  t.qn_eps = p.qnorm_eps;
   size_t smem_bytes = plan.smem_bytes;
-  if (qnorm) {  // the codes of all K beside the ring (and the table with the RoPE store)
+  if (rope || qnorm) {  // the table region / the codes of all K beside the ring: fewer ring stages where needed
     if (plan.splits != 1 || plan.warp_mtiles != 2 || p.groups != 1)
-      throw std::invalid_argument("gemm v2: the fused q_norm needs one split, two m64 tiles per warpgroup, one group");
-    t.stages = qnorm_stages(plan, np, p.k, rope);
-    if (t.stages < 1) throw std::invalid_argument("gemm v2: the fused q_norm does not fit shared memory");
+      throw std::invalid_argument("gemm v2: the fused RoPE store / q_norm needs one split, two m64 tiles per warpgroup, one group");
+    t.stages = fitting_stages(plan, np, t.max_split_blocks, rope, qnorm);
+    if (t.stages < 1) throw std::invalid_argument("gemm v2: the fused RoPE store / q_norm does not fit shared memory");
     smem_bytes = smem_request(smem_layout(plan.block_n, np, t.stages, t.max_split_blocks, rope,
-                                          (t.max_split_blocks + kBlocksPerStage - 1) / kBlocksPerStage));
-    t.qn_x = p.qnorm_x;
-    t.qn_x_stride = p.qnorm_x_stride;
-    t.qn_w = p.qnorm_w;
-    t.qn_eps = p.qnorm_eps;
-  } else if (rope) {  // the table region: one ring stage fewer where it does not fit beside the plan's ring
-    while (t.stages > 1 && smem_request(smem_layout(plan.block_n, np, t.stages, t.max_split_blocks, true)) > kSmemLimit)
-      --t.stages;
-    smem_bytes = smem_request(smem_layout(plan.block_n, np, t.stages, t.max_split_blocks, true));
-    if (smem_bytes > kSmemLimit) throw std::invalid_argument("gemm v2: the fused RoPE store does not fit shared memory");
+                                          qnorm ? qnorm_code_stages(t.max_split_blocks) : 0));
   }
   const WgmmaKernel kernel = qnorm                   ? (rope ? pick_wgmma_kernel<2, true, true>(np)
                                                              : pick_wgmma_kernel<2, false, true>(np))
