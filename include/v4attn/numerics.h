@@ -201,11 +201,27 @@ constexpr int kActQuantBlock = 32;     // FP8 act quant, ue8m0 scale
 constexpr int kIndexerQuantBlock = 32; // FP4 indexer quant, ue8m0 scale
 constexpr int kKvFp4Block = 16;        // FP4 KV quant, e4m3 scale
 
-V4_HD float block_amax_step(float amax, float x) { return max_f(amax, abs_f(x)); }
+// amax = max(amax, |x|), skipping a NaN x. Callers start amax at 0 and fold |values| (or another
+// amax) into it, so amax is never NaN and never -0; for such an amax, fmaxf(amax, |x|) is the same
+// value in every case (both operands >= +0 or |x| NaN, which fmaxf skips as max_f does): one FMNMX
+// with an |.| operand on the device instead of max_f's NaN tests. GpuNumerics checks it for every
+// fp32 x against max_f at several amax values.
+V4_HD float block_amax_step(float amax, float x) {
+#if defined(__CUDA_ARCH__)
+  return fmaxf(amax, fabsf(x));
+#else
+  return max_f(amax, abs_f(x));
+#endif
+}
 
 // FP8 act quant: amax = max(amax, 1e-4); s = pow2ceil(amax * fp32(1/448)); q = e4m3(clamp(x/s)).
 V4_HD int act_quant_scale_exp(float amax) {
+#if defined(__CUDA_ARCH__)
+  // max_f against a non-zero, non-NaN constant is fmaxf (no signed-zero tie, NaN gives the constant).
+  return pow2ceil_exp(mul_rn(fmaxf(amax, 1e-4f), 1.0f / 448.0f));
+#else
   return pow2ceil_exp(mul_rn(max_f(amax, 1e-4f), 1.0f / 448.0f));
+#endif
 }
 // x / s for a block scale s. When s is a power of two whose reciprocal is a normal fp32 (every
 // ue8m0 scale of the spec's quantizers: 2^-126 < s < 2^127), x * (1/s) is the same correctly
@@ -245,6 +261,21 @@ V4_HD uint8_t act_quant_code(float x, float s) {
 V4_HD float act_quant_inv_scale(int e) { return (e >= -126 && e <= 126) ? pow2_f32(-e) : 0.0f; }
 V4_HD uint8_t act_quant_code_by_inv(float x, float inv_s) {
   return e4m3_from_clamped_f32(clamp_f(mul_rn(x, inv_s), -kE4m3Max, kE4m3Max));
+}
+// Two codes at once: act_quant_code_by_inv(lo, inv_s) | act_quant_code_by_inv(hi, inv_s) << 8. Device:
+// one cvt.rn.satfinite.e4m3x2.f32 per pair after a lower clamp only (fmaxf(v, -448): a NaN product
+// becomes -448 as clamp_f makes it; the conversion's saturation takes values above 448 and +inf to 448,
+// the upper clamp's result), 4 instructions per pair instead of ~14. GpuNumerics checks it against
+// act_quant_code_by_inv for every fp32 product.
+V4_HD uint16_t act_quant_code2_by_inv(float lo, float hi, float inv_s) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  const float a = fmaxf(__fmul_rn(lo, inv_s), -kE4m3Max), b = fmaxf(__fmul_rn(hi, inv_s), -kE4m3Max);
+  uint16_t r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(b), "f"(a));  // the second source -> the low byte
+  return r;
+#else
+  return static_cast<uint16_t>(act_quant_code_by_inv(lo, inv_s) | (act_quant_code_by_inv(hi, inv_s) << 8));
+#endif
 }
 
 // FP4 indexer quant: amax = max(amax, 6 * 2^-126); s = pow2ceil(amax * fp32(1/6)).
@@ -294,6 +325,20 @@ V4_HD float rmsnorm_rstd(float sum_sq, int n, float eps) {
 }
 // y = bf16(w * (x * r)), the weight multiplied after the normalisation, in fp32.
 V4_HD bf16_t rmsnorm_apply(float x, float r, float w) { return bf16_from_f32(mul_rn(w, mul_rn(x, r))); }
+// The bf16 bits of two fp32 results of device arithmetic (lo in the low half): bf16_from_f32 of each,
+// except that a NaN may come out with another payload. Device: one cvt.rn.bf16x2.f32 (round to nearest
+// even, like bf16_from_f32; GpuNumerics checks every fp32 bit pattern). A NaN that device arithmetic
+// produces is the positive canonical NaN, which both conversions turn into a positive NaN, so
+// bf16_from_f32 of the widened result gives the same bits either way.
+V4_HD uint32_t bf16x2_from_f32_arith(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));  // the second source -> the low half
+  return r;
+#else
+  return static_cast<uint32_t>(bf16_from_f32(lo)) | (static_cast<uint32_t>(bf16_from_f32(hi)) << 16);
+#endif
+}
 
 // ---- RoPE -----------------------------------------------------------------------------------
 // Table: fp32 [max_pos, 64] = 32 interleaved (cos, sin) pairs per position (built on the host

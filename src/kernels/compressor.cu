@@ -67,7 +67,7 @@ __device__ __forceinline__ void latent_pair_out(float x0, float x1, int j, float
     return;
   }
   if (j >= kTailFirstPair) detail::rope_pair(x0, x1, cs);
-  const uint8_t sb = num::kv_fp4_scale_byte(detail::lane_group_max<kFp4BlockPairs>(detail::pair_amax(x0, x1)));
+  const uint8_t sb = num::kv_fp4_scale_byte(detail::lane_group_amax<kFp4BlockPairs>(detail::pair_amax(x0, x1)));
   cache[layout.data_offset(loc) + j] = detail::fp4_code_pair(x0, x1, num::f32_from_e4m3(sb));
   if (j % kFp4BlockPairs == 0) cache[layout.scale_offset(loc) + j / kFp4BlockPairs] = sb;
 }

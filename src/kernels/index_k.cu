@@ -61,7 +61,7 @@ __global__ void __launch_bounds__(kThreads) index_k_store_kernel(const __grid_co
   const float r = num::rmsnorm_rstd(detail::warp_row_sum_squares<kPrepIndexDim>(row, lane), kPrepIndexDim, p.eps);
   detail::rmsnorm_apply_pair(x0, x1, r, w);
   if (tail) detail::rope_pair(x0, x1, cs);
-  const int e = num::indexer_quant_scale_exp(detail::lane_group_max<kBlockPairs>(detail::pair_amax(x0, x1)));
+  const int e = num::indexer_quant_scale_exp(detail::lane_group_amax<kBlockPairs>(detail::pair_amax(x0, x1)));
   p.cache[p.layout.data_offset(loc) + j] = detail::fp4_code_pair(x0, x1, num::pow2_f32(e));
   if (j % kBlockPairs == 0) p.cache[p.layout.scale_offset(loc) + j / kBlockPairs] = num::ue8m0_from_exp(e);
 

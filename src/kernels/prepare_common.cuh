@@ -93,10 +93,17 @@ __device__ __forceinline__ float lane_sum_squares_part(const float (&x)[kChunks]
     for (int k = 0; k < kChunk; ++k) acc = num::add_rn(acc, num::mul_rn(x[c][k], x[c][k]));
   return acc;
 }
-// x <- bf16(w * (x * r)) kept as the (exact) float value of the bf16.
+// x <- bf16(w * (x * r)) kept as the (exact) float value of the bf16: num::rmsnorm_apply's products,
+// rounded in pairs by num::bf16x2_from_f32_arith (the products are device arithmetic; a NaN stays a
+// NaN, and is stored as bf16_from_f32 stores it).
 __device__ __forceinline__ void rmsnorm_apply_chunk(float (&x)[kChunk], float r, const float (&w)[kChunk]) {
 #pragma unroll
-  for (int k = 0; k < kChunk; ++k) x[k] = num::f32_from_bf16(num::rmsnorm_apply(x[k], r, w[k]));
+  for (int k = 0; k < kChunk; k += 2) {
+    const uint32_t h = num::bf16x2_from_f32_arith(num::mul_rn(w[k], num::mul_rn(x[k], r)),
+                                                  num::mul_rn(w[k + 1], num::mul_rn(x[k + 1], r)));
+    x[k] = num::f32_from_bits(h << 16);
+    x[k + 1] = num::f32_from_bits(h & 0xffff0000u);
+  }
 }
 
 // ---- RoPE on one chunk: 4 (re, im) pairs with their 8 table floats (c0, s0, c1, s1, ...) ------
@@ -105,8 +112,9 @@ __device__ __forceinline__ void rope_chunk(float (&x)[kChunk], const float (&cs)
   for (int j = 0; j < 4; ++j) {
     float re, im;
     num::rope_rotate(x[2 * j], x[2 * j + 1], cs[2 * j], cs[2 * j + 1], re, im);
-    x[2 * j] = num::round_bf16(re);
-    x[2 * j + 1] = num::round_bf16(im);
+    const uint32_t h = num::bf16x2_from_f32_arith(re, im);  // round_bf16 of each (device arithmetic)
+    x[2 * j] = num::f32_from_bits(h << 16);
+    x[2 * j + 1] = num::f32_from_bits(h & 0xffff0000u);
   }
 }
 
@@ -116,10 +124,13 @@ __device__ __forceinline__ void rope_chunk(float (&x)[kChunk], const float (&cs)
 template <int kLanes>
 __device__ __forceinline__ float group_amax(const float (&x)[kChunk]) {
   float amax = 0.0f;
+  // A tree of the 8 steps (max is exact and order-free): 3 dependent FMNMX instead of 8.
+  float m[kChunk / 2];
 #pragma unroll
-  for (int k = 0; k < kChunk; ++k) amax = num::block_amax_step(amax, x[k]);
+  for (int k = 0; k < kChunk / 2; ++k) m[k] = num::block_amax_step(num::block_amax_step(amax, x[2 * k]), x[2 * k + 1]);
+  amax = num::block_amax_step(num::block_amax_step(m[0], m[1]), num::block_amax_step(m[2], m[3]));
 #pragma unroll
-  for (int off = 1; off < kLanes; off <<= 1) amax = num::max_f(amax, __shfl_xor_sync(kFullMask, amax, off));
+  for (int off = 1; off < kLanes; off <<= 1) amax = num::block_amax_step(amax, __shfl_xor_sync(kFullMask, amax, off));
   return amax;
 }
 
@@ -144,7 +155,7 @@ __device__ __forceinline__ uint2 act_quant_chunk(const float (&x)[kChunk], int& 
   const float inv = num::act_quant_inv_scale(scale_exp);  // the test once per chunk, not per element
   if (inv != 0.0f) {
 #pragma unroll
-    for (int k = 0; k < kChunk; ++k) w[k / 4] |= static_cast<uint32_t>(num::act_quant_code_by_inv(x[k], inv)) << (8 * (k % 4));
+    for (int k = 0; k < kChunk; k += 2) w[k / 4] |= static_cast<uint32_t>(num::act_quant_code2_by_inv(x[k], x[k + 1], inv)) << (8 * (k % 4));
   } else {
     return act_quant_chunk_by_division(Chunk8{{x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7]}}, scale_exp);
   }
@@ -249,26 +260,29 @@ __device__ __forceinline__ float warp_row_sum_squares(const bf16_t* row, int lan
 
 // x <- bf16(w * (x * r)) for one pair, kept as the (exact) float values of the bf16s.
 __device__ __forceinline__ void rmsnorm_apply_pair(float& x0, float& x1, float r, float2 w) {
-  x0 = num::f32_from_bf16(num::rmsnorm_apply(x0, r, w.x));
-  x1 = num::f32_from_bf16(num::rmsnorm_apply(x1, r, w.y));
+  const uint32_t h = num::bf16x2_from_f32_arith(num::mul_rn(w.x, num::mul_rn(x0, r)), num::mul_rn(w.y, num::mul_rn(x1, r)));
+  x0 = num::f32_from_bits(h << 16);
+  x1 = num::f32_from_bits(h & 0xffff0000u);
 }
 // RoPE of one (re, im) pair with its table entry (cos, sin), rounded to bf16 (= rope_chunk's step).
 __device__ __forceinline__ void rope_pair(float& x0, float& x1, float2 cs) {
   float re, im;
   num::rope_rotate(x0, x1, cs.x, cs.y, re, im);
-  x0 = num::round_bf16(re);
-  x1 = num::round_bf16(im);
+  const uint32_t h = num::bf16x2_from_f32_arith(re, im);  // rope_rotate's results: device arithmetic
+  x0 = num::f32_from_bits(h << 16);
+  x1 = num::f32_from_bits(h & 0xffff0000u);
 }
 // amax of one pair, from 0 like the reference's block loop.
 __device__ __forceinline__ float pair_amax(float x0, float x1) {
   return num::block_amax_step(num::block_amax_step(0.0f, x0), x1);
 }
-// Max over an aligned group of kLanes lanes (xor offsets 1 .. kLanes/2). All 32 lanes must call it.
+// The amax of an aligned group of kLanes lanes' amaxes (xor offsets 1 .. kLanes/2; num::block_amax_step,
+// whose amax operand is never NaN or -0). All 32 lanes must call it.
 template <int kLanes>
-__device__ __forceinline__ float lane_group_max(float v) {
+__device__ __forceinline__ float lane_group_amax(float v) {
   static_assert(kLanes >= 1 && kLanes <= 32 && (kLanes & (kLanes - 1)) == 0, "power-of-two lane group");
 #pragma unroll
-  for (int off = 1; off < kLanes; off <<= 1) v = num::max_f(v, __shfl_xor_sync(kFullMask, v, off));
+  for (int off = 1; off < kLanes; off <<= 1) v = num::block_amax_step(v, __shfl_xor_sync(kFullMask, v, off));
   return v;
 }
 // The e2m1 code byte of one pair at scale s (even element in the low nibble).
@@ -278,9 +292,7 @@ __device__ __forceinline__ uint8_t fp4_code_pair(float x0, float x1, float s) {
 // The two e4m3 codes of one pair at the act quant scale 2^e, element 0 in the low byte.
 __device__ __forceinline__ uint16_t act_quant_code_pair(float x0, float x1, int e) {
   const float inv = num::act_quant_inv_scale(e);  // see num::act_quant_code_by_inv
-  if (inv != 0.0f)
-    return static_cast<uint16_t>(static_cast<uint32_t>(num::act_quant_code_by_inv(x0, inv)) |
-                                 (static_cast<uint32_t>(num::act_quant_code_by_inv(x1, inv)) << 8));
+  if (inv != 0.0f) return num::act_quant_code2_by_inv(x0, x1, inv);
   const float s = num::pow2_f32(e);
   return static_cast<uint16_t>(static_cast<uint32_t>(num::act_quant_code(x0, s)) |
                                (static_cast<uint32_t>(num::act_quant_code(x1, s)) << 8));

@@ -55,11 +55,11 @@ __device__ __forceinline__ void window_k_store_pair(const WindowKStoreParams& p,
   uint8_t* data = p.cache + p.layout.data_offset(loc);
   uint8_t* scales = p.cache + p.layout.scale_offset(loc);
   if (p.kind == CacheKind::kWindowV41) {
-    const int e = num::act_quant_scale_exp(lane_group_max<kV41BlockPairs>(pair_amax(x0, x1)));
+    const int e = num::act_quant_scale_exp(lane_group_amax<kV41BlockPairs>(pair_amax(x0, x1)));
     *reinterpret_cast<uint16_t*>(data + 2 * j) = act_quant_code_pair(x0, x1, e);
     if (j % kV41BlockPairs == 0) scales[j / kV41BlockPairs] = num::ue8m0_from_exp(e);
   } else if (!tail) {  // kWindowV4, dims 0..447: block j / 32 is this warp
-    const int e = num::act_quant_scale_exp(lane_group_max<kV4BlockPairs>(pair_amax(x0, x1)));
+    const int e = num::act_quant_scale_exp(lane_group_amax<kV4BlockPairs>(pair_amax(x0, x1)));
     *reinterpret_cast<uint16_t*>(data + 2 * j) = act_quant_code_pair(x0, x1, e);
     if (j % kV4BlockPairs == 0) scales[j / kV4BlockPairs] = num::ue8m0_from_exp(e);
   } else {  // kWindowV4, the roped bf16 tail (little-endian, even element first)
