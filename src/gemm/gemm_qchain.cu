@@ -12,10 +12,12 @@
 // Phases of CTA c (the hand-offs are arrival counters in the workspace: release by an acq_rel /
 // release atomic after a barrier, acquire by one thread's ld.acquire.gpu + a barrier):
 //  0. before the PDL wait: barriers, the QA weight slice (tile c % tiles, split c / tiles, v3's
-//     K ranges) by TMA; both weight scales, the q_norm weights and the RoPE table rows of the
-//     step's positions into shared memory (all loads issued before any store); the operands zeroed
-//     (rows >= T stay zero); then, once those loads have landed, the first wq_b ring stages by TMA
-//     (behind a bulk stream these small loads took ~8 us; session 10), paced (kRingPaceNs).
+//     K ranges) by TMA; the QA weight scales into shared memory; the operands zeroed (rows >= T
+//     stay zero); then, once those loads have landed, the first wq_b ring stages by TMA (behind a
+//     bulk stream small loads took ~8 us; session 10), paced (kRingPaceNs). The other constants
+//     (wq_b scales, q_norm weights, the step's RoPE rows) are loaded by the helpers in phase 1,
+//     while the consumers run the QA loop (session 16: they had kept late-starting CTAs ~4.5 us
+//     from their PDL wait).
 //  1. QA units (c < tiles * S): the CTA's K range of x act-quantised (numerics.h, as
 //     run_act_quant_fp8) straight into the wgmma operand layout (f16), the block sums (two chained
 //     m64nNPk16 wgmmas per 32-wide block, v2's K permutation) folded as v2 / v3 do; the fp32
@@ -359,64 +361,70 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
   [[maybe_unused]] unsigned int stamp_rec = 0u;
   if (wtid == 0 || tid == 128) V4ATTN_STAMP_BEGIN(stamp_rec, stamps::kQChain, tid == 128 ? 15 : 0);
   if (wtid == 0) V4ATTN_STAMP_AT_TIME(stamp_rec, stamps::kQChain, 14, t_entry);
-  {
-    // Every load of this phase is issued before its first shared-memory store (the compiler does not
-    // move a global load above a store it cannot tell apart, so a loop of load -> store costs a round
-    // trip per iteration): a CTA that starts late, behind the previous kernel's exits, spends two
-    // round trips here (the step's positions, then their table rows) before its PDL wait, not ten.
-    // Per worker at most: 2 wq_b scales (q_rank <= 2048), 2 QA scales, 6 q_norm weights, 3 RoPE
-    // entries (NP <= 16); larger shapes take the tail loops.
-    constexpr int kSwbPer = 2, kSwaPer = 2, kQnPer = 6, kRopePer = 3;
-    const int n_swb = qb_unit ? (kQbBn / 32) * qb_blocks : 0;
-    const int n_swa = qa_unit ? (kQaBn / 32) * nkb : 0;
+  // The loads of the CTA's constants: every load of a group is issued before its first shared-memory
+  // store (the compiler does not move a global load above a store it cannot tell apart, so a loop of
+  // load -> store costs a round trip per iteration). Only the QA weight scales are needed before the
+  // QA loop; the rest (wq_b scales, q_norm weights, the step's RoPE rows: ~10 KB and, for the RoPE
+  // rows, two dependent round trips) is loaded by the helper warps while the consumers run the QA
+  // loop (load_late_constants below). In phase 0 they had put those round trips, behind the QA
+  // slice's bulk stream, between a CTA's start and its PDL wait: ~4.5 us for the CTAs that start as
+  // the previous launch ends (session 16 stamps), i.e. on every layer's critical path.
+  const int n_swb = qb_unit ? (kQbBn / 32) * qb_blocks : 0;
+  auto load_late_constants = [&](int t, int nt) {  // thread t of nt (the helpers: wtid of 96)
+    constexpr int kSwbPer = 4, kQnPer = 14, kRopePer = 6;  // V4.1 at NP 8: 320, 1280, 512 over 96 threads
     const uint8_t* g_swb = p.qb_scale + static_cast<int64_t>(qb_row0 / 32) * qb_blocks;
-    const uint8_t* g_swa = p.qa_scale + static_cast<int64_t>(qa_tile * kQaBn / 32) * p.dim_blocks + kb_begin;
-    auto swa_src = [&](int i) { return g_swa[(i / nkb) * p.dim_blocks + i % nkb]; };
-    auto swa_dst = [&](int i) -> float& { return sw_a[(i / nkb) * p.qa_max_blocks + i % nkb]; };
     auto rope_pos = [&](int idx) -> int32_t { return idx / num::kRopeDim < p.T ? p.kv.pos[idx / num::kRopeDim] : -1; };
     auto rope_ok_at = [&](int32_t pos) { return pos >= 0 && pos < p.kv.max_pos; };
     auto rope_src = [&](int idx, int32_t pos) {
       return rope_ok_at(pos) ? __ldg(p.kv.table + static_cast<int64_t>(pos) * num::kRopeDim + idx % num::kRopeDim) : 0.0f;
     };
-    uint8_t swb[kSwbPer], swa[kSwaPer];
+    uint8_t swb[kSwbPer];
     float qn[kQnPer], tab[kRopePer];
     int32_t pos[kRopePer];
 #pragma unroll
-    for (int i = 0; i < kSwbPer; ++i) swb[i] = wtid + i * kWorkers < n_swb ? g_swb[wtid + i * kWorkers] : uint8_t{0};
+    for (int i = 0; i < kRopePer; ++i) pos[i] = t + i * nt < NP * num::kRopeDim ? rope_pos(t + i * nt) : -1;
 #pragma unroll
-    for (int i = 0; i < kSwaPer; ++i) swa[i] = wtid + i * kWorkers < n_swa ? swa_src(wtid + i * kWorkers) : uint8_t{0};
+    for (int i = 0; i < kSwbPer; ++i) swb[i] = t + i * nt < n_swb ? g_swb[t + i * nt] : uint8_t{0};
 #pragma unroll
-    for (int i = 0; i < kQnPer; ++i) qn[i] = wtid + i * kWorkers < p.q_rank ? __ldg(p.q_norm + wtid + i * kWorkers) : 0.0f;
+    for (int i = 0; i < kQnPer; ++i) qn[i] = t + i * nt < p.q_rank ? __ldg(p.q_norm + t + i * nt) : 0.0f;
 #pragma unroll
-    for (int i = 0; i < kRopePer; ++i) pos[i] = wtid + i * kWorkers < NP * num::kRopeDim ? rope_pos(wtid + i * kWorkers) : -1;
-#pragma unroll
-    for (int i = 0; i < kRopePer; ++i) tab[i] = rope_src(wtid + i * kWorkers, pos[i]);
+    for (int i = 0; i < kRopePer; ++i) tab[i] = rope_src(t + i * nt, pos[i]);
 #pragma unroll
     for (int i = 0; i < kSwbPer; ++i)
-      if (wtid + i * kWorkers < n_swb) sw_b[wtid + i * kWorkers] = num::f32_from_ue8m0(swb[i]);
-#pragma unroll
-    for (int i = 0; i < kSwaPer; ++i)
-      if (wtid + i * kWorkers < n_swa) swa_dst(wtid + i * kWorkers) = num::f32_from_ue8m0(swa[i]);
+      if (t + i * nt < n_swb) sw_b[t + i * nt] = num::f32_from_ue8m0(swb[i]);
 #pragma unroll
     for (int i = 0; i < kQnPer; ++i)
-      if (wtid + i * kWorkers < p.q_rank) qn_w[wtid + i * kWorkers] = qn[i];
+      if (t + i * nt < p.q_rank) qn_w[t + i * nt] = qn[i];
     // The RoPE table rows of the step's positions (step metadata + constants), for the epilogue,
     // and each row's flag (position inside the table).
 #pragma unroll
     for (int i = 0; i < kRopePer; ++i) {
-      const int idx = wtid + i * kWorkers;
+      const int idx = t + i * nt;
       if (idx >= NP * num::kRopeDim) break;
       rope_tab[idx] = tab[i];
       if (idx % num::kRopeDim == 0) rope_ok[idx / num::kRopeDim] = rope_ok_at(pos[i]) ? 1 : 0;
     }
-    for (int i = wtid + kSwbPer * kWorkers; i < n_swb; i += kWorkers) sw_b[i] = num::f32_from_ue8m0(g_swb[i]);
-    for (int i = wtid + kSwaPer * kWorkers; i < n_swa; i += kWorkers) swa_dst(i) = num::f32_from_ue8m0(swa_src(i));
-    for (int i = wtid + kQnPer * kWorkers; i < p.q_rank; i += kWorkers) qn_w[i] = __ldg(p.q_norm + i);
-    for (int idx = wtid + kRopePer * kWorkers; idx < NP * num::kRopeDim; idx += kWorkers) {
+    for (int i = t + kSwbPer * nt; i < n_swb; i += nt) sw_b[i] = num::f32_from_ue8m0(g_swb[i]);
+    for (int i = t + kQnPer * nt; i < p.q_rank; i += nt) qn_w[i] = __ldg(p.q_norm + i);
+    for (int idx = t + kRopePer * nt; idx < NP * num::kRopeDim; idx += nt) {
       const int32_t ps = rope_pos(idx);
       rope_tab[idx] = rope_src(idx, ps);
       if (idx % num::kRopeDim == 0) rope_ok[idx / num::kRopeDim] = rope_ok_at(ps) ? 1 : 0;
     }
+  };
+  {
+    constexpr int kSwaPer = 2;  // per worker at most (V4.1: 4 x 20 = 80); larger shapes take the tail loop
+    const int n_swa = qa_unit ? (kQaBn / 32) * nkb : 0;
+    const uint8_t* g_swa = p.qa_scale + static_cast<int64_t>(qa_tile * kQaBn / 32) * p.dim_blocks + kb_begin;
+    auto swa_src = [&](int i) { return g_swa[(i / nkb) * p.dim_blocks + i % nkb]; };
+    auto swa_dst = [&](int i) -> float& { return sw_a[(i / nkb) * p.qa_max_blocks + i % nkb]; };
+    uint8_t swa[kSwaPer];
+#pragma unroll
+    for (int i = 0; i < kSwaPer; ++i) swa[i] = wtid + i * kWorkers < n_swa ? swa_src(wtid + i * kWorkers) : uint8_t{0};
+#pragma unroll
+    for (int i = 0; i < kSwaPer; ++i)
+      if (wtid + i * kWorkers < n_swa) swa_dst(wtid + i * kWorkers) = num::f32_from_ue8m0(swa[i]);
+    for (int i = wtid + kSwaPer * kWorkers; i < n_swa; i += kWorkers) swa_dst(i) = num::f32_from_ue8m0(swa_src(i));
     // The operands' rows >= T stay zero (and their scales 0): the wgmmas read NP rows.
     uint4* xf4 = reinterpret_cast<uint4*>(smem + L.xf);
     for (int i = wtid; i < (qb_iters * 2 * NP * kStageK) / 16; i += kWorkers) xf4[i] = make_uint4(0u, 0u, 0u, 0u);
@@ -534,6 +542,11 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
       }
     }
   }
+
+  // The helpers' late constants (above): during the QA loop in QA units; visible to every worker
+  // after phase 2's first barrier (the wq_b scales and RoPE rows are read in phase 3, the q_norm
+  // weights in q_norm's row passes).
+  if (!consumer) load_late_constants(wtid, kHelpers);
 
   // ---- phase 2: q_norm of every row into the wq_b operand -------------------------------------------
   if (wtid == 0) {
