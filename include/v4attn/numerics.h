@@ -339,6 +339,15 @@ V4_HD uint32_t bf16x2_from_f32_arith(float lo, float hi) {
   return static_cast<uint32_t>(bf16_from_f32(lo)) | (static_cast<uint32_t>(bf16_from_f32(hi)) << 16);
 #endif
 }
+// round_bf16 (the float value of bf16_from_f32) of one result of device arithmetic: the same value,
+// a NaN possibly with another payload (as bf16x2_from_f32_arith, whose conversion it is).
+V4_HD float round_bf16_arith(float f) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  return f32_from_bits(bf16x2_from_f32_arith(f, 0.0f) << 16);
+#else
+  return round_bf16(f);
+#endif
+}
 
 // ---- RoPE -----------------------------------------------------------------------------------
 // Table: fp32 [max_pos, 64] = 32 interleaved (cos, sin) pairs per position (built on the host

@@ -32,7 +32,10 @@
 //     RoPE store epilogue of v2's kRope form into q_pad; meanwhile the window-K items, once the
 //     kv tiles are counted.
 // The QA weight slice lives in the last ring slots (it is consumed before the wq_b loop needs
-// them): the producer fills those slots only after the consumers' `qa_free` arrival.
+// them): the producer fills those slots with wq_b stages only once q_norm is done (`qn`; every
+// consumer's QA loop is done before it). Filled as soon as the QA loop ended, that bulk traffic
+// landed on the split-K and q hand-offs (session 16, same run: decode bs 1 -1.6 %, verify bs 1
+// -0.3 %, decode bs 6 -0.4 % with the later fill).
 //
 // Why the one-shot phases are written as compact loops (one chunk per thread and pass, no
 // division in the loop, the act quant's division path out of line): they run once per launch with
@@ -124,7 +127,7 @@ __host__ __device__ constexpr SmemLayout smem_layout(int np, int ring, int qb_bl
   l.rope = off;  // [NP][64] table rows, NP row flags, [kQChainMaxRows] rstd
   off += static_cast<uint32_t>(np * num::kRopeDim * 4 + np * 4 + kQChainMaxRows * 4);
   off = (off + 7u) & ~7u;
-  l.bar = off;  // full[ring], empty[ring], qa_full, qa_free, prologue
+  l.bar = off;  // full[ring], empty[ring], qa_full, qn (q_norm done), prologue
   off += static_cast<uint32_t>((2 * ring + 3) * 8);
   l.flag = off;
   off += 8;
@@ -148,6 +151,7 @@ struct QcParams {
   uint8_t* qr_scales;
   bf16_t* q_pad;
   int64_t q_pad_stride;
+  int q_pad_vec;  // store_tile_bf16_staged's out_vec: 2 when q_pad and its stride allow 16-byte pieces
   WindowKStoreParams kv;
   uint32_t* counters;
   float* partials;  // [S][T][n_qa]
@@ -294,7 +298,7 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
   float* s_rstd = reinterpret_cast<float*>(rope_ok + NP);  // [kQChainMaxRows]
   int* s_flag = reinterpret_cast<int*>(smem + L.flag);
   const uint32_t bar_full = base + L.bar, bar_empty = bar_full + 8u * ST, bar_qa_full = bar_empty + 8u * ST,
-                 bar_qa_free = bar_qa_full + 8u, bar_prologue = bar_qa_free + 8u;
+                 bar_qn = bar_qa_full + 8u, bar_prologue = bar_qn + 8u;
 
   const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
   const int c = static_cast<int>(blockIdx.x);
@@ -315,8 +319,8 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
       mbar_init(bar_empty + 8u * s, kConsumerThreads);
     }
     mbar_init(bar_qa_full, 1);
-    mbar_init(bar_qa_free, kConsumerThreads);
     mbar_init(bar_prologue, 1);
+    mbar_init(bar_qn, 1);  // one arrival: worker 0 after q_norm's last barrier
     fence_mbarrier_init();
     prefetch_tensormap(&p.tmap_qa);
     prefetch_tensormap(&p.tmap_qb);
@@ -343,7 +347,7 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
     for (int it = 0; it < qb_iters; ++it) {
       const int s = it % ST;
       if (it >= ST) mbar_wait(bar_empty + 8u * s, static_cast<uint32_t>((it / ST - 1) & 1));
-      else if (s >= first_free) mbar_wait(bar_qa_free, 0u);  // the QA weights are consumed
+      else if (s >= first_free) mbar_wait(bar_qn, 0u);  // q_norm is done (so the QA weights are consumed)
       if (it > 0 && it < ST)  // the first fill paced (kRingPaceNs)
         while (dev::globaltimer_ns() < t_start + static_cast<uint64_t>(it) * kRingPaceNs) {
         }
@@ -489,7 +493,6 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
           }
         }
       }
-      mbar_arrive(bar_qa_free);  // this thread's reads of the QA weights are done
       if (ctid == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kQChain, 4);
       // The fp32 partial tile, then the split-K reduction by the tile's last CTA (v3's order).
       // Release / acquire: the barrier orders every consumer's partial stores before consumer 0's
@@ -609,6 +612,7 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
   }
   named_barrier_sync(kBarWorkers, kWorkers);
   if (wtid == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kQChain, 8);
+  if (wtid == 0) mbar_arrive(bar_qn);  // the QA slots' wq_b stages may go out (see the producer)
 
   if (!consumer) {
     // ======== helpers: the window-K row of this CTA, then the exit count ==========================
@@ -660,24 +664,25 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
   dev::pdl_launch_dependents();
   if (ctid == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kQChain, 10);
 
-  // RoPE store epilogue (v2's kRope form): column n = dim n % 512 of head n / 512; the pair
-  // partner (n ^ 1) is lane ^ 4's element. Table rows staged in phase 0.
-  // A row whose position is outside the table is counted once, from its phase-0 flag (a loop over
-  // the positions in global memory here would put T round trips before this CTA's exit).
+  // RoPE store epilogue (v2's kRope form, the same staged store): column n = dim n % 512 of head
+  // n / 512; the pair partner (n ^ 1) is lane ^ 4's element. Table rows loaded by the helpers. The
+  // tile is staged in ring slot 0 (every stage has been consumed: the producer issues nothing after
+  // the last one) and written in 16-byte row pieces; per element from the fragment layout it had
+  // been 2-byte stores and ~40 instructions per element (Nsight Compute, session 16).
+  // A row whose position is outside the table is counted once, from its flag (a loop over the
+  // positions in global memory here would put T round trips before this CTA's exit).
   if (c == 0 && ctid < p.T && !rope_ok[ctid]) dev::count_error(p.kv.err_count);
-#pragma unroll
-  for (int mt = 0; mt < kQbMt; ++mt)
-#pragma unroll
-    for (int i = 0; i < R; ++i) {
-      const int n = qb_row0 + (wgc * kQbMt + mt) * 64 + 16 * cw + g4 + ((i & 2) ? 8 : 0);
-      const int m = 8 * (i >> 2) + 2 * t4 + (i & 1);
-      const float x = num::f32_from_bf16(num::bf16_from_f32(acc[mt][i]));
-      const float partner = __shfl_xor_sync(0xffffffffu, x, 4);
-      if (m < p.T && rope_ok[m]) {
-        const float v = wgmma_fp8::rope_head_value(x, partner, n, rope_tab + m * num::kRopeDim);
-        p.q_pad[static_cast<int64_t>(m) * p.q_pad_stride + n] = num::bf16_from_f32(v);
-      }
-    }
+  named_barrier_sync(kBarConsumers, kConsumerThreads);  // every consumer is past its last ring read
+  wgmma_fp8::store_tile_bf16_staged<kQbMt, NP, kConsumerThreads>(
+      [&](int mt, int i) {
+        const int n = qb_row0 + (wgc * kQbMt + mt) * 64 + 16 * cw + g4 + ((i & 2) ? 8 : 0);
+        const int m = 8 * (i >> 2) + 2 * t4 + (i & 1);
+        const float x = num::round_bf16_arith(acc[mt][i]);          // the GEMM's bf16 output
+        const float partner = __shfl_xor_sync(0xffffffffu, x, 4);  // column n ^ 1
+        return num::bf16_from_f32(wgmma_fp8::rope_head_value(x, partner, n, rope_tab + m * num::kRopeDim));  // m < NP
+      },
+      [&](int m) { return rope_ok[m] != 0; }, smem + L.ring, p.q_pad, p.q_pad_stride, p.T, p.n_qb, qb_row0, wgc, cw, g4,
+      t4, ctid, p.q_pad_vec, kBarConsumers);
   if (ctid == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kQChain, 11);
 }
 
@@ -920,6 +925,7 @@ void run_qchain_fused(const QChainFusedParams& p, cudaStream_t stream, bool pdl)
   t.qr_scales = p.qr_scales;
   t.q_pad = p.q_pad;
   t.q_pad_stride = p.q_pad_stride;
+  t.q_pad_vec = detail::aligned_to(p.q_pad, 16) && p.q_pad_stride % 8 == 0 ? 2 : 0;
   t.kv = kv;
   t.counters = static_cast<uint32_t*>(p.workspace);
   t.partials = reinterpret_cast<float*>(static_cast<uint8_t*>(p.workspace) + kCounterBytes);

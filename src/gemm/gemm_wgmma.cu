@@ -534,7 +534,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
     wgmma_fp8::store_tile_bf16_staged<MT, NP, kConsumerThreads>(
         [&](int mt, int i) {
           const int n = out_col(mt, i), m = out_tok(i);
-          const float x = num::f32_from_bf16(num::bf16_from_f32(acc[mt][i]));  // the GEMM's bf16 output
+          const float x = num::round_bf16_arith(acc[mt][i]);                 // the GEMM's bf16 output
           const float partner = __shfl_xor_sync(0xffffffffu, x, 4);           // column n ^ 1
           return num::bf16_from_f32(wgmma_fp8::rope_head_value(x, partner, n, tab + m * num::kRopeDim));  // m < NP
         },
