@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "gpu_test_util.h"
@@ -20,12 +21,14 @@ namespace {
 
 using test_util::to_host;
 
-__global__ void e4m3_hw_vs_sw_kernel(unsigned long long* mismatches, uint32_t* first_bad) {
+// One sweep over every fp32 bit pattern x: check(x) says whether the device path agrees for it.
+// Mismatches are counted; the smallest failing x is kept for the message.
+template <class Check>
+__global__ void sweep_every_float(Check check, unsigned long long* mismatches, uint32_t* first_bad) {
   const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
   unsigned long long bad = 0;
   for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < (uint64_t{1} << 32); i += stride) {
-    const float x = num::clamp_f(num::f32_from_bits(static_cast<uint32_t>(i)), -num::kE4m3Max, num::kE4m3Max);
-    if (num::e4m3_from_clamped_f32(x) != num::e4m3_from_f32(x)) {
+    if (!check(static_cast<uint32_t>(i))) {
       if (bad == 0) atomicMin(first_bad, static_cast<uint32_t>(i));
       ++bad;
     }
@@ -33,80 +36,75 @@ __global__ void e4m3_hw_vs_sw_kernel(unsigned long long* mismatches, uint32_t* f
   if (bad) atomicAdd(mismatches, bad);
 }
 
-__global__ void div_by_scale_kernel(const float* scales, int n_scales, unsigned long long* mismatches, uint32_t* first_bad) {
-  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
-  unsigned long long bad = 0;
-  for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < (uint64_t{1} << 32); i += stride) {
-    const float x = num::f32_from_bits(static_cast<uint32_t>(i));
-    for (int j = 0; j < n_scales; ++j) {
-      const float a = num::div_by_scale(x, scales[j]), b = num::div_rn(x, scales[j]);
-      // Same bits, or both NaN (the payload of a NaN x may pass through either operation differently).
-      if (num::f32_bits(a) != num::f32_bits(b) && !(num::is_nan(a) && num::is_nan(b))) {
-        if (bad == 0) atomicMin(first_bad, static_cast<uint32_t>(i));
-        ++bad;
-      }
-    }
-  }
-  if (bad) atomicAdd(mismatches, bad);
+template <class Check>
+void expect_every_float(Check check, const std::string& what) {
+  DeviceBuffer<unsigned long long> bad(1);
+  DeviceBuffer<uint32_t> first(1);
+  bad.fill_bytes(0);
+  first.fill_bytes(0xff);
+  sweep_every_float<<<132 * 16, 256>>>(check, bad.get(), first.get());
+  V4_CUDA_CHECK(cudaGetLastError());
+  V4_CUDA_CHECK(cudaDeviceSynchronize());
+  EXPECT_EQ(to_host(bad)[0], 0u) << what << ": first differing fp32 bits: 0x" << std::hex << to_host(first)[0];
 }
 
 // The second operand of a pair: another bit pattern of the same sweep (a fixed odd rotation of x).
 __device__ __forceinline__ uint32_t partner_bits(uint32_t x) { return (x << 13 | x >> 19) ^ 0x5bd1e995u; }
 
-__device__ __forceinline__ void count_bad(bool ok, uint64_t i, unsigned long long& bad, uint32_t* first_bad) {
-  if (!ok) {
-    if (bad == 0) atomicMin(first_bad, static_cast<uint32_t>(i));
-    ++bad;
+struct E4m3Check {  // the hardware conversion after the act quant's clamp
+  __device__ bool operator()(uint32_t bits) const {
+    const float x = num::clamp_f(num::f32_from_bits(bits), -num::kE4m3Max, num::kE4m3Max);
+    return num::e4m3_from_clamped_f32(x) == num::e4m3_from_f32(x);
   }
-}
-
-__global__ void amax_step_kernel(const float* amaxes, int n_amax, unsigned long long* mismatches, uint32_t* first_bad) {
-  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
-  unsigned long long bad = 0;
-  for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < (uint64_t{1} << 32); i += stride) {
-    const float x = num::f32_from_bits(static_cast<uint32_t>(i));
-    for (int j = 0; j < n_amax; ++j) {
-      const float hw = num::block_amax_step(amaxes[j], x), sw = num::max_f(amaxes[j], num::abs_f(x));
-      count_bad(num::f32_bits(hw) == num::f32_bits(sw), i, bad, first_bad);
+};
+struct DivByScaleCheck {
+  const float* scales;
+  int n;
+  __device__ bool operator()(uint32_t bits) const {
+    const float x = num::f32_from_bits(bits);
+    for (int j = 0; j < n; ++j) {
+      const float a = num::div_by_scale(x, scales[j]), b = num::div_rn(x, scales[j]);
+      // Same bits, or both NaN (the payload of a NaN x may pass through either operation differently).
+      if (num::f32_bits(a) != num::f32_bits(b) && !(num::is_nan(a) && num::is_nan(b))) return false;
     }
+    return true;
   }
-  if (bad) atomicAdd(mismatches, bad);
-}
-
-__global__ void act_quant_pair_kernel(float inv, unsigned long long* mismatches, uint32_t* first_bad) {
-  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
-  unsigned long long bad = 0;
-  for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < (uint64_t{1} << 32); i += stride) {
-    const float x = num::f32_from_bits(static_cast<uint32_t>(i));
-    const float y = num::f32_from_bits(partner_bits(static_cast<uint32_t>(i)));
-    const uint16_t hw = num::act_quant_code2_by_inv(x, y, inv);
-    const uint16_t sw = static_cast<uint16_t>(num::act_quant_code_by_inv(x, inv) | (num::act_quant_code_by_inv(y, inv) << 8));
-    count_bad(hw == sw, i, bad, first_bad);
+};
+struct AmaxStepCheck {
+  const float* amaxes;
+  int n;
+  __device__ bool operator()(uint32_t bits) const {
+    const float x = num::f32_from_bits(bits);
+    for (int j = 0; j < n; ++j)
+      if (num::f32_bits(num::block_amax_step(amaxes[j], x)) != num::f32_bits(num::max_f(amaxes[j], num::abs_f(x)))) return false;
+    return true;
   }
-  if (bad) atomicAdd(mismatches, bad);
-}
-
+};
+struct ActQuantPairCheck {
+  float inv;
+  __device__ bool operator()(uint32_t bits) const {
+    const float x = num::f32_from_bits(bits), y = num::f32_from_bits(partner_bits(bits));
+    return num::act_quant_code2_by_inv(x, y, inv) ==
+           static_cast<uint16_t>(num::act_quant_code_by_inv(x, inv) | (num::act_quant_code_by_inv(y, inv) << 8));
+  }
+};
 // bf16x2_from_f32_arith against bf16_from_f32 per half: the same bits for every non-NaN input; a NaN
 // input gives a NaN, and for a positive NaN (what device arithmetic produces) one whose bf16_from_f32
 // after widening equals bf16_from_f32 of the input.
-__device__ __forceinline__ bool bf16_half_ok(float in, uint32_t half) {
-  const num::bf16_t sw = num::bf16_from_f32(in);
-  if (!num::is_nan(in)) return half == sw;
-  const float widened = num::f32_from_bits(half << 16);
-  if (!num::is_nan(widened)) return false;
-  return (num::f32_bits(in) >> 31) != 0u || num::bf16_from_f32(widened) == sw;
-}
-__global__ void bf16x2_kernel(unsigned long long* mismatches, uint32_t* first_bad) {
-  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
-  unsigned long long bad = 0;
-  for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < (uint64_t{1} << 32); i += stride) {
-    const float x = num::f32_from_bits(static_cast<uint32_t>(i));
-    const float y = num::f32_from_bits(partner_bits(static_cast<uint32_t>(i)));
-    const uint32_t h = num::bf16x2_from_f32_arith(x, y);
-    count_bad(bf16_half_ok(x, h & 0xffffu) && bf16_half_ok(y, h >> 16), i, bad, first_bad);
+struct Bf16PairCheck {
+  __device__ static bool half_ok(float in, uint32_t half) {
+    const num::bf16_t sw = num::bf16_from_f32(in);
+    if (!num::is_nan(in)) return half == sw;
+    const float widened = num::f32_from_bits(half << 16);
+    if (!num::is_nan(widened)) return false;
+    return (num::f32_bits(in) >> 31) != 0u || num::bf16_from_f32(widened) == sw;
   }
-  if (bad) atomicAdd(mismatches, bad);
-}
+  __device__ bool operator()(uint32_t bits) const {
+    const float x = num::f32_from_bits(bits), y = num::f32_from_bits(partner_bits(bits));
+    const uint32_t h = num::bf16x2_from_f32_arith(x, y);
+    return half_ok(x, h & 0xffffu) && half_ok(y, h >> 16) && num::f32_bits(num::round_bf16_arith(x)) == (h << 16);
+  }
+};
 
 // Canonical NaN from device arithmetic is positive (the premise of bf16x2_from_f32_arith's use on
 // products): 0 * inf, inf - inf and NaN operands of either sign.
@@ -120,16 +118,18 @@ __global__ void arith_nan_sign_kernel(const float* in, uint32_t* out) {
   out[5] = num::f32_bits(num::mul_rn(pos_nan, -1.0f));
 }
 
-template <class Launch>
-void expect_no_mismatch(Launch&& launch, const char* what) {
-  DeviceBuffer<unsigned long long> bad(1);
-  DeviceBuffer<uint32_t> first(1);
-  bad.fill_bytes(0);
-  first.fill_bytes(0xff);
-  launch(bad.get(), first.get());
-  V4_CUDA_CHECK(cudaGetLastError());
-  V4_CUDA_CHECK(cudaDeviceSynchronize());
-  EXPECT_EQ(to_host(bad)[0], 0u) << what << ": first differing fp32 bits: 0x" << std::hex << to_host(first)[0];
+TEST(GpuNumerics, E4m3HardwareMatchesSoftwareForEveryFloat) {
+  V4_REQUIRE_GPU();
+  expect_every_float(E4m3Check{}, "e4m3_from_clamped_f32");
+}
+
+TEST(GpuNumerics, DivideByPowerOfTwoScaleMatchesDivisionForEveryFloat) {
+  V4_REQUIRE_GPU();
+  std::vector<float> scales;
+  for (int e : {-126, -125, -22, -9, -1, 0, 1, 7, 119, 126, 127}) scales.push_back(num::pow2_f32(e));
+  for (float s : {3.0f, 0.375f, 448.0f, 1.5e-30f, -2.0f, 0.0f}) scales.push_back(s);  // not (positive normal) powers of two
+  const auto d_scales = test_util::to_device(scales);
+  expect_every_float(DivByScaleCheck{d_scales.get(), static_cast<int>(scales.size())}, "div_by_scale");
 }
 
 TEST(GpuNumerics, AmaxStepMatchesNanSkippingMaxForEveryFloat) {
@@ -138,23 +138,19 @@ TEST(GpuNumerics, AmaxStepMatchesNanSkippingMaxForEveryFloat) {
   const std::vector<float> amaxes = {0.0f, num::f32_from_bits(1u), num::f32_from_bits(0x007fffffu), 1e-4f, 1.0f, 448.0f,
                                      num::f32_from_bits(0x7f7fffffu), num::f32_from_bits(0x7f800000u)};
   const auto d_amax = test_util::to_device(amaxes);
-  expect_no_mismatch([&](unsigned long long* b, uint32_t* f) {
-    amax_step_kernel<<<132 * 16, 256>>>(d_amax.get(), static_cast<int>(amaxes.size()), b, f);
-  }, "block_amax_step");
+  expect_every_float(AmaxStepCheck{d_amax.get(), static_cast<int>(amaxes.size())}, "block_amax_step");
 }
 
 TEST(GpuNumerics, ActQuantPairMatchesTwoCodesForEveryFloat) {
   V4_REQUIRE_GPU();
   // inv 1: every fp32 product reaches the clamp and the conversion; 2^-7 and 2^126: the multiply in front.
   for (float inv : {1.0f, num::pow2_f32(-7), num::pow2_f32(126)})
-    expect_no_mismatch([&](unsigned long long* b, uint32_t* f) { act_quant_pair_kernel<<<132 * 16, 256>>>(inv, b, f); },
-                       "act_quant_code2_by_inv");
+    expect_every_float(ActQuantPairCheck{inv}, "act_quant_code2_by_inv, inv " + std::to_string(inv));
 }
 
 TEST(GpuNumerics, Bf16PairConversionMatchesSoftwareForEveryFloat) {
   V4_REQUIRE_GPU();
-  expect_no_mismatch([&](unsigned long long* b, uint32_t* f) { bf16x2_kernel<<<132 * 16, 256>>>(b, f); },
-                     "bf16x2_from_f32_arith");
+  expect_every_float(Bf16PairCheck{}, "bf16x2_from_f32_arith / round_bf16_arith");
 }
 
 TEST(GpuNumerics, DeviceArithmeticNanIsPositive) {
@@ -172,34 +168,6 @@ TEST(GpuNumerics, DeviceArithmeticNanIsPositive) {
     EXPECT_TRUE(num::is_nan(num::f32_from_bits(h[i]))) << "case " << i;
     EXPECT_EQ(h[i] >> 31, 0u) << "case " << i << ": 0x" << std::hex << h[i];
   }
-}
-
-TEST(GpuNumerics, E4m3HardwareMatchesSoftwareForEveryFloat) {
-  V4_REQUIRE_GPU();
-  DeviceBuffer<unsigned long long> bad(1);
-  DeviceBuffer<uint32_t> first(1);
-  bad.fill_bytes(0);
-  first.fill_bytes(0xff);
-  e4m3_hw_vs_sw_kernel<<<132 * 16, 256>>>(bad.get(), first.get());
-  V4_CUDA_CHECK(cudaGetLastError());
-  V4_CUDA_CHECK(cudaDeviceSynchronize());
-  EXPECT_EQ(to_host(bad)[0], 0u) << "first differing fp32 bits: 0x" << std::hex << to_host(first)[0];
-}
-
-TEST(GpuNumerics, DivideByPowerOfTwoScaleMatchesDivisionForEveryFloat) {
-  V4_REQUIRE_GPU();
-  std::vector<float> scales;
-  for (int e : {-126, -125, -22, -9, -1, 0, 1, 7, 119, 126, 127}) scales.push_back(num::pow2_f32(e));
-  for (float s : {3.0f, 0.375f, 448.0f, 1.5e-30f, -2.0f, 0.0f}) scales.push_back(s);  // not (positive normal) powers of two
-  const auto d_scales = test_util::to_device(scales);
-  DeviceBuffer<unsigned long long> bad(1);
-  DeviceBuffer<uint32_t> first(1);
-  bad.fill_bytes(0);
-  first.fill_bytes(0xff);
-  div_by_scale_kernel<<<132 * 16, 256>>>(d_scales.get(), static_cast<int>(scales.size()), bad.get(), first.get());
-  V4_CUDA_CHECK(cudaGetLastError());
-  V4_CUDA_CHECK(cudaDeviceSynchronize());
-  EXPECT_EQ(to_host(bad)[0], 0u) << "first differing x bits: 0x" << std::hex << to_host(first)[0];
 }
 
 }  // namespace
