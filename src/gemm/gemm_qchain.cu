@@ -94,7 +94,10 @@ constexpr int kSmemAlign = 1024;
 // for the act quant, the split-K partials, qkv_a for q_norm) meet a shorter queue. Session 10, same
 // run: 0 / 500 / 1000 / 2000 ns: bench_qchain 22.32 / 22.24 / 22.04 / 22.05 us per layer at one row,
 // 25.25 / 24.99 / 24.90 / 26.44 at 6; three-lane decode bs 1 -0.4 %, verify bs 1 -0.5 % at 1000.
-constexpr uint64_t kRingPaceNs = 1000;
+// Session 16 (after the QA slots' stages moved behind q_norm, so the first fill is the free slots
+// only), same run, 1000 / 1500 / 2000: verify bs 1 1240.7 / 1231.5 / 1237.9 us, decode bs 1 1072.0 /
+// 1068.6 / 1071.6, decode bs 2 / 3 / 4 / 6 -0.2 / -0.55 / -0.4 / -0.6 % at 1500; 0 and 500 slower.
+constexpr uint64_t kRingPaceNs = 1500;
 constexpr int kKvCols = kPrepHeadDim;      // 512 kv columns after the q_rank q columns
 constexpr int kKvParts = (kKvCols / 2 + kHelpers - 1) / kHelpers;  // window-K work items per row (3)
 static_assert(kHelpers % 32 == 0, "window-K pairs in whole warps");
