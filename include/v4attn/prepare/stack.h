@@ -99,8 +99,11 @@ enum class Fusion : uint8_t { kOff, kAuto, kOn };
 // lanes want some. (Session 9, before the fused chain's ring fill waited for its prologue loads:
 // faster only up to 4 rows.) Session 14, against the unfused chain WITH the fused RoPE store (same
 // binary, two repetitions): decode bs 8 +1.4 / +1.3 % (so 8 rows now run unfused), decode bs 6
-// -1.4 / -1.6 %, verify bs 1 (6 rows) -2.6 / -2.4 %.
-constexpr int kQChainAutoRows = 7;
+// -1.4 / -1.6 %, verify bs 1 (6 rows) -2.6 / -2.4 %. Session 16 (the fused chain ~3 us per layer
+// faster; same binary, two repetitions, --fuse-qchain on against auto = the unfused chain with the
+// fused RoPE store): decode bs 8 -4.3 %, decode bs 10 -4.1 %, verify bs 2 (12 rows) -1.8 %, decode
+// bs 12 -1.6 %, decode bs 16 +1.3 %; 13-15 rows not measured.
+constexpr int kQChainAutoRows = 12;
 // fuse_x_quant's kAuto row limit (docs/perf.md, session 9, three-lane, three repetitions: verify
 // bs 1 (6 rows) -0.5 %, decode bs 8 -0.8 %, decode bs 2 even, verify bs 2 (12 rows) +1.0 %).
 constexpr int kXQuantAutoRows = 8;
@@ -234,7 +237,8 @@ struct GpuStackOptions {
   // GEMM widens every block with cvt (v3_int_mask 0, v3's default), so it writes the unfused
   // chain's bytes (tested at the kernel and over whole cycles; with another v3_int_mask the bytes
   // may differ by 1 bf16 ulp in rare elements, spec section 6). kAuto by default since session 9
-  // (kQChainAutoRows: where it measured; 4 rows in session 9, 8 in sessions 10-13, 7 since 14).
+  // (kQChainAutoRows: where it measured; 4 rows in session 9, 8 in sessions 10-13, 7 in 14-15,
+  // 12 since 16).
   Fusion fuse_qchain = Fusion::kAuto;
   // Index-source layers: run the indexer's wq_b GEMM (qr -> qi) on the main lane right after
   // q_norm instead of first on lane S (experiment knob; docs/perf.md).
