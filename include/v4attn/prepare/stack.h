@@ -116,6 +116,8 @@ constexpr int kXQuantAutoRows = 8;
 // (index layers only: the plain layers run the fused chain) verify bs 1 +0.4 / +0.9 %, decode bs 1
 // +0.6 / +0.4 %, decode bs 8 even (with the fused chain on its plain layers); 8 rows joined the range
 // with kQChainAutoRows = 7 (the unfused chain with the fused RoPE store beats the fused chain there).
+// Since session 16 the plain layers run the fused chain up to 12 rows (kQChainAutoRows), so at 8-12
+// rows this rule applies to the index layers' unfused chain only.
 constexpr int kRopeStoreAutoMinRows = 8;
 constexpr int kRopeStoreAutoMaxRows = 48;
 const char* to_string(Fusion f);
