@@ -16,6 +16,9 @@ Files from session 10 on start with a "# v4attn phase stamps v2" line and carry 
 time under each launch's CTA (0, 0), which mis-assigns CTAs that start before it). --handoff prints,
 for each launch after the first, when its CTAs entered (phase 14 where stamped, else phase 0) and
 returned from their PDL wait, relative to the end of the launch before it (its latest stamp).
+--intervals KIND (v2 files) gives, over every CTA of KIND's launches, the time between consecutive
+phases (p10 / median / p90 / max) and each phase's time after the previous launch's end: where a
+layer's time goes, phase by phase (session 16's view of the fused chain).
 """
 import argparse
 import bisect
@@ -80,6 +83,69 @@ def print_handoff(launches, t0):
             KINDS.get(kind, kind), len(v), statistics.median(x for x, _ in v), statistics.median(d for _, d in v)))
 
 
+# Phase paths of a kind for --intervals: the fused chain's main path (entry, wait, act quant, QA
+# weights, QA loop, partial counted, tile reduced, q tiles counted, q_norm sums / passes / done,
+# first wq_b stage, wq_b loop, end) and its helpers' window-K branch after q_norm (kv counted,
+# window-K done); the other kinds: the order of COLS (start, wait, 2, 5, loop, 6, end; 16 and up
+# are per-stage records, 15 a consumer record's start).
+QCHAIN_PATHS = [[14, 0, 1, 2, 3, 4, 5, 6, 7, 48, 49, 8, 9, 10, 11], [8, 12, 13]]
+OTHER_PATH = [14, 0, 1, 2, 5, 3, 6, 4]
+
+
+def phase_paths(kind, present):
+    paths = QCHAIN_PATHS if kind == 6 else [OTHER_PATH]
+    return [[p for p in path if p in present] for path in paths]
+
+
+def quantile(v, f):
+    v = sorted(v)
+    return v[min(len(v) - 1, int(f * len(v)))]
+
+
+def print_intervals(launches, kind_name):
+    """Per CTA of every launch of one kind: the time between consecutive phases (in the kind's phase
+    order), as p10 / median / p90 / max over all those CTAs; then, for the launches after the
+    cycle's first, each phase's time after the previous launch's end (its latest stamp) -- which
+    phases sit on a layer's critical path. Session 16 found the fused chain's q_norm passes and its
+    phase 0 this way."""
+    kinds = {v: k for k, v in KINDS.items()}
+    if kind_name not in kinds:
+        raise SystemExit("--intervals: unknown kind %r (one of %s)" % (kind_name, ", ".join(sorted(kinds))))
+    kind = kinds[kind_name]
+    ours = [(i, g) for i, (_, k, g) in enumerate(launches) if k == kind]
+    if not ours:
+        raise SystemExit("--intervals: no %s launch in the file" % kind_name)
+    present = {p for _, g in ours for c in g for p in c}
+    paths = phase_paths(kind, present)
+    order = []
+    for path in paths:
+        order += [p for p in path if p not in order]
+    gaps, after = {}, collections.defaultdict(list)
+    for i, g in ours:
+        prev_end = max(max(c.values()) for c in launches[i - 1][2]) if i > 0 else None
+        for c in g:
+            for path in paths:
+                seq = [p for p in path if p in c]
+                for p, q in zip(seq, seq[1:]):
+                    gaps.setdefault((p, q), []).append((c[q] - c[p]) / 1000)
+            if prev_end is not None:
+                for p in order:
+                    if p in c:
+                        after[p].append((c[p] - prev_end) / 1000)
+    print("%s: %d launches, %d CTAs" % (kind_name, len(ours), sum(len(g) for _, g in ours)))
+    print("interval      ctas     p10     med     p90     max   (us)")
+    for (p, q), v in gaps.items():  # path by path, in order
+        print("%3d -> %3d %6d %7.2f %7.2f %7.2f %7.2f" % (p, q, len(v), quantile(v, 0.1), statistics.median(v),
+                                                          quantile(v, 0.9), max(v)))
+    if after:
+        print("phase after the previous launch's end: ctas     p10     med     p90     max")
+        for p in order:
+            v = after.get(p)
+            if v:
+                print("%5d %33d %7.2f %7.2f %7.2f %7.2f" % (p, len(v), quantile(v, 0.1), statistics.median(v),
+                                                             quantile(v, 0.9), max(v)))
+
+
 def print_stages(launches, t0):
     """Per v2 / v3 launch: the per-stage records of its first stamped CTA -- when its converters
     saw each stage's data (96 + it: the later of the data landing and the converters finishing the
@@ -126,6 +192,9 @@ def main():
     ap.add_argument("--stages", action="store_true",
                     help="instead: per GEMM v2 / v3 launch, when each stage's data landed, its slot was free and "
                          "its conversion done (its first stamped CTA; needs a v2 file from session 12 on)")
+    ap.add_argument("--intervals", metavar="KIND",
+                    help="instead: per-CTA intervals between consecutive phases of the launches of KIND (qchain, v2, "
+                         "v3, ...), and each phase after the previous launch's end (needs a v2 file)")
     ap.add_argument("--handoff", action="store_true",
                     help="instead: per launch, its CTAs' entry and PDL-wait times after the previous launch's end "
                          "(needs a v2 file)")
@@ -146,10 +215,13 @@ def main():
                 print("%s cta(%d,%d) sm%d: " % (KINDS.get(kind, kind), x, y, sm) +
                       " ".join("%d:%.2f" % (p, (ph[p] - t0) / 1000) for p in sorted(ph)))
         return
-    if (a.handoff or a.stages) and not v2:
-        raise SystemExit("--handoff and --stages need a file with launch ids (written from session 10 on)")
+    if (a.handoff or a.stages or a.intervals) and not v2:
+        raise SystemExit("--handoff, --stages and --intervals need a file with launch ids (written from session 10 on)")
     if v2:
         launches = launches_by_gridid(entries)
+        if a.intervals:
+            print_intervals(launches, a.intervals)
+            return
         if a.stages:
             print_stages(launches, t0)
             return

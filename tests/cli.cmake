@@ -75,6 +75,18 @@ if(V4ATTN_PYTHON3)
                    "${CMAKE_SOURCE_DIR}/tests/data/stamps_v2.txt" --handoff)
   set_tests_properties(scripts.phase_stamps_handoff PROPERTIES PASS_REGULAR_EXPRESSION
     "qchain +2 +21\\.0 +-16\\.00 +0\\.30 +0\\.70 +4\\.00 +36\\.00\nmedian qchain +1 launches: last wait 4\\.00 us after the previous end, length 36\\.00 us")
+  # --intervals: per-CTA intervals between consecutive phases of the fused chain's launches (both
+  # launches, 4 CTAs: 0 -> 1 is 0.8 / 0.8 / 16.5 / 3.5 us) and each phase after the previous launch's
+  # end (the second launch only); an unknown kind is refused.
+  add_test(NAME scripts.phase_stamps_intervals
+           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/phase_stamps.py"
+                   "${CMAKE_SOURCE_DIR}/tests/data/stamps_v2.txt" --intervals qchain)
+  set_tests_properties(scripts.phase_stamps_intervals PROPERTIES PASS_REGULAR_EXPRESSION
+    "qchain: 2 launches, 4 CTAs\n.*\n +14 -> +0 +4 +0\\.20 +0\\.20 +0\\.20 +0\\.20\n +0 -> +1 +4 +0\\.80 +2\\.15 +16\\.50 +16\\.50\n +1 -> +11 +4 +16\\.00 +18\\.65 +19\\.90 +19\\.90\n.*\n +14 +2 +-16\\.00 +-7\\.85 +0\\.30 +0\\.30\n +0 +2 +-15\\.80 +-7\\.65 +0\\.50 +0\\.50\n +1 +2 +0\\.70 +2\\.35 +4\\.00 +4\\.00\n +11 +2 +19\\.00 +19\\.50 +20\\.00 +20\\.00")
+  add_test(NAME scripts.phase_stamps_intervals_unknown_kind
+           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/phase_stamps.py"
+                   "${CMAKE_SOURCE_DIR}/tests/data/stamps_v2.txt" --intervals gemm9)
+  set_tests_properties(scripts.phase_stamps_intervals_unknown_kind PROPERTIES WILL_FAIL TRUE)
   # --stages on a fixture with GEMM v3 and v2 per-stage records (96 + it data landed, 112 + it slot
   # free, 64 + it converted): the per-launch cells of CTA 0 and the per-kind median intervals.
   add_test(NAME scripts.phase_stamps_stages
