@@ -192,6 +192,8 @@ V4_HD uint8_t ue8m0_from_exp(int e) { return static_cast<uint8_t>(e + 127); }
 V4_HD float f32_from_ue8m0(uint8_t b) {  // 2^(b-127); b = 0 would be 2^-127 (subnormal)
   return b == 0 ? f32_from_bits(0x00400000u) : f32_from_bits(static_cast<uint32_t>(b) << 23);
 }
+// The fp32 value of the ue8m0 scale byte of exponent e (what a kernel reads back after storing it).
+V4_HD float f32_from_scale_exp(int e) { return f32_from_ue8m0(ue8m0_from_exp(e)); }
 
 // ---- the three block quantizers of spec section 2 -------------------------------------------
 // Each takes the block's values as fp32 (already bf16-rounded where the spec says bf16) and
@@ -347,6 +349,12 @@ V4_HD float round_bf16_arith(float f) {
 #else
   return round_bf16(f);
 #endif
+}
+// round_bf16_arith of two results in place, with one conversion (the pair helpers' form).
+V4_HD void round_bf16_pair_arith(float& lo, float& hi) {
+  const uint32_t h = bf16x2_from_f32_arith(lo, hi);
+  lo = f32_from_bits(h << 16);
+  hi = f32_from_bits(h & 0xffff0000u);
 }
 
 // ---- RoPE -----------------------------------------------------------------------------------

@@ -176,7 +176,6 @@ __device__ __forceinline__ void spin_until(const uint32_t* p, uint32_t target) {
   while (ld_acquire_gpu(p) < target) {
   }
 }
-__device__ __forceinline__ float f32_from_scale_exp(int e) { return num::f32_from_ue8m0(num::ue8m0_from_exp(e)); }
 
 // The f16 of 8 e4m3 codes (one 8-element chunk = half of a 16-byte code chunk) written at the
 // logical k of v2's converters: stage operand `xf` (2 K-halves of [NP][128 B], 128B swizzle),
@@ -463,7 +462,7 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
         const uint2 codes = detail::act_quant_chunk<4>(v, e);
         if (act) {
           put_codes_f16<NP>(xf_blk, jb & 3, sub, r, codes);
-          if (sub == 0) sa_a[jb * NP + r] = f32_from_scale_exp(e);
+          if (sub == 0) sa_a[jb * NP + r] = num::f32_from_scale_exp(e);
         }
       });
       fence_proxy_async_smem();
@@ -603,7 +602,7 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
       const uint2 codes = detail::act_quant_chunk<4>(v, e);
       if (!act) return;  // lanes past the rows took part in the amax shuffles only
       put_codes_f16<NP>(xf_blk, b & 3, ch & 3, r, codes);
-      if ((ch & 3) == 0) sa_b[b * NP + r] = f32_from_scale_exp(e);
+      if ((ch & 3) == 0) sa_b[b * NP + r] = num::f32_from_scale_exp(e);
       if (c == r) {  // CTA r: row r's qr, codes and scales (the unfused chain's outputs)
         detail::store_bf16x8(p.qr + static_cast<int64_t>(r) * p.q_rank + ch * 8, v);
         *reinterpret_cast<uint2*>(p.qr_codes + static_cast<int64_t>(r) * p.q_rank + ch * 8) = codes;

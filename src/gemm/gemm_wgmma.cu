@@ -223,7 +223,7 @@ __device__ __forceinline__ void qnorm_quant_prologue(const WgmmaParams& p, uint8
       if (!row_real) codes = make_uint2(0u, 0u);
       const int it = c / 16, cc = c % 16, q = cc >> 1;  // stage (16 chunks = 128 bytes), 16-byte piece
       *reinterpret_cast<uint2*>(xc + it * NP * kStageK + tok * kStageK + ((q ^ (tok & 7)) << 4) + (cc & 1) * 8) = codes;
-      if ((c & 3) == 0) sa_s[(c >> 2) * NP + tok] = row_real ? num::f32_from_ue8m0(num::ue8m0_from_exp(scale_exp)) : 0.0f;
+      if ((c & 3) == 0) sa_s[(c >> 2) * NP + tok] = row_real ? num::f32_from_scale_exp(scale_exp) : 0.0f;
     }
   }
 }

@@ -435,7 +435,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
         const int it = b >> 2, q = 2 * (b & 3) + (c >> 1);
         uint8_t* dst = smem + L.xc + it * NP * kStageK + tok * kStageK + ((q ^ (tok & 7)) << 4) + (c & 1) * 8;
         *reinterpret_cast<uint2*>(dst) = codes;
-        if (c == 0) sa_s[b * NP + tok] = row_real ? num::f32_from_ue8m0(num::ue8m0_from_exp(scale_exp)) : 0.0f;
+        if (c == 0) sa_s[b * NP + tok] = row_real ? num::f32_from_scale_exp(scale_exp) : 0.0f;
       }
     }
   }

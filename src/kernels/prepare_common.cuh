@@ -99,10 +99,9 @@ __device__ __forceinline__ float lane_sum_squares_part(const float (&x)[kChunks]
 __device__ __forceinline__ void rmsnorm_apply_chunk(float (&x)[kChunk], float r, const float (&w)[kChunk]) {
 #pragma unroll
   for (int k = 0; k < kChunk; k += 2) {
-    const uint32_t h = num::bf16x2_from_f32_arith(num::mul_rn(w[k], num::mul_rn(x[k], r)),
-                                                  num::mul_rn(w[k + 1], num::mul_rn(x[k + 1], r)));
-    x[k] = num::f32_from_bits(h << 16);
-    x[k + 1] = num::f32_from_bits(h & 0xffff0000u);
+    x[k] = num::mul_rn(w[k], num::mul_rn(x[k], r));
+    x[k + 1] = num::mul_rn(w[k + 1], num::mul_rn(x[k + 1], r));
+    num::round_bf16_pair_arith(x[k], x[k + 1]);
   }
 }
 
@@ -112,9 +111,9 @@ __device__ __forceinline__ void rope_chunk(float (&x)[kChunk], const float (&cs)
   for (int j = 0; j < 4; ++j) {
     float re, im;
     num::rope_rotate(x[2 * j], x[2 * j + 1], cs[2 * j], cs[2 * j + 1], re, im);
-    const uint32_t h = num::bf16x2_from_f32_arith(re, im);  // round_bf16 of each (device arithmetic)
-    x[2 * j] = num::f32_from_bits(h << 16);
-    x[2 * j + 1] = num::f32_from_bits(h & 0xffff0000u);
+    num::round_bf16_pair_arith(re, im);  // round_bf16 of each (device arithmetic)
+    x[2 * j] = re;
+    x[2 * j + 1] = im;
   }
 }
 
@@ -260,17 +259,17 @@ __device__ __forceinline__ float warp_row_sum_squares(const bf16_t* row, int lan
 
 // x <- bf16(w * (x * r)) for one pair, kept as the (exact) float values of the bf16s.
 __device__ __forceinline__ void rmsnorm_apply_pair(float& x0, float& x1, float r, float2 w) {
-  const uint32_t h = num::bf16x2_from_f32_arith(num::mul_rn(w.x, num::mul_rn(x0, r)), num::mul_rn(w.y, num::mul_rn(x1, r)));
-  x0 = num::f32_from_bits(h << 16);
-  x1 = num::f32_from_bits(h & 0xffff0000u);
+  x0 = num::mul_rn(w.x, num::mul_rn(x0, r));
+  x1 = num::mul_rn(w.y, num::mul_rn(x1, r));
+  num::round_bf16_pair_arith(x0, x1);
 }
 // RoPE of one (re, im) pair with its table entry (cos, sin), rounded to bf16 (= rope_chunk's step).
 __device__ __forceinline__ void rope_pair(float& x0, float& x1, float2 cs) {
   float re, im;
   num::rope_rotate(x0, x1, cs.x, cs.y, re, im);
-  const uint32_t h = num::bf16x2_from_f32_arith(re, im);  // rope_rotate's results: device arithmetic
-  x0 = num::f32_from_bits(h << 16);
-  x1 = num::f32_from_bits(h & 0xffff0000u);
+  num::round_bf16_pair_arith(re, im);  // rope_rotate's results: device arithmetic
+  x0 = re;
+  x1 = im;
 }
 // amax of one pair, from 0 like the reference's block loop.
 __device__ __forceinline__ float pair_amax(float x0, float x1) {
