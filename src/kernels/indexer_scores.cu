@@ -864,12 +864,13 @@ IndexerScoresShape indexer_scores_shape(const IndexerScoresParams& p) {
     // twice the threads per CTA and a second read of the tile's K cost more than the halved row walk.
     const int RS = p.row_split != 0 ? p.row_split : 1;
     sh.threads = kThreads * RS;
-    // Register cap: 3 CTAs per SM (168 registers, no spill). 4 (128 registers) paid with one-step
-    // tiles while its spills were small (docs/perf.md run 26: verify bs 1 -1.6 %); since the m-tiles
-    // share their B fragments (session 6) it spills ~180 B and 3 measured faster at verify bs 1
-    // (run 8: -0.6 / -1.0 % on two binaries; decode bs 1 in run 9). 4 stays a knob. (Row split:
-    // one CTA per SM, whatever the knob.)
-    sh.min_blocks = RS == 2 ? 1 : p.min_blocks != 0 ? p.min_blocks : 3;
+    // Register cap: 3 CTAs per SM (168 registers, no spill) for one group (verify bs 1: 4 measured
+    // +0.6 % per cycle, sessions 6 and 17) and for one-row (decode) groups; 4 (128 registers, a few
+    // spilled bytes) for two or more multi-row groups, whose CTAs fill more than a wave at 3 per SM
+    // (three-lane cycles, docs/perf.md session 17: verify bs 2 -0.9 %, with 3-row groups verify bs 4
+    // -1.2 %, bs 8 -0.8 %). (Row split: one CTA per SM, whatever the knob.)
+    const int auto_min_blocks = G > 1 && sh.groups >= 2 ? 4 : 3;
+    sh.min_blocks = RS == 2 ? 1 : p.min_blocks != 0 ? p.min_blocks : auto_min_blocks;
     sh.smem_bytes = smem_layout(sh.ring, G, RS).total;
   }
   sh.tiles = p.score_stride > 0 ? (p.score_stride + sh.tile_positions - 1) / sh.tile_positions : 0;

@@ -105,6 +105,13 @@ struct LayerWeightsDev {
 
 }  // namespace
 
+int scores_auto_group_rows(bool verify, int64_t rows, int rows_per_request) {
+  if (!verify) return 1;
+  const int rpr = std::clamp(rows_per_request, 1, 8);
+  const int64_t requests = (std::max<int64_t>(rows, 0) + rpr - 1) / rpr;
+  return requests >= kScoresHalfGroupRequests ? (rpr + 1) / 2 : rpr;
+}
+
 const char* to_string(WeightSource w) {
   switch (w) {
     case WeightSource::kReference: return "reference";
@@ -1100,8 +1107,12 @@ void GpuPrepareStack::Impl::issue_idx_score(int L, int T, cudaStream_t s, bool b
     p.score_stride = score_stride_r[r];
     p.T = T;
     p.err_count = err.get();
-    // Verify rows of one request are consecutive: one CTA scores them on one read of their K.
-    p.group_rows = info.kind == StepKind::kVerify ? std::clamp(rows_per_request, 1, 8) : 1;
+    // Verify rows of one request are consecutive: one CTA scores them on one read of their K. From
+    // kScoresHalfGroupRequests requests on, half a request per CTA: twice the CTAs, each walking
+    // half the rows (K read twice, from L2). Three-lane cycles, docs/perf.md session 17: verify bs 4
+    // -1.2 %, bs 8 -0.8 % (with the 4-CTA register cap the launcher then takes); verify bs 1 +0.9 %,
+    // bs 2 +0.3 % (whole requests kept there).
+    p.group_rows = scores_auto_group_rows(info.kind == StepKind::kVerify, T, rows_per_request);
     if (o.scores_group_rows > 0) p.group_rows = o.scores_group_rows;
     p.steps_per_warp = o.scores_steps;
     p.row_split = o.scores_row_split;

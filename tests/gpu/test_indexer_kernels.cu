@@ -1631,6 +1631,13 @@ TEST(GpuIndexerHostChecks, ScoresLaunchShapes) {
   EXPECT_EQ(shape(6, 6, 65536, false, 0, 0, 2).threads, 256);
   EXPECT_EQ(shape(6, 6, 65536, false, 0, 0, 2).min_blocks, 1);
   EXPECT_EQ(shape(6, 6, 65536, false, 0, 0, 1, 4).min_blocks, 4);
+  // Automatic register cap: 4 CTAs per SM from two multi-row groups on (session 17), else 3.
+  EXPECT_EQ(shape(12, 6, 65536, false).min_blocks, 4);  // verify bs 2
+  EXPECT_EQ(shape(24, 3, 65536, false).min_blocks, 4);  // verify bs 4 in 3-row groups
+  EXPECT_EQ(shape(24, 3, 65536, false).span_steps, 4);  // 8 groups x 128 tiles
+  EXPECT_EQ(shape(12, 6, 65536, false, 0, 0, 0, 3).min_blocks, 3);  // the knob
+  EXPECT_EQ(shape(32, 1, 65536, false).min_blocks, 3);  // decode
+  EXPECT_EQ(shape(3, 3, 65536, false).min_blocks, 3);   // one group
   // Masked: the largest of 256 / 128 / 64 / 32 blocks giving >= 1024 CTAs (>= 384 for one-row
   // groups), else 16.
   s = shape(6, 6, 65536, true);  // verify bs 1

@@ -123,6 +123,20 @@ void expect_same(const Snapshot& want, const Snapshot& got, const GpuPrepareStac
 
 // ================================ host-only (no GPU) ===================================================
 
+// The automatic rows per indexer-scores CTA (stack.h; docs/perf.md session 17).
+TEST(GpuStackHost, ScoresGroupRowsFollowTheRequestCount) {
+  EXPECT_EQ(prepare::scores_auto_group_rows(false, 32, 6), 1);  // decode: one row per CTA
+  EXPECT_EQ(prepare::scores_auto_group_rows(true, 6, 6), 6);    // verify bs 1: the request's rows
+  EXPECT_EQ(prepare::scores_auto_group_rows(true, 12, 6), 6);   // bs 2
+  EXPECT_EQ(prepare::scores_auto_group_rows(true, 18, 6), 6);   // bs 3
+  EXPECT_EQ(prepare::scores_auto_group_rows(true, 24, 6), 3);   // bs 4: half a request
+  EXPECT_EQ(prepare::scores_auto_group_rows(true, 48, 6), 3);   // bs 8
+  EXPECT_EQ(prepare::scores_auto_group_rows(true, 20, 5), 3);   // odd rows per request: rounded up
+  EXPECT_EQ(prepare::scores_auto_group_rows(true, 24, 12), 8);  // clamped to the kernel's 8 rows per CTA
+  EXPECT_EQ(prepare::scores_auto_group_rows(true, 0, 6), 6);    // no rows: no launch either way
+  static_assert(prepare::kScoresHalfGroupRequests == 4, "the cases above assume the measured threshold");
+}
+
 TEST(GpuStackHost, ValidateOptionsRefusesWhatTheStackCannotRun) {
   const ModelPlan plan = build_plan(reduced_config(), 1);
   GpuStackOptions ok;

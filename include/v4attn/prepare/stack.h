@@ -120,6 +120,14 @@ constexpr int kXQuantAutoRows = 8;
 // rows this rule applies to the index layers' unfused chain only.
 constexpr int kRopeStoreAutoMinRows = 8;
 constexpr int kRopeStoreAutoMaxRows = 48;
+// Indexer scores in verify steps: from this many requests on, a CTA scores half a request's rows
+// (the stack's automatic group_rows; the knob scores_group_rows overrides it). docs/perf.md
+// session 17: three-lane, same binary, two repetitions each.
+constexpr int kScoresHalfGroupRequests = 4;
+// The stack's automatic rows per scores CTA: 1 in decode; in verify the rows of one request
+// (rows_per_request, clamped to 1..8), or half of them (rounded up) from kScoresHalfGroupRequests
+// requests on.
+int scores_auto_group_rows(bool verify, int64_t rows, int rows_per_request);
 const char* to_string(Fusion f);
 const char* to_string(WeightSource w);
 
