@@ -251,6 +251,7 @@ struct BenchCliOptions {
   std::string fuse_rope_store = "auto";
   std::string fuse_qnorm = "auto";
   std::string fuse_qchain = "auto";
+  std::string fuse_qchain_index = "auto";
   uint64_t seed = 1;
   std::string json_path;
   std::string trace_path;
@@ -308,7 +309,7 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
       << info.rows << " rows at context " << c.context << "; " << (c.graph ? "CUDA graph replay" : "eager launches")
       << ", PDL " << (c.knobs.pdl ? (c.knobs.pdl_everywhere ? "all" : "on") : "off") << ", GEMM " << kernels::gemm_version_name(c.knobs.gemm) << ", S fork "
       << s_fork_name(c.knobs.s_fork) << (c.knobs.lane_prologue ? ", lane prologue" : "") << ", fused Q chain "
-      << to_string(c.knobs.fuse_qchain) << "\n";
+      << to_string(c.knobs.fuse_qchain) << ", fused reindex Q chain " << to_string(c.knobs.fuse_qchain_index) << "\n";
   out << "device memory: " << fmt("%.2f", static_cast<double>(stack.device_bytes()) / 1e9) << " GB ("
       << fmt("%.2f", static_cast<double>(stack.weight_bytes()) / 1e9) << " GB weights, device-random)\n";
 
@@ -401,6 +402,7 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
     j["fuse_rope_store"] = to_string(c.knobs.fuse_rope_store);
     j["fuse_qnorm"] = to_string(c.knobs.fuse_qnorm);
     j["fuse_qchain"] = to_string(c.knobs.fuse_qchain);
+    j["fuse_qchain_index"] = to_string(c.knobs.fuse_qchain_index);
     j["seed"] = c.knobs.seed;
     j["device_bytes"] = stack.device_bytes();
     j["weight_bytes"] = stack.weight_bytes();
@@ -553,6 +555,13 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
                       " rows) or off; the unfused chain's bytes (with the default --v3-int-mask)")
       ->check(CLI::IsMember({"auto", "on", "off"}))
       ->capture_default_str();
+  sub->add_option("--fuse-qchain-index", o->fuse_qchain_index,
+                  "Reindex layers (index sources without a compressor) with their Q chain as the fused kernel, "
+                  "the indexer on lane S after it: auto (steps of <= " + std::to_string(prepare::kQChainIndexAutoRows) +
+                      " rows, where it measured faster), on (<= " + std::to_string(kernels::kQChainMaxRows) +
+                      " rows) or off; same bytes")
+      ->check(CLI::IsMember({"auto", "on", "off"}))
+      ->capture_default_str();
   sub->add_flag("--idx-scores-main", o->idx_scores_main,
                 "Reindex layers: weights_proj, q pack and the indexer scores on main before the wq_b GEMM (experiment knob)");
   sub->add_flag("--qnorm-trigger-late", o->qnorm_trigger_late,
@@ -646,6 +655,7 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       c.knobs.fuse_rope_store = fusion_from(o->fuse_rope_store);
       c.knobs.fuse_qnorm = fusion_from(o->fuse_qnorm);
       c.knobs.fuse_qchain = fusion_from(o->fuse_qchain);
+      c.knobs.fuse_qchain_index = fusion_from(o->fuse_qchain_index);
       c.knobs.gemm_small = o->gemm_small == "tc"       ? kernels::GemmVersion::kTensorCore
                      : o->gemm_small == "skinny" ? kernels::GemmVersion::kSkinny
                                                  : kernels::GemmVersion::kAuto;

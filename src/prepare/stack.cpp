@@ -371,6 +371,7 @@ struct GpuPrepareStack::Impl {
   void issue_qb(int L, int T, cudaStream_t s);
   // GpuStackOptions::fuse_qchain: whether layer L runs as one fused kernel at T rows, and that kernel.
   bool qchain_fused_layer(int L, int T) const;
+  bool qchain_fused_index_layer(int L, int T) const;
   void issue_qchain_fused(int L, int T, cudaStream_t s);
   void issue_kv(int L, int T, cudaStream_t s);
   kn::WindowKStoreParams window_k_params(int L, int T) const;
@@ -701,6 +702,21 @@ void GpuPrepareStack::Impl::issue_cycle(int T) {
       lanes.on_main([this, L, T](cudaStream_t s) { issue_qchain_fused(L, T, s); });
       continue;
     }
+    if (qchain_fused_index_layer(L, T)) {
+      // A reindex layer's Q chain as the fused chain on main (it writes qr and its codes); lane S:
+      // weights_proj from x at the layer's start, the whole indexer after the chain. KV and QB are
+      // inside the chain: their items have nothing left to issue (lane K stays empty).
+      LayerIssue li;
+      li.work = lp(L).work;
+      li.s_fork = o.s_fork == LayerIssue::SFork::kAfterQNorm ? o.s_fork : LayerIssue::SFork::kAtLayerStart;
+      li.qa = [this, L, T](cudaStream_t s) { issue_qchain_fused(L, T, s); };
+      li.qb = [](cudaStream_t) {};
+      li.kv = [](cudaStream_t) {};
+      li.idx = [this, L, T](cudaStream_t s) { issue_idx(L, T, s); };
+      li.idx_x = [this, L, T](cudaStream_t s) { issue_idx_x(L, T, s); };
+      issue_layer(lanes, o.schedule, li);
+      continue;
+    }
     LayerIssue li;
     li.work = lp(L).work;
     li.s_fork = o.s_fork;
@@ -898,6 +914,13 @@ bool GpuPrepareStack::Impl::qchain_fused_layer(int L, int T) const {
   // fusion_applies holds only at T <= kQChainMaxRows (both row limits are), which guards the shift.
   return fusion_applies(o.fuse_qchain, T, 1, auto_max, kn::kQChainMaxRows) && (qchain_rows_ok >> T & 1u) != 0 &&
          lp(L).work == (kWorkQA | kWorkQB | kWorkKV);
+}
+
+bool GpuPrepareStack::Impl::qchain_fused_index_layer(int L, int T) const {
+  const int auto_max = o.gemm == kn::GemmVersion::kAuto ? kQChainIndexAutoRows : 0;
+  static_assert(kQChainIndexAutoRows <= kn::kQChainMaxRows, "kAuto stays within qchain_rows_ok");
+  return fusion_applies(o.fuse_qchain_index, T, 1, auto_max, kn::kQChainMaxRows) && (qchain_rows_ok >> T & 1u) != 0 &&
+         lp(L).work == (kWorkQA | kWorkQB | kWorkKV | kWorkIDX);
 }
 
 void GpuPrepareStack::Impl::issue_qchain_fused(int L, int T, cudaStream_t s) {
@@ -1245,6 +1268,9 @@ void GpuPrepareStack::set_s_fork(LayerIssue::SFork f) { impl_->set_option(&GpuSt
 void GpuPrepareStack::set_fuse_rope_store(Fusion f) { impl_->set_option(&GpuStackOptions::fuse_rope_store, f); }
 void GpuPrepareStack::set_fuse_qnorm(Fusion f) { impl_->set_option(&GpuStackOptions::fuse_qnorm, f); }
 void GpuPrepareStack::set_fuse_qchain(Fusion f) { impl_->set_option(&GpuStackOptions::fuse_qchain, f); }
+void GpuPrepareStack::set_fuse_qchain_index(Fusion f) {
+  impl_->set_option(&GpuStackOptions::fuse_qchain_index, f);
+}
 void GpuPrepareStack::set_fuse_x_quant(Fusion f) { impl_->set_option(&GpuStackOptions::fuse_x_quant, f); }
 void GpuPrepareStack::set_lane_prologue(bool on) { impl_->set_option(&GpuStackOptions::lane_prologue, on); }
 

@@ -663,6 +663,7 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
     Fusion fuse_qchain = Fusion::kOff;  // plain layers as one kernel (kernels/qchain.h)
     Fusion fuse_x_quant = Fusion::kAuto;  // x quantised inside the wq_a|wkv GEMM (the default)
     Fusion fuse_qnorm = Fusion::kAuto;    // q_norm inside the wq_b GEMM (the default: its own kernel)
+    Fusion fuse_qchain_index = Fusion::kOff;  // reindex layers' Q chain as the fused kernel
   };
   const Config configs[] = {{Schedule::kSerial, false, false},
                             {Schedule::kThreeLane, true, true},
@@ -680,7 +681,13 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
                             {Schedule::kThreeLane, true, true, Fusion::kOff, Fusion::kOff, Fusion::kOn},
                             // q_norm inside the wq_b GEMM, against the first configuration's q_norm kernel.
                             {Schedule::kSerial, false, false, Fusion::kOff, Fusion::kOff, Fusion::kAuto, Fusion::kOn},
-                            {Schedule::kThreeLane, true, true, Fusion::kAuto, Fusion::kOff, Fusion::kAuto, Fusion::kOn}};
+                            {Schedule::kThreeLane, true, true, Fusion::kAuto, Fusion::kOff, Fusion::kAuto, Fusion::kOn},
+                            // The reindex layers' Q chain as the fused kernel (with and without the
+                            // plain layers'), the indexer after it on lane S / on main.
+                            {Schedule::kThreeLane, true, true, Fusion::kOff, Fusion::kOn, Fusion::kAuto, Fusion::kAuto, Fusion::kOn},
+                            {Schedule::kThreeLane, false, true, Fusion::kAuto, Fusion::kOff, Fusion::kAuto, Fusion::kAuto, Fusion::kOn},
+                            {Schedule::kSerial, false, false, Fusion::kOff, Fusion::kOff, Fusion::kAuto, Fusion::kAuto, Fusion::kOn},
+                            {Schedule::kSourcesSide, true, false, Fusion::kOff, Fusion::kOn, Fusion::kAuto, Fusion::kAuto, Fusion::kOn}};
   // The fused form must really run here (wq_b at this config and bucket), or the configs above
   // that ask for it would silently compare the unfused path with itself.
   if (tp == 1) {
@@ -699,7 +706,8 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
   for (size_t c = 0; c < std::size(configs); ++c) {
     const std::string name = std::string(to_string(configs[c].schedule)) + (configs[c].graph ? " graph" : " eager") +
                              " rope-store " + to_string(configs[c].fuse_rope_store) + " qchain " + to_string(configs[c].fuse_qchain) +
-                             " x-quant " + to_string(configs[c].fuse_x_quant) + " qnorm " + to_string(configs[c].fuse_qnorm);
+                             " x-quant " + to_string(configs[c].fuse_x_quant) + " qnorm " + to_string(configs[c].fuse_qnorm) +
+                             " qchain-index " + to_string(configs[c].fuse_qchain_index);
     SCOPED_TRACE(name);
     gpu.upload_caches(initial);
     gpu.set_schedule(configs[c].schedule);
@@ -708,6 +716,7 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
     gpu.set_fuse_qchain(configs[c].fuse_qchain);
     gpu.set_fuse_x_quant(configs[c].fuse_x_quant);
     gpu.set_fuse_qnorm(configs[c].fuse_qnorm);
+    gpu.set_fuse_qchain_index(configs[c].fuse_qchain_index);
     gpu.reset_error_count();
     for (int step = 0; step < 2; ++step) {
       gpu.poison_outputs(kPoison);

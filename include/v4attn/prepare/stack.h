@@ -89,7 +89,7 @@ class RefStack;
 namespace prepare {
 
 enum class WeightSource : uint8_t { kReference, kDeviceRandom };
-// A fusion knob of GpuStackOptions (fuse_qchain, fuse_x_quant, fuse_rope_store, fuse_qnorm): never, by the measured rule of
+// A fusion knob of GpuStackOptions (fuse_qchain, fuse_qchain_index, fuse_x_quant, fuse_rope_store, fuse_qnorm): never, by the measured rule of
 // the field (kAuto), or wherever the fused form takes the shape.
 enum class Fusion : uint8_t { kOff, kAuto, kOn };
 // kAuto's row limit. Measured (docs/perf.md, session 10, three-lane, fused vs unfused, two
@@ -104,6 +104,10 @@ enum class Fusion : uint8_t { kOff, kAuto, kOn };
 // fused RoPE store): decode bs 8 -4.3 %, decode bs 10 -4.1 %, verify bs 2 (12 rows) -1.8 %, decode
 // bs 12 -1.6 %, decode bs 16 +1.3 %; 13-15 rows not measured.
 constexpr int kQChainAutoRows = 12;
+// fuse_qchain_index's kAuto row limit (docs/perf.md session 17, three-lane, same binary, two
+// repetitions: decode bs 1 -1.8 %, bs 2 -0.8 %, bs 3 -0.4 %, bs 4 -0.9 %; decode bs 6 +0.1 %,
+// verify bs 1 (6 rows) -0.2 % over three runs, decode bs 8 +0.2 %, verify bs 2 (12 rows) +1.3 %).
+constexpr int kQChainIndexAutoRows = 4;
 // fuse_x_quant's kAuto row limit (docs/perf.md, session 9, three-lane, three repetitions: verify
 // bs 1 (6 rows) -0.5 %, decode bs 8 -0.8 %, decode bs 2 even, verify bs 2 (12 rows) +1.0 %).
 constexpr int kXQuantAutoRows = 8;
@@ -250,6 +254,15 @@ struct GpuStackOptions {
   // (kQChainAutoRows: where it measured; 4 rows in session 9, 8 in sessions 10-13, 7 in 14-15,
   // 12 since 16).
   Fusion fuse_qchain = Fusion::kAuto;
+  // When a reindex layer (an index source without a compressor: 24, 28, 32, 36 in V4.1) runs its
+  // Q chain as the fused Q chain on main (it writes qr and its codes, which the indexer reads):
+  // lane S takes weights_proj from x at the layer's start and the whole indexer (its wq_b GEMM,
+  // q pack, scores, selection) after the chain. Same bytes (tested over whole cycles). kOff: never;
+  // kAuto: at most kQChainIndexAutoRows rows, with `gemm` kAuto; kOn: at most
+  // kernels::kQChainMaxRows rows. Layers with a compressor keep the unfused chain: the spinning
+  // chain holds 128 SMs while the compressor's four dependent kernels wait for them (measured
+  // +3.4 to +5.7 %, docs/perf.md session 17).
+  Fusion fuse_qchain_index = Fusion::kAuto;
   // Index-source layers: run the indexer's wq_b GEMM (qr -> qi) on the main lane right after
   // q_norm instead of first on lane S (experiment knob; docs/perf.md).
   // Default since run 20: verify bs 1 1688.7 vs 1703.8 us, decode bs 32 4615.6 vs 4668.1 us.
@@ -323,6 +336,7 @@ class GpuPrepareStack {
   void set_fuse_rope_store(Fusion f);  // GpuStackOptions::fuse_rope_store
   void set_fuse_qnorm(Fusion f);       // GpuStackOptions::fuse_qnorm
   void set_fuse_qchain(Fusion f);     // GpuStackOptions::fuse_qchain
+  void set_fuse_qchain_index(Fusion f);  // GpuStackOptions::fuse_qchain_index
   void set_fuse_x_quant(Fusion f);    // GpuStackOptions::fuse_x_quant
 
   // --- caches ------------------------------------------------------------------------------------
