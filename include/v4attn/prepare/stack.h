@@ -266,7 +266,7 @@ struct GpuStackOptions {
   // kAuto: at most kQChainIndexAutoRows rows, with `gemm` kAuto; kOn: at most
   // kernels::kQChainMaxRows rows. Layers with a compressor keep the unfused chain: the spinning
   // chain holds 128 SMs while the compressor's four dependent kernels wait for them (measured
-  // +3.4 to +5.7 %, docs/perf.md session 17).
+  // +1.6 to +5.7 %, docs/perf.md session 17).
   Fusion fuse_qchain_index = Fusion::kAuto;
   // Index-source layers: run the indexer's wq_b GEMM (qr -> qi) on the main lane right after
   // q_norm instead of first on lane S (experiment knob; docs/perf.md).
