@@ -76,6 +76,11 @@ std::string fmt(const char* f, double v) {
   return buf;
 }
 
+// A Fusion knob (auto / on / off) of the bench subcommand.
+void add_fusion_option(CLI::App* sub, const std::string& name, std::string& field, const std::string& help) {
+  sub->add_option(name, field, help)->check(CLI::IsMember({"auto", "on", "off"}))->capture_default_str();
+}
+
 const char* s_fork_name(LayerIssue::SFork f) {
   switch (f) {
     case LayerIssue::SFork::kAtLayerStart: return "at-layer-start";
@@ -491,11 +496,9 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       ->check(CLI::IsMember({"at-layer-start", "after-q-norm", "idx-on-k", "idx-gemms-on-k"}))
       ->capture_default_str();
   sub->add_flag("--lane-prologue", o->lane_prologue, "Anchor both side lanes at the cycle start (lanes.h experiment)");
-  sub->add_option("--fuse-x-quant", o->fuse_x_quant,
+  add_fusion_option(sub, "--fuse-x-quant", o->fuse_x_quant,
                   "Let the wq_a|wkv v3 GEMM quantise x itself instead of a separate act-quant kernel: auto (steps of <= " +
-                      std::to_string(prepare::kXQuantAutoRows) + " rows, where it measured faster), on or off; same bytes")
-      ->check(CLI::IsMember({"auto", "on", "off"}))
-      ->capture_default_str();
+                      std::to_string(prepare::kXQuantAutoRows) + " rows, where it measured faster), on or off; same bytes");
   sub->add_option("--v3-int-mask", o->v3_int_mask,
                   "v3 GEMM: K blocks of each 4-block stage widened with integer ops (bit j = block j; -1: the kernel's "
                   "default; tuning knob, may move rare outputs by 1 bf16 ulp)")
@@ -536,32 +539,24 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       ->capture_default_str();
   sub->add_flag("--no-idx-gemm-main", o->no_idx_gemm_main,
                 "Index-source layers: run the indexer's wq_b GEMM first on lane S (default: on main after q_norm)");
-  sub->add_option("--fuse-qnorm", o->fuse_qnorm,
+  add_fusion_option(sub, "--fuse-qnorm", o->fuse_qnorm,
                   "q_norm and its act quant inside the wq_b GEMM's prologue in the unfused chain's layers without an "
                   "indexer: on (wherever v2 takes it), or auto / off (the rmsnorm kernel: the fused form measured slower); "
-                  "same bytes; experiment knob")
-      ->check(CLI::IsMember({"auto", "on", "off"}))
-      ->capture_default_str();
-  sub->add_option("--fuse-rope-store", o->fuse_rope_store,
+                  "same bytes; experiment knob");
+  add_fusion_option(sub, "--fuse-rope-store", o->fuse_rope_store,
                   "q_rope_store fused into the wq_b GEMM's epilogue in the layers that run the unfused chain: auto "
                   "(steps of " + std::to_string(prepare::kRopeStoreAutoMinRows) + "-" +
-                      std::to_string(prepare::kRopeStoreAutoMaxRows) + " rows, where it measured faster), on or off; same bytes")
-      ->check(CLI::IsMember({"auto", "on", "off"}))
-      ->capture_default_str();
-  sub->add_option("--fuse-qchain", o->fuse_qchain,
+                      std::to_string(prepare::kRopeStoreAutoMaxRows) + " rows, where it measured faster), on or off; same bytes");
+  add_fusion_option(sub, "--fuse-qchain", o->fuse_qchain,
                   "Plain layers as ONE kernel (act quant, wq_a|wkv, q_norm, wq_b + RoPE, window-K; kernels/qchain.h): "
                   "auto (steps of <= " + std::to_string(prepare::kQChainAutoRows) +
                       " rows, where it measured faster or even), on (<= " + std::to_string(kernels::kQChainMaxRows) +
-                      " rows) or off; the unfused chain's bytes (with the default --v3-int-mask)")
-      ->check(CLI::IsMember({"auto", "on", "off"}))
-      ->capture_default_str();
-  sub->add_option("--fuse-qchain-index", o->fuse_qchain_index,
+                      " rows) or off; the unfused chain's bytes (with the default --v3-int-mask)");
+  add_fusion_option(sub, "--fuse-qchain-index", o->fuse_qchain_index,
                   "Reindex layers (index sources without a compressor) with their Q chain as the fused kernel, "
                   "the indexer on lane S after it: auto (steps of <= " + std::to_string(prepare::kQChainIndexAutoRows) +
                       " rows, where it measured faster), on (<= " + std::to_string(kernels::kQChainMaxRows) +
-                      " rows) or off; same bytes")
-      ->check(CLI::IsMember({"auto", "on", "off"}))
-      ->capture_default_str();
+                      " rows) or off; same bytes");
   sub->add_flag("--idx-scores-main", o->idx_scores_main,
                 "Reindex layers: weights_proj, q pack and the indexer scores on main before the wq_b GEMM (experiment knob)");
   sub->add_flag("--qnorm-trigger-late", o->qnorm_trigger_late,
