@@ -149,8 +149,8 @@ struct GpuStackOptions {
   std::vector<int> verify_buckets;
   Schedule schedule = Schedule::kThreeLane;
   // Three-lane S-fork placement (lanes.h). kIdxOnKWithoutCmp since session 17: the reindex layers
-  // (IDX without CMP) run their indexer on lane K behind the window-K store, the other layers as
-  // kAtLayerStart (docs/perf.md session 17, same binary, three repetitions: verify bs 4 -0.7 %,
+  // (IDX without CMP; not those on the fused chain, fuse_qchain_index) run their indexer on lane K
+  // behind the window-K store, the other layers as kAtLayerStart (docs/perf.md session 17, same binary, three repetitions: verify bs 4 -0.7 %,
   // decode bs 32 -0.45 %, decode bs 8 -0.3 %, verify bs 1 / 8 even; session 14 had it within the
   // noise).
   LayerIssue::SFork s_fork = LayerIssue::SFork::kIdxOnKWithoutCmp;
@@ -266,7 +266,8 @@ struct GpuStackOptions {
   // kAuto: at most kQChainIndexAutoRows rows, with `gemm` kAuto; kOn: at most
   // kernels::kQChainMaxRows rows. Layers with a compressor keep the unfused chain: the spinning
   // chain holds 128 SMs while the compressor's four dependent kernels wait for them (measured
-  // +1.6 to +5.7 %, docs/perf.md session 17).
+  // +1.6 to +5.7 %, docs/perf.md session 17). In the layers it takes, idx_gemm_on_main,
+  // idx_scores_on_main and s_fork (but kAfterQNorm) do not apply: the indexer has one place there.
   Fusion fuse_qchain_index = Fusion::kAuto;
   // Index-source layers: run the indexer's wq_b GEMM (qr -> qi) on the main lane right after
   // q_norm instead of first on lane S (experiment knob; docs/perf.md).
