@@ -1133,8 +1133,8 @@ void GpuPrepareStack::Impl::issue_idx_score(int L, int T, cudaStream_t s, bool b
     // Verify rows of one request are consecutive: one CTA scores them on one read of their K. From
     // kScoresHalfGroupRequests requests on, half a request per CTA: twice the CTAs, each walking
     // half the rows (K read twice, from L2). Three-lane cycles, docs/perf.md session 17: verify bs 4
-    // -1.2 %, bs 8 -0.8 % (with the 4-CTA register cap the launcher then takes); verify bs 1 +0.9 %,
-    // bs 2 +0.3 % (whole requests kept there).
+    // -1.2 %, bs 6 -1.1 %, bs 8 -1.0 % (with the 4-CTA register cap the launcher then takes); 3-row
+    // groups at verify bs 1 +0.9 %, bs 3 +0.4 % (whole requests kept there).
     p.group_rows = scores_auto_group_rows(info.kind == StepKind::kVerify, T, rows_per_request);
     if (o.scores_group_rows > 0) p.group_rows = o.scores_group_rows;
     p.steps_per_warp = o.scores_steps;

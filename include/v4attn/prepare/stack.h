@@ -150,9 +150,9 @@ struct GpuStackOptions {
   Schedule schedule = Schedule::kThreeLane;
   // Three-lane S-fork placement (lanes.h). kIdxOnKWithoutCmp since session 17: the reindex layers
   // (IDX without CMP; not those on the fused chain, fuse_qchain_index) run their indexer on lane K
-  // behind the window-K store, the other layers as kAtLayerStart (docs/perf.md session 17, same binary, three repetitions: verify bs 4 -0.7 %,
-  // decode bs 32 -0.45 %, decode bs 8 -0.3 %, verify bs 1 / 8 even; session 14 had it within the
-  // noise).
+  // behind the window-K store, the other layers as kAtLayerStart (docs/perf.md session 17, same
+  // binary, three repetitions: verify bs 4 -0.7 %, decode bs 32 -0.45 %, decode bs 8 -0.3 %,
+  // verify bs 1 / 8 even; session 14 had it within the noise).
   LayerIssue::SFork s_fork = LayerIssue::SFork::kIdxOnKWithoutCmp;
   // Cycle prologue. Every cycle starts with a 4-byte memset on main (the step metadata is copied
   // before the graph launch, outside the graph, so without it layer 0's side block would be a
