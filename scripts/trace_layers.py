@@ -10,7 +10,10 @@ their predecessors end, as the fused chain does), when the main lane's q_rope_st
 stand-in) ends, when the layer's last kernel ends and which one that is, and the "tail": how long
 the side lanes run past the q_rope_store (the index-source layers' selection, typically).
 `--detail 20,24` lists every kernel of those layers (stream, start, end, relative to the layer's
-start); `--json F` writes the table. Times are those of the traced cycle (CUPTI tracing inflates them:
+start, and "own": its end after max(its start, the end of the previous kernel on its stream) -- the
+time it took once its stream let it run, which shows a small kernel starved of SMs, e.g. a 1 us q
+pack taking 7-18 us beside a GEMM that holds the SMs; a wait on another stream's event is not seen);
+`--json F` writes the table. Times are those of the traced cycle (CUPTI tracing inflates them:
 compare layers with each other, not with event-timed cycles).
 
     v4attn bench --mode verify --bs 1 --schedule three-lane --cycles 5 --trace-cycles 2 --trace t.json
@@ -63,7 +66,19 @@ def ends_chain(name):
             or re.search(r"gemm_fp8_wgmma_kernel<\d+, \d+, true>", name) is not None)
 
 
+def own_times(kernels):
+    """Per kernel (same order): its end minus max(its start, the previous end on its stream)."""
+    last_end, own = {}, []
+    for e in kernels:  # sorted by start
+        end = e["ts"] + e["dur"]
+        tid = e.get("tid")
+        own.append(end - max(e["ts"], last_end.get(tid, e["ts"])))
+        last_end[tid] = max(last_end.get(tid, end), end)
+    return own
+
+
 def layers_of(kernels):
+    own = {id(e): t for e, t in zip(kernels, own_times(kernels))}
     starts = [e["ts"] for e in kernels if starts_layer(e["name"])]
     if not starts:
         raise ValueError("no act_quant, x-quantising QA GEMM or qchain_fused kernel in the trace: cannot find the layers")
@@ -94,7 +109,7 @@ def layers_of(kernels):
             "last_kernel": short_name(last["name"]),
             "tail": None if rope_end is None else max(0.0, last_end - rope_end),
             "kernels": [{"name": short_name(e["name"]), "stream": e.get("tid"), "start": e["ts"] - s,
-                         "end": e["ts"] + e["dur"] - s} for e in ks],
+                         "end": e["ts"] + e["dur"] - s, "own": own[id(e)]} for e in ks],
         })
     return rows
 
@@ -122,9 +137,9 @@ def main(argv=None):
     for r in rows:
         if r["layer"] not in detail:
             continue
-        print(f"layer {r['layer']}:")
+        print(f"layer {r['layer']}:  stream, start .. end (after the layer's start), own")
         for k in r["kernels"]:
-            print(f"  stream {k['stream']!s:>4} {k['start']:8.1f} .. {k['end']:8.1f}  {k['name']}")
+            print(f"  stream {k['stream']!s:>4} {k['start']:8.1f} .. {k['end']:8.1f} {k['own']:7.1f}  {k['name']}")
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -42,12 +42,13 @@ if(V4ATTN_PYTHON3)
   v4attn_cli_test(plan_json_tp4 --exit 0 --stderr-lines 0
     --stdout-json "d['local_heads'] == 16 and d['tp'] == 4" -- plan --json --tp 4)
   # scripts/trace_layers.py on a two-layer fixture trace: per-layer time, the side-lane tail past
-  # q_rope_store, the detail listing; a trace without layers is refused with exit 2.
+  # q_rope_store, the detail listing with each kernel's own time (the top-k launched at 11 after the
+  # scores' end at 10 on its stream: own 14); a trace without layers is refused with exit 2.
   add_test(NAME scripts.trace_layers
            COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/trace_layers.py"
                    "${CMAKE_SOURCE_DIR}/tests/data/trace_two_layers.json" --detail 1)
   set_tests_properties(scripts.trace_layers PROPERTIES PASS_REGULAR_EXPRESSION
-    "1 +25\\.0 +20\\.0 +12\\.0 +25\\.0 +13\\.0  indexer_topk_v3_kernel.*2 layers, 45\\.0 us; side lanes past q_rope_store: 13\\.0 us.*stream +28 +4\\.0 \\.\\. +10\\.0  indexer_scores_kernel<1, 1, 3, 0>")
+    "1 +25\\.0 +20\\.0 +12\\.0 +25\\.0 +13\\.0  indexer_topk_v3_kernel.*2 layers, 45\\.0 us; side lanes past q_rope_store: 13\\.0 us.*stream +28 +4\\.0 \\.\\. +10\\.0 +6\\.0  indexer_scores_kernel<1, 1, 3, 0>.*stream +28 +11\\.0 \\.\\. +25\\.0 +14\\.0  indexer_topk_v3_kernel")
   # A fused Q chain layer (kernels/qchain.h) starts a layer and ends its main lane; so does a QA
   # GEMM that quantises x itself (its kFused flag), and a GEMM without it does not. "chain": the
   # main lane's end after the previous layer's (24, 52 - 24, 82 - 52).
