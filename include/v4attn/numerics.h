@@ -325,8 +325,10 @@ inline float lane_sum_squares(const float* x, int n) {
 V4_HD float rmsnorm_rstd(float sum_sq, int n, float eps) {
   return div_rn(1.0f, sqrt_rn(add_rn(div_rn(sum_sq, static_cast<float>(n)), eps)));
 }
-// y = bf16(w * (x * r)), the weight multiplied after the normalisation, in fp32.
-V4_HD bf16_t rmsnorm_apply(float x, float r, float w) { return bf16_from_f32(mul_rn(w, mul_rn(x, r))); }
+// w * (x * r) in fp32, the weight multiplied after the normalisation (before the bf16 rounding).
+V4_HD float rmsnorm_product(float x, float r, float w) { return mul_rn(w, mul_rn(x, r)); }
+// y = bf16(w * (x * r)).
+V4_HD bf16_t rmsnorm_apply(float x, float r, float w) { return bf16_from_f32(rmsnorm_product(x, r, w)); }
 // The bf16 bits of two fp32 results of device arithmetic (lo in the low half): bf16_from_f32 of each,
 // except that a NaN may come out with another payload. Device: one cvt.rn.bf16x2.f32 (round to nearest
 // even, like bf16_from_f32; GpuNumerics checks every fp32 bit pattern). A NaN that device arithmetic

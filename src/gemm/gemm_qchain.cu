@@ -679,9 +679,7 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
       [&](int mt, int i) {
         const int n = qb_row0 + (wgc * kQbMt + mt) * 64 + 16 * cw + g4 + ((i & 2) ? 8 : 0);
         const int m = 8 * (i >> 2) + 2 * t4 + (i & 1);
-        const float x = num::round_bf16_arith(acc[mt][i]);          // the GEMM's bf16 output
-        const float partner = __shfl_xor_sync(0xffffffffu, x, 4);  // column n ^ 1
-        return num::bf16_from_f32(wgmma_fp8::rope_head_value(x, partner, n, rope_tab + m * num::kRopeDim));  // m < NP
+        return wgmma_fp8::rope_store_bf16(acc[mt][i], n, rope_tab, m);  // m < NP
       },
       [&](int m) { return rope_ok[m] != 0; }, smem + L.ring, p.q_pad, p.q_pad_stride, p.T, p.n_qb, qb_row0, wgc, cw, g4,
       t4, ctid, p.q_pad_vec, kBarConsumers);

@@ -534,9 +534,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
     wgmma_fp8::store_tile_bf16_staged<MT, NP, kConsumerThreads>(
         [&](int mt, int i) {
           const int n = out_col(mt, i), m = out_tok(i);
-          const float x = num::round_bf16_arith(acc[mt][i]);                 // the GEMM's bf16 output
-          const float partner = __shfl_xor_sync(0xffffffffu, x, 4);           // column n ^ 1
-          return num::bf16_from_f32(wgmma_fp8::rope_head_value(x, partner, n, tab + m * num::kRopeDim));  // m < NP
+          return wgmma_fp8::rope_store_bf16(acc[mt][i], n, tab, m);  // m < NP
         },
         [&](int m) { return row_ok[m] != 0; }, smem + L.w, out, p.out_stride, p.m, p.n, row0, wgc, w, g, t, ctid, p.out_vec,
         kConsumerBarrierId);

@@ -136,6 +136,15 @@ __device__ __forceinline__ float rope_head_value(float x, float partner, int n, 
   num::rope_rotate(partner, x, c, sn, re, im);
   return im;
 }
+// The RoPE store's bf16 for the accumulator acc of column n: the GEMM's bf16 output (rounded by the
+// hardware conversion, acc being device arithmetic), its partner from lane ^ 4 (column n ^ 1; every
+// lane of the warp must call it), then rope_head_value with row m's entries of the staged table
+// ([rows][64] floats).
+__device__ __forceinline__ num::bf16_t rope_store_bf16(float acc, int n, const float* tab, int m) {
+  const float x = num::round_bf16_arith(acc);
+  const float partner = __shfl_xor_sync(0xffffffffu, x, 4);
+  return num::bf16_from_f32(rope_head_value(x, partner, n, tab + m * num::kRopeDim));
+}
 
 
 // ---- the scale tables of a CTA's K range (v2, v3) ----------------------------------------------

@@ -93,28 +93,43 @@ __device__ __forceinline__ float lane_sum_squares_part(const float (&x)[kChunks]
     for (int k = 0; k < kChunk; ++k) acc = num::add_rn(acc, num::mul_rn(x[c][k], x[c][k]));
   return acc;
 }
-// x <- bf16(w * (x * r)) kept as the (exact) float value of the bf16: num::rmsnorm_apply's products,
-// rounded in pairs by num::bf16x2_from_f32_arith (the products are device arithmetic; a NaN stays a
-// NaN, and is stored as bf16_from_f32 stores it).
+
+// ---- the elementwise steps on one pair, and on one chunk pair by pair ---------------------------
+// x <- bf16(w * (x * r)) for one pair, kept as the (exact) float values of the bf16s:
+// num::rmsnorm_apply's products, rounded as a pair by num::bf16x2_from_f32_arith (they are device
+// arithmetic; a NaN stays a NaN, and is stored as bf16_from_f32 stores it).
+__device__ __forceinline__ void rmsnorm_apply_pair(float& x0, float& x1, float r, float2 w) {
+  x0 = num::rmsnorm_product(x0, r, w.x);
+  x1 = num::rmsnorm_product(x1, r, w.y);
+  num::round_bf16_pair_arith(x0, x1);
+}
+// RoPE of one (re, im) pair with its table entry (cos, sin), rounded to bf16 (= rope_chunk's step).
+__device__ __forceinline__ void rope_pair(float& x0, float& x1, float2 cs) {
+  float re, im;
+  num::rope_rotate(x0, x1, cs.x, cs.y, re, im);
+  num::round_bf16_pair_arith(re, im);  // rope_rotate's results: device arithmetic
+  x0 = re;
+  x1 = im;
+}
+// x <- bf16(w * (x * r)) for one chunk.
 __device__ __forceinline__ void rmsnorm_apply_chunk(float (&x)[kChunk], float r, const float (&w)[kChunk]) {
 #pragma unroll
-  for (int k = 0; k < kChunk; k += 2) {
-    x[k] = num::mul_rn(w[k], num::mul_rn(x[k], r));
-    x[k + 1] = num::mul_rn(w[k + 1], num::mul_rn(x[k + 1], r));
-    num::round_bf16_pair_arith(x[k], x[k + 1]);
-  }
+  for (int k = 0; k < kChunk; k += 2) rmsnorm_apply_pair(x[k], x[k + 1], r, make_float2(w[k], w[k + 1]));
 }
-
-// ---- RoPE on one chunk: 4 (re, im) pairs with their 8 table floats (c0, s0, c1, s1, ...) ------
+// RoPE on one chunk: 4 (re, im) pairs with their 8 table floats (c0, s0, c1, s1, ...).
 __device__ __forceinline__ void rope_chunk(float (&x)[kChunk], const float (&cs)[kChunk]) {
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    float re, im;
-    num::rope_rotate(x[2 * j], x[2 * j + 1], cs[2 * j], cs[2 * j + 1], re, im);
-    num::round_bf16_pair_arith(re, im);  // round_bf16 of each (device arithmetic)
-    x[2 * j] = re;
-    x[2 * j + 1] = im;
-  }
+  for (int j = 0; j < 4; ++j) rope_pair(x[2 * j], x[2 * j + 1], make_float2(cs[2 * j], cs[2 * j + 1]));
+}
+
+// The amax of an aligned group of kLanes lanes' amaxes (xor offsets 1 .. kLanes/2; num::block_amax_step,
+// whose amax operand is never NaN or -0). All 32 lanes must call it.
+template <int kLanes>
+__device__ __forceinline__ float lane_group_amax(float v) {
+  static_assert(kLanes >= 1 && kLanes <= 32 && (kLanes & (kLanes - 1)) == 0, "power-of-two lane group");
+#pragma unroll
+  for (int off = 1; off < kLanes; off <<= 1) v = num::block_amax_step(v, __shfl_xor_sync(kFullMask, v, off));
+  return v;
 }
 
 // ---- block amax over a group of kLanes consecutive lanes (each holding one chunk) -------------
@@ -128,9 +143,7 @@ __device__ __forceinline__ float group_amax(const float (&x)[kChunk]) {
 #pragma unroll
   for (int k = 0; k < kChunk / 2; ++k) m[k] = num::block_amax_step(num::block_amax_step(amax, x[2 * k]), x[2 * k + 1]);
   amax = num::block_amax_step(num::block_amax_step(m[0], m[1]), num::block_amax_step(m[2], m[3]));
-#pragma unroll
-  for (int off = 1; off < kLanes; off <<= 1) amax = num::block_amax_step(amax, __shfl_xor_sync(kFullMask, amax, off));
-  return amax;
+  return lane_group_amax<kLanes>(amax);
 }
 
 // act_quant_chunk's division path (an infinite or NaN amax only): out of line, so that the code
@@ -257,32 +270,9 @@ __device__ __forceinline__ float warp_row_sum_squares(const bf16_t* row, int lan
   return warp_row_sum_squares_n<(kChunks + num::kLaneSumLanes - 1) / num::kLaneSumLanes>(row, kChunks, lane);
 }
 
-// x <- bf16(w * (x * r)) for one pair, kept as the (exact) float values of the bf16s.
-__device__ __forceinline__ void rmsnorm_apply_pair(float& x0, float& x1, float r, float2 w) {
-  x0 = num::mul_rn(w.x, num::mul_rn(x0, r));
-  x1 = num::mul_rn(w.y, num::mul_rn(x1, r));
-  num::round_bf16_pair_arith(x0, x1);
-}
-// RoPE of one (re, im) pair with its table entry (cos, sin), rounded to bf16 (= rope_chunk's step).
-__device__ __forceinline__ void rope_pair(float& x0, float& x1, float2 cs) {
-  float re, im;
-  num::rope_rotate(x0, x1, cs.x, cs.y, re, im);
-  num::round_bf16_pair_arith(re, im);  // rope_rotate's results: device arithmetic
-  x0 = re;
-  x1 = im;
-}
 // amax of one pair, from 0 like the reference's block loop.
 __device__ __forceinline__ float pair_amax(float x0, float x1) {
   return num::block_amax_step(num::block_amax_step(0.0f, x0), x1);
-}
-// The amax of an aligned group of kLanes lanes' amaxes (xor offsets 1 .. kLanes/2; num::block_amax_step,
-// whose amax operand is never NaN or -0). All 32 lanes must call it.
-template <int kLanes>
-__device__ __forceinline__ float lane_group_amax(float v) {
-  static_assert(kLanes >= 1 && kLanes <= 32 && (kLanes & (kLanes - 1)) == 0, "power-of-two lane group");
-#pragma unroll
-  for (int off = 1; off < kLanes; off <<= 1) v = num::block_amax_step(v, __shfl_xor_sync(kFullMask, v, off));
-  return v;
 }
 // The e2m1 code byte of one pair at scale s (even element in the low nibble).
 __device__ __forceinline__ uint8_t fp4_code_pair(float x0, float x1, float s) {
