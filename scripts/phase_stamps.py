@@ -26,7 +26,8 @@ import collections
 import gzip
 import statistics
 
-KINDS = {1: "v2", 2: "v3", 3: "rmsnorm", 4: "act_quant", 5: "q_rope_store", 6: "qchain"}
+KINDS = {1: "v2", 2: "v3", 3: "rmsnorm", 4: "act_quant", 5: "q_rope_store", 6: "qchain",
+         7: "topk_v3", 8: "mask_v3"}
 # The fused Q chain (gemm_qchain.cu): start, wait, act quant, QA weights, QA loop, partial counted,
 # tile reduced, q tiles all counted, q_norm done, first wq_b stage, wq_b loop, end, kv counted, window-K.
 # Phase 14 (v2 files): the CTA's first instruction; 48 / 49: q_norm's sums / row passes done.
@@ -90,10 +91,13 @@ def print_handoff(launches, t0):
 # are per-stage records, 15 a consumer record's start).
 QCHAIN_PATHS = [[14, 0, 1, 2, 3, 4, 5, 6, 7, 48, 49, 8, 9, 10, 11], [8, 12, 13]]
 OTHER_PATH = [14, 0, 1, 2, 5, 3, 6, 4]
+# The v3 selections (indexer_select_v3.cu): entry, wait, keys ready, per radix pass p histogram /
+# cluster's histograms received / digit chosen (4+4p, 5+4p, 6+4p), compaction done, end.
+SELECT_PATH = [0, 1, 2] + [4 * p + d for p in range(1, 5) for d in range(3)] + [20, 21]
 
 
 def phase_paths(kind, present):
-    paths = QCHAIN_PATHS if kind == 6 else [OTHER_PATH]
+    paths = QCHAIN_PATHS if kind == 6 else [SELECT_PATH] if kind in (7, 8) else [OTHER_PATH]
     return [[p for p in path if p in present] for path in paths]
 
 

@@ -9,7 +9,9 @@
 // candidate blocks for the mask; per = ceil(n / cluster) rounded up to 8), processed in "rounds"
 // of 512 * N elements (thread i owns the N consecutive elements i*N .. i*N+N-1 of each round).
 // The pair kernel (run_indexer_select_pair_v3) runs T top-k clusters then T mask clusters of one
-// size in one grid. 2 CTAs per SM (the register cap); the automatic cluster size is in make_plan.
+// size in one grid. Up to 2 CTAs per SM (the register cap); launches of at most
+// kOneCtaPerSmMaxCtas CTAs take one SM per CTA (launch_plan); the automatic cluster size is in
+// make_plan.
 //
 // Keys: each element's order-preserving 32-bit key (-0.0 folded onto +0.0, since the reference
 // compares floats and -0.0 == +0.0), 0 for an element that can never be selected (value not >
@@ -52,7 +54,9 @@
 //    order (plus the lower ranks' counts), hence which of its ties are among the first k_eq and
 //    its output offset: top-k writes comp_slot_table[req * stride + j] of its selected positions
 //    at out[offset..] (sorted by position by construction), the mask writes 1 / 0 bytes for its
-//    chunk. The cluster then fills out[total, out_stride) with -1 / mask[n_blocks, mask_stride)
+//    chunk. The compacted top-k loads the slot-table entries of its candidates (valid keys >= K*,
+//    known before the scan) ahead of each round's scan, so that the gather is not a round trip
+//    after it (emit_selected's prefetch). The cluster then fills out[total, out_stride) with -1 / mask[n_blocks, mask_stride)
 //    with 0, interleaved over its CTAs.
 //
 // Bytes: the row's visible scores read once (resident), the selected slot table entries, the
@@ -69,17 +73,32 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <utility>
 
 #include "kernels/device_common.cuh"
 #include "gemm/hopper_ptx.cuh"
 #include "kernels/indexer_select_common.cuh"
+#include "runtime/phase_stamps.cuh"
 #include "runtime/cuda_utils.h"
 #include "runtime/launch.h"
+
+V4ATTN_STAMP_UNIT();
 
 namespace v4attn::kernels {
 
 namespace {
 namespace v3 {
+
+// Measurement builds (phase_stamps.cuh): thread 0 of every CTA stamps 0 entry, 1 after the PDL
+// wait, 2 keys ready, per radix pass p: 4+4p local histogram done, 5+4p the cluster's histograms
+// received, 6+4p digit chosen; 20 compaction done, 21 end.
+struct StampCtx {
+  unsigned int rec = 0u;
+  uint32_t kind = 0u;
+  __device__ __forceinline__ void at([[maybe_unused]] uint32_t phase) const {
+    if (threadIdx.x == 0) V4ATTN_STAMP_AT(rec, kind, phase);
+  }
+};
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
@@ -278,7 +297,7 @@ __device__ void local_histogram(const Chunk<N>& ch, const Load& load, const uint
 // Clustered: the caller has issued cluster_arrive_relaxed() (matched here before the first push).
 template <int N, class Load>
 __device__ Selection cluster_select(const Chunk<N>& ch, const Load& load, uint32_t k, Smem& sm, uint32_t* recv,
-                                    uint32_t* keys_sm, int cluster, uint32_t rank) {
+                                    uint32_t* keys_sm, int cluster, uint32_t rank, const StampCtx& st) {
   const bool clustered = cluster > 1;
   const int tid = static_cast<int>(threadIdx.x), lane = tid & 31, wid = tid >> 5;
   if (ch.resident && !ch.preloaded)
@@ -295,6 +314,7 @@ __device__ Selection cluster_select(const Chunk<N>& ch, const Load& load, uint32
     const int shift = 32 - kDigitBits * (pass + 1);
     local_histogram(ch, load, keys_sm, pass, prefix, sm);
     __syncthreads();  // hloc complete
+    st.at(4 + 4 * pass);
     if (pass == 0 && clustered) cluster_wait_acquire();  // every CTA of the cluster runs
 
     // Push hloc into slot `rank` of receive buffer b of every CTA (this one included).
@@ -311,6 +331,7 @@ __device__ Selection cluster_select(const Chunk<N>& ch, const Load& load, uint32
         hopper::st_async_v4(map_to_cluster_rank(smem_u32(my_slot + 4 * quad), r), v, map_to_cluster_rank(bar, r));
       }
       hopper::mbar_wait_cluster(bar, static_cast<uint32_t>(pass >> 1) & 1u);  // every CTA's pushes into buffer b
+      st.at(5 + 4 * pass);
     } else {
       for (int quad = tid; quad < kBins / 4; quad += kThreads)
         reinterpret_cast<uint4*>(my_slot)[quad] = reinterpret_cast<const uint4*>(sm.hloc)[quad];
@@ -366,6 +387,7 @@ __device__ Selection cluster_select(const Chunk<N>& ch, const Load& load, uint32
       if (above < k_rem && k_rem <= incl_t) sm.found[b] = Found{bin, above, incl_b - bef, bef, tot};
     }
     __syncthreads();
+    st.at(6 + 4 * pass);
     const Found f = sm.found[b];
     k_rem -= f.above;
     gt_before += f.before_above;
@@ -413,22 +435,28 @@ __device__ __forceinline__ uint32_t block_excl_scan(uint32_t v, uint32_t& total,
   return before + incl - v;
 }
 
-// Ordered compaction of this CTA's chunk: emit(first_element, selected_bits, output_offset) once
-// per thread and round (bit e = element first + e; offsets count from the row's first output).
-template <int N, class Load, class Emit>
+// Ordered compaction of this CTA's chunk: emit(first_element, selected_bits, output_offset, pf)
+// once per thread and round (bit e = element first + e; offsets count from the row's first
+// output), pf = prefetch(first_element, candidate_bits) issued before the round's block scan:
+// what the emit reads from global memory for the candidates (valid keys >= thr, a superset of
+// the selected ones that does not wait for the scan) is then in flight during the scan instead of
+// a dependent round trip after it.
+template <int N, class Load, class Prefetch, class Emit>
 __device__ void emit_selected(const Chunk<N>& ch, const Load& load, const uint32_t* keys_sm, const Selection& s,
-                              Smem& sm, const Emit& emit) {
+                              Smem& sm, const Prefetch& prefetch, const Emit& emit) {
   uint32_t gt_seen = s.gt_before, eq_seen = s.eq_before;
   for (int q = 0; q < ch.rounds; ++q) {
     uint32_t key[N];
     round_keys(ch, load, keys_sm, q, key);
-    uint32_t n_gt = 0u, n_eq = 0u;
+    uint32_t n_gt = 0u, n_eq = 0u, cand = 0u;
 #pragma unroll
     for (int e = 0; e < N; ++e) {
       const bool valid = key[e] != 0u;
       n_gt += (valid && key[e] > s.thr) ? 1u : 0u;
       n_eq += (valid && key[e] == s.thr) ? 1u : 0u;
+      cand |= static_cast<uint32_t>(valid && key[e] >= s.thr) << e;
     }
+    const auto pf = prefetch(ch.first(q), cand);
     uint32_t total;
     const uint32_t excl = block_excl_scan((n_gt << 16) | n_eq, total, sm.scan[q & 1]);
     const uint32_t gt = gt_seen + (excl >> 16);
@@ -443,7 +471,7 @@ __device__ void emit_selected(const Chunk<N>& ch, const Load& load, const uint32
       eq += is_eq ? 1u : 0u;
       sel |= static_cast<uint32_t>(take) << e;
     }
-    emit(ch.first(q), sel, off);
+    emit(ch.first(q), sel, off, pf);
     gt_seen += total >> 16;
     eq_seen += total & 0xffffu;
   }
@@ -455,10 +483,21 @@ __device__ __forceinline__ uint32_t* recv_buffers() {
 }
 
 // ---- top-k ----
+// The slot-table entries of a thread's candidate elements of one round (emit_selected's prefetch).
+template <int N>
+struct SlotPrefetch {
+  int32_t slot[N];
+};
+
 // Keys of this thread's 8 consecutive positions j0.. (0 at or past `end`, for -inf / NaN, and
 // where the candidate mask is 0).
 __device__ __forceinline__ void load_score_keys(const float* row, const uint8_t* mask, int mask_block, int64_t j0,
                                                 int64_t end, bool vec, uint32_t (&key)[kTopkPer]) {
+  // V4.1's mask block (8 positions, j0 a multiple of 8): one byte for the thread's 8 positions,
+  // loaded before the scores so that both loads share one latency (the general block size below
+  // computes its byte index with a 64-bit division and loaded it after the keys: two latencies).
+  const bool mask8 = mask != nullptr && mask_block == kTopkPer;
+  const uint8_t m8 = mask8 && j0 < end ? mask[j0 >> 3] : uint8_t{1};
   float v[kTopkPer];
   if (vec && j0 + kTopkPer <= end) {
     const float4 a = *reinterpret_cast<const float4*>(row + j0);
@@ -470,7 +509,12 @@ __device__ __forceinline__ void load_score_keys(const float* row, const uint8_t*
   }
 #pragma unroll
   for (int e = 0; e < kTopkPer; ++e) key[e] = (j0 + e < end && v[e] > neg_inf()) ? value_key(v[e]) : 0u;
-  if (mask != nullptr && j0 < end) {
+  if (mask8) {
+    if (m8 == 0) {
+#pragma unroll
+      for (int e = 0; e < kTopkPer; ++e) key[e] = 0u;
+    }
+  } else if (mask != nullptr && j0 < end) {
     int64_t m = j0 / mask_block;
     int r = static_cast<int>(j0 - m * mask_block);
     uint8_t mv = mask[m];
@@ -546,6 +590,9 @@ __device__ __forceinline__ void topk_cta(const IndexerTopkParams& p, const Args&
   uint32_t* keys_sm = recv + 2 * a.cluster * kBins;
   const int tid = static_cast<int>(threadIdx.x);
   const uint32_t rank = a.cluster > 1 ? cluster_ctarank() : 0u;
+  StampCtx st;
+  st.kind = stamps::kSelectTopk;
+  if (tid == 0) V4ATTN_STAMP_BEGIN(st.rec, st.kind, 0);
   const int32_t req = p.req[t];
   bool err;
   const int64_t c = clamp_topk_row(req, p.clen[t], p, err);
@@ -556,6 +603,7 @@ __device__ __forceinline__ void topk_cta(const IndexerTopkParams& p, const Args&
   if (k > 0 && a.cluster > 1) cluster_arrive_relaxed();
 
   dev::pdl_wait();  // scores, the mask and the slot table come from predecessors
+  st.at(1);
 
   int32_t* out = p.out + t * p.out_stride;
   uint32_t n_out = 0;
@@ -579,18 +627,24 @@ __device__ __forceinline__ void topk_cta(const IndexerTopkParams& p, const Args&
       cc.resident = cc.preloaded = true;
       for (int64_t i = n_keys + tid; i < int64_t{cc.rounds} * Chunk<kCompactPer>::kRound; i += kThreads) keys_sm[i] = 0u;
       __syncthreads();  // the kept keys (written by other threads) and the zeroed tail
+      st.at(2);
       const auto no_load = [](int, uint32_t (&key)[kCompactPer]) {  // resident: never called
 #pragma unroll
         for (int e = 0; e < kCompactPer; ++e) key[e] = 0u;
       };
-      const Selection s = cluster_select(cc, no_load, k, sm, recv, keys_sm, a.cluster, rank);
-      emit_selected(cc, no_load, keys_sm, s, sm, [&](int64_t f0, uint32_t sel, uint32_t off) {
-        int32_t slot[kCompactPer];
+      const Selection s = cluster_select(cc, no_load, k, sm, recv, keys_sm, a.cluster, rank, st);
+      const auto prefetch = [&](int64_t f0, uint32_t cand) {  // the candidates' slots
+        SlotPrefetch<kCompactPer> pf;
 #pragma unroll
         for (int e = 0; e < kCompactPer; ++e) {
           const int64_t f = f0 + e;
-          slot[e] = ((sel >> e) & 1u) ? table[first_pos[f / kTopkPer] + f % kTopkPer] : -1;
+          pf.slot[e] = ((cand >> e) & 1u) ? table[first_pos[f / kTopkPer] + f % kTopkPer] : -1;
         }
+        return pf;
+      };
+      emit_selected(cc, no_load, keys_sm, s, sm, prefetch, [&](int64_t, uint32_t sel, uint32_t off,
+                                                               const SlotPrefetch<kCompactPer>& pf) {
+        const int32_t* slot = pf.slot;
 #pragma unroll
         for (int e = 0; e < kCompactPer; ++e)
           if ((sel >> e) & 1u) {
@@ -598,10 +652,14 @@ __device__ __forceinline__ void topk_cta(const IndexerTopkParams& p, const Args&
             ++off;
           }
       });
+      st.at(20);
       n_out = s.total;
     } else {
-      const Selection s = cluster_select(ch, load, k, sm, recv, keys_sm, a.cluster, rank);
-      emit_selected(ch, load, keys_sm, s, sm, [&](int64_t j0, uint32_t sel, uint32_t off) {
+      const Selection s = cluster_select(ch, load, k, sm, recv, keys_sm, a.cluster, rank, st);
+      // No prefetch here: the candidates' slots loaded before the scan (as the compacted walk
+      // does) measured slower in the cycle (docs/perf.md session 18, run 9).
+      const auto no_prefetch = [](int64_t, uint32_t) { return 0; };
+      emit_selected(ch, load, keys_sm, s, sm, no_prefetch, [&](int64_t j0, uint32_t sel, uint32_t off, int) {
         int32_t slot[kTopkPer];  // gather first, then store
 #pragma unroll
         for (int e = 0; e < kTopkPer; ++e) slot[e] = ((sel >> e) & 1u) ? table[j0 + e] : -1;
@@ -612,11 +670,13 @@ __device__ __forceinline__ void topk_cta(const IndexerTopkParams& p, const Args&
             ++off;
           }
       });
+      st.at(20);
       n_out = s.total;
     }
   }
   const int64_t step = int64_t{a.cluster} * kThreads;
   for (int64_t i = int64_t{n_out} + int64_t{rank} * kThreads + tid; i < p.out_stride; i += step) out[i] = -1;
+  st.at(21);
 
   dev::pdl_launch_dependents();  // after this thread's last store
 }
@@ -635,6 +695,9 @@ __device__ __forceinline__ void mask_cta(const CandidateMaskParams& p, const Arg
   uint32_t* keys_sm = recv + 2 * a.cluster * kBins;
   const int tid = static_cast<int>(threadIdx.x);
   const uint32_t rank = a.cluster > 1 ? cluster_ctarank() : 0u;
+  StampCtx st;
+  st.kind = stamps::kSelectMask;
+  if (tid == 0) V4ATTN_STAMP_BEGIN(st.rec, st.kind, 0);
   int64_t c = p.clen[t];
   if (c < 0 || c > p.score_stride) {
     if (rank == 0 && tid == 0) dev::count_error(p.err_count);
@@ -647,6 +710,7 @@ __device__ __forceinline__ void mask_cta(const CandidateMaskParams& p, const Arg
   if (k > 0 && a.cluster > 1) cluster_arrive_relaxed();
 
   dev::pdl_wait();
+  st.at(1);
 
   uint8_t* mask = p.mask + t * p.mask_stride;
   int64_t zero_from = 0;  // the cluster zeroes [zero_from, mask_stride)
@@ -661,16 +725,19 @@ __device__ __forceinline__ void mask_cta(const CandidateMaskParams& p, const Arg
       for (int e = 0; e < kMaskPer; ++e)
         key[e] = b0 + e < ch.end ? block_key(row, c, p.block, b0 + e, n_blocks - 1, vec8) : 0u;
     };
-    const Selection s = cluster_select(ch, load, k, sm, recv, keys_sm, a.cluster, rank);
-    emit_selected(ch, load, keys_sm, s, sm, [&](int64_t b0, uint32_t sel, uint32_t) {
+    const Selection s = cluster_select(ch, load, k, sm, recv, keys_sm, a.cluster, rank, st);
+    const auto no_prefetch = [](int64_t, uint32_t) { return 0; };
+    emit_selected(ch, load, keys_sm, s, sm, no_prefetch, [&](int64_t b0, uint32_t sel, uint32_t, int) {
 #pragma unroll
       for (int e = 0; e < kMaskPer; ++e)
         if (b0 + e < ch.end) mask[b0 + e] = static_cast<uint8_t>((sel >> e) & 1u);
     });
+    st.at(20);
     zero_from = n_blocks;
   }
   const int64_t step = int64_t{a.cluster} * kThreads;
   for (int64_t i = zero_from + int64_t{rank} * kThreads + tid; i < p.mask_stride; i += step) mask[i] = 0;
+  st.at(21);
 
   dev::pdl_launch_dependents();
 }
@@ -752,20 +819,23 @@ struct Plan {
   bool compact = false;  // top-k with a candidate mask: the compacted walk (room for first_pos)
 };
 
-// Multiprocessors of the current device (cached per device).
-int sm_count() {
+// An attribute of the current device (cached per device and attribute).
+int device_attribute(cudaDeviceAttr attr) {
   static std::mutex mu;
-  static std::map<int, int> cache;
+  static std::map<std::pair<int, int>, int> cache;
   int dev = 0;
   V4_CUDA_CHECK(cudaGetDevice(&dev));
   std::lock_guard<std::mutex> lock(mu);
-  const auto it = cache.find(dev);
+  const auto key = std::make_pair(dev, static_cast<int>(attr));
+  const auto it = cache.find(key);
   if (it != cache.end()) return it->second;
   int n = 0;
-  V4_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-  cache.emplace(dev, n);
+  V4_CUDA_CHECK(cudaDeviceGetAttribute(&n, attr, dev));
+  cache.emplace(key, n);
   return n;
 }
+// Multiprocessors of the current device.
+int sm_count() { return device_attribute(cudaDevAttrMultiProcessorCount); }
 
 // requested: 0 = automatic: the smallest power of two that gives each CTA at most `target`
 // elements of the longest possible row (2048 positions / 512 blocks when the rows are few,
@@ -816,12 +886,27 @@ Plan make_plan(const void* kernel, int requested, int64_t T, int64_t n_max, int 
   return pl;
 }
 
+// Launches of at most this many CTAs take a whole SM per CTA (their dynamic shared memory raised
+// past half an SM's): two CTAs of a selection on one SM slow each other more than the SMs they
+// leave free are worth. Three-lane cycles, docs/perf.md session 18 (same binary, two repetitions):
+// verify bs 1 (6 rows x 16 CTAs) -1.0 / -1.1 %, decode bs 4 -1.3 %, decode bs 2 -0.7 %, decode bs 1
+// even; with 128-CTA launches too, decode bs 8 +3.0 % and decode bs 32 +1.9 % (their clusters then
+// wait for whole free GPCs).
+constexpr int64_t kOneCtaPerSmMaxCtas = 96;
+
+// Shared memory per multiprocessor of the current device.
+size_t smem_per_sm() { return static_cast<size_t>(device_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor)); }
+
 void launch_plan(const char* who, const void* kernel_ptr, const Plan& pl, int64_t T, cudaStream_t stream, bool pdl,
                  LaunchConfig& cfg) {
   require(T * pl.cluster <= 0x7fffffff, who, "T too large for one grid dimension");
   cfg.grid = dim3(static_cast<unsigned>(T * pl.cluster), 1, 1);
   cfg.block = dim3(v3::kThreads, 1, 1);
   cfg.smem_bytes = pl.smem;
+  if (T * pl.cluster <= kOneCtaPerSmMaxCtas) {  // half an SM's shared memory: one CTA per SM
+    const size_t one = std::max(pl.smem, smem_per_sm() / 2);
+    if (pl.cluster == 1 || cluster_fits(kernel_ptr, pl.cluster, one)) cfg.smem_bytes = one;
+  }
   cfg.stream = stream;
   cfg.pdl = pdl;
   cfg.cluster = dim3(static_cast<unsigned>(pl.cluster), 1, 1);
