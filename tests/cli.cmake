@@ -84,6 +84,15 @@ if(V4ATTN_PYTHON3)
                    "${CMAKE_SOURCE_DIR}/tests/data/stamps_v2.txt" --intervals qchain)
   set_tests_properties(scripts.phase_stamps_intervals PROPERTIES PASS_REGULAR_EXPRESSION
     "qchain: 2 launches, 4 CTAs\n.*\n +14 -> +0 +4 +0\\.20 +0\\.20 +0\\.20 +0\\.20\n +0 -> +1 +4 +0\\.80 +2\\.15 +16\\.50 +16\\.50\n +1 -> +11 +4 +16\\.00 +18\\.65 +19\\.90 +19\\.90\n.*\n +14 +2 +-16\\.00 +-7\\.85 +0\\.30 +0\\.30\n +0 +2 +-15\\.80 +-7\\.65 +0\\.50 +0\\.50\n +1 +2 +0\\.70 +2\\.35 +4\\.00 +4\\.00\n +11 +2 +19\\.00 +19\\.50 +20\\.00 +20\\.00")
+  # --intervals topk_v3 on two one-row top-k launches of a decode bs 1 cycle (4 CTAs each, session
+  # 18): the selection's phase path (wait, pass p's histogram / exchange / digit at 4+4p..6+4p,
+  # compaction 20, end 21), not the GEMMs' (where 14 is the CTA's entry); the first launch ran three
+  # passes, the second two (the whole-bucket short cut: 10 -> 20).
+  add_test(NAME scripts.phase_stamps_intervals_select
+           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/phase_stamps.py"
+                   "${CMAKE_SOURCE_DIR}/tests/data/stamps_select.txt" --intervals topk_v3)
+  set_tests_properties(scripts.phase_stamps_intervals_select PROPERTIES PASS_REGULAR_EXPRESSION
+    "topk_v3: 2 launches, 8 CTAs\n.*\n +1 -> +4 +8 +1\\.98 +2\\.02 +2\\.02 +2\\.02\n.*\n +13 -> +14 +4 +0\\.64 +0\\.67 +0\\.67 +0\\.67\n +14 -> +20 +4 +1\\.63 +1\\.66 +1\\.70 +1\\.70\n +20 -> +21 +8 .*\n +10 -> +20 +4 +1\\.57 +1\\.63 +1\\.73 +1\\.73\n")
   add_test(NAME scripts.phase_stamps_intervals_unknown_kind
            COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/phase_stamps.py"
                    "${CMAKE_SOURCE_DIR}/tests/data/stamps_v2.txt" --intervals gemm9)
