@@ -49,6 +49,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <numeric>
@@ -61,6 +62,7 @@
 
 #include "bench_common.h"
 #include "runtime/cuda_utils.h"
+#include "runtime/phase_stamps.h"
 #include "v4attn/cache_layout.h"
 #include "v4attn/kernels/indexer_kernels.h"
 #include "v4attn/reference/indexer.h"
@@ -495,6 +497,11 @@ int main(int argc, char** argv) {
 
   try {
     if (!bench::gpu_present("bench_indexer")) return 2;
+    // Measurement builds (-DV4ATTN_PHASE_STAMPS): the stamps of the first launches (up to the
+    // buffer's records) written to $V4ATTN_STAMPS_OUT at the end, e.g. with --only topk:v3.
+    const char* stamps_out = std::getenv("V4ATTN_STAMPS_OUT");
+    const bool stamping = stamps_out != nullptr && stamps::available();
+    if (stamping) stamps::reset();
     for (int T : Ts)
       if (T < 1 || T > 1024) throw std::invalid_argument("--T values must be in [1, 1024]");
     for (int64_t c : clens)
@@ -687,6 +694,10 @@ int main(int argc, char** argv) {
                      {"median_us", r.median_us}, {"bytes", r.bytes}, {"floor_us", r.floor_us()},
                      {"ratio", r.median_us / r.floor_us()}, {"valid", r.valid}});
       bench::write_json(json_path, j);
+    }
+    if (stamping) {
+      V4_CUDA_CHECK(cudaDeviceSynchronize());
+      std::printf("wrote %ld phase stamps to %s\n", stamps::dump(stamps_out), stamps_out);
     }
     V4_CUDA_CHECK(cudaStreamDestroy(stream));
     return bench::validity_exit_code("bench_indexer", all_valid);
