@@ -18,7 +18,10 @@ for each launch after the first, when its CTAs entered (phase 14 where stamped, 
 returned from their PDL wait, relative to the end of the launch before it (its latest stamp).
 --intervals KIND (v2 files) gives, over every CTA of KIND's launches, the time between consecutive
 phases (p10 / median / p90 / max) and each phase's time after the previous launch's end: where a
-layer's time goes, phase by phase (session 16's view of the fused chain).
+layer's time goes, phase by phase (session 16's view of the fused chain). The selection kinds
+topk_v3 / mask_v3 (session 18) follow their own path: 0 entry, 1 wait, 2 keys compacted, per radix
+pass p 4+4p histogram, 5+4p the cluster's histograms received, 6+4p digit chosen, 20 output written,
+21 end. bench_indexer writes such a file too (V4ATTN_STAMPS_OUT=st bench_indexer --only topk:v3 ...).
 """
 import argparse
 import bisect
