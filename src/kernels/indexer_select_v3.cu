@@ -482,6 +482,11 @@ __device__ __forceinline__ uint32_t* recv_buffers() {
   return reinterpret_cast<uint32_t*>(v3_dyn_smem);
 }
 
+// emit_selected's prefetch for walks that read nothing ahead (the unmasked top-k, the mask).
+struct NoPrefetch {
+  __device__ int operator()(int64_t, uint32_t) const { return 0; }
+};
+
 // ---- top-k ----
 // The slot-table entries of a thread's candidate elements of one round (emit_selected's prefetch).
 template <int N>
@@ -658,8 +663,7 @@ __device__ __forceinline__ void topk_cta(const IndexerTopkParams& p, const Args&
       const Selection s = cluster_select(ch, load, k, sm, recv, keys_sm, a.cluster, rank, st);
       // No prefetch here: the candidates' slots loaded before the scan (as the compacted walk
       // does) measured slower in the cycle (docs/perf.md session 18, run 9).
-      const auto no_prefetch = [](int64_t, uint32_t) { return 0; };
-      emit_selected(ch, load, keys_sm, s, sm, no_prefetch, [&](int64_t j0, uint32_t sel, uint32_t off, int) {
+      emit_selected(ch, load, keys_sm, s, sm, NoPrefetch{}, [&](int64_t j0, uint32_t sel, uint32_t off, int) {
         int32_t slot[kTopkPer];  // gather first, then store
 #pragma unroll
         for (int e = 0; e < kTopkPer; ++e) slot[e] = ((sel >> e) & 1u) ? table[j0 + e] : -1;
@@ -726,8 +730,7 @@ __device__ __forceinline__ void mask_cta(const CandidateMaskParams& p, const Arg
         key[e] = b0 + e < ch.end ? block_key(row, c, p.block, b0 + e, n_blocks - 1, vec8) : 0u;
     };
     const Selection s = cluster_select(ch, load, k, sm, recv, keys_sm, a.cluster, rank, st);
-    const auto no_prefetch = [](int64_t, uint32_t) { return 0; };
-    emit_selected(ch, load, keys_sm, s, sm, no_prefetch, [&](int64_t b0, uint32_t sel, uint32_t, int) {
+    emit_selected(ch, load, keys_sm, s, sm, NoPrefetch{}, [&](int64_t b0, uint32_t sel, uint32_t, int) {
 #pragma unroll
       for (int e = 0; e < kMaskPer; ++e)
         if (b0 + e < ch.end) mask[b0 + e] = static_cast<uint8_t>((sel >> e) & 1u);
