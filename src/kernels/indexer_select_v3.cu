@@ -22,6 +22,9 @@
 // 1. Load: the CTA reads its chunk from global memory ONCE and keeps the keys in shared memory
 //    ("resident"). A chunk larger than the CTA's key capacity (rows longer than cluster * 24K
 //    positions / 192K blocks) is not kept: each pass re-reads it (from L2), same results.
+//    A resident top-k chunk whose last round would hold at most 512 positions (rows just past a
+//    multiple of cluster * 4096) ends with one position per thread instead (Chunk's kTail; in
+//    launches of clusters of at most kTailsMaxCluster CTAs).
 //    Top-k with a candidate mask (resident chunks): only the groups of 8 positions holding a
 //    selectable key are kept, compacted in position order (one block scan per round) with each
 //    group's first position; the passes and the compaction below then walk 2 keys per thread of
@@ -140,6 +143,7 @@ struct alignas(16) Smem {
   uint32_t hloc[kBins];                // this CTA's histogram of the current pass (read as uint4)
   uint32_t comb[2][kBinWarps][2];      // combine scan: per-warp (total, lower-rank) sums, by parity
   uint32_t scan[2][kWarps];            // compaction scan: per-warp packed sums, by round parity
+  uint32_t scan_tail[kWarps];          // the tail's per-warp packed counts (once per output walk)
   Found found[2];                      // by pass parity
   uint64_t mbar[2];                    // clustered: receive buffer b's arrivals (st.async tx bytes)
 };
@@ -188,16 +192,26 @@ __device__ __forceinline__ void init_exchange(Smem& sm, int cluster) {
 }
 
 // ---- one CTA's chunk ----
-template <int N>
+template <int N, bool kTail = false>
 struct Chunk {
   static constexpr int kRound = kThreads * N;
   int64_t begin = 0, end = 0;  // this CTA's elements [begin, end)
-  int rounds = 0;              // rounds covering a chunk (cluster-uniform)
+  int rounds = 0;              // full rounds covering a chunk (cluster-uniform)
   bool resident = false;       // keys kept in shared memory (else re-read every pass)
   bool preloaded = false;      // resident keys already in shared memory (the compacted top-k)
   __device__ int64_t first(int q) const {
     return begin + int64_t{q} * kRound + int64_t{threadIdx.x} * N;
   }
+  // kTail: a chunk whose last round would hold at most kThreads elements (rows just past a
+  // multiple of cluster * kRound, like the benchmark's 65537 = 8 * 8192 + 1 positions in 8-CTA
+  // clusters) ends with one element per thread (tail_elem) instead of that nearly empty round,
+  // its key kept in the round's place in shared memory (tail_key_index; the host's sizing holds).
+  // The round cost a load round trip, a block scan, a gather and N elements' histogram code per
+  // pass (docs/perf.md session 18, run 13); the tail's loads go with round 0's, its counts into
+  // the last round's scan, its histogram code is one element's. A compile-time variant whose
+  // walks run out of line (topk_tail_*), so that the walks without a tail keep their code.
+  __device__ int64_t tail_elem() const { return begin + int64_t{rounds} * kRound + threadIdx.x; }
+  __device__ int64_t tail_key_index() const { return int64_t{rounds} * kRound + threadIdx.x; }
 };
 
 template <int N>
@@ -210,10 +224,27 @@ __device__ Chunk<N> make_chunk(int64_t n, int cluster, uint32_t rank, int rounds
   ch.resident = ch.rounds <= rounds_cap;
   return ch;
 }
+// Whether a chunk of a row of n elements takes a tail (cluster-uniform): resident, and its last
+// round would hold at most kThreads elements.
+template <int N>
+__device__ bool takes_tail(const Chunk<N>& ch, int64_t n, int cluster) {
+  return ch.resident && ch.rounds >= 2 &&
+         chunk_elems(n, cluster) - int64_t{ch.rounds - 1} * Chunk<N>::kRound <= kThreads;
+}
+template <int N>
+__device__ Chunk<N, true> with_tail(const Chunk<N>& ch) {
+  Chunk<N, true> t;
+  t.begin = ch.begin;
+  t.end = ch.end;
+  t.rounds = ch.rounds - 1;
+  t.resident = ch.resident;
+  t.preloaded = ch.preloaded;
+  return t;
+}
 
 // This thread's keys of round q: from shared memory (resident) or through load(q, key).
-template <int N, class Load>
-__device__ __forceinline__ void round_keys(const Chunk<N>& ch, const Load& load, const uint32_t* keys_sm, int q,
+template <int N, bool kTail, class Load>
+__device__ __forceinline__ void round_keys(const Chunk<N, kTail>& ch, const Load& load, const uint32_t* keys_sm, int q,
                                            uint32_t (&key)[N]) {
   if (ch.resident) {
     const uint32_t* src = keys_sm + int64_t{q} * Chunk<N>::kRound + int64_t{threadIdx.x} * N;
@@ -260,10 +291,30 @@ struct Selection {
   uint32_t total = 0;      // keys the row selects: min(k, valid keys)
 };
 
+// One key's share of a pass's local histogram (every lane of the warp calls it alike).
+__device__ __forceinline__ void histogram_key(uint32_t k, int pass, int shift, uint32_t prefix, unsigned lane,
+                                              Smem& sm) {
+  const bool take = k != 0u && (pass == 0 || (k >> (shift + kDigitBits)) == prefix);
+  const uint32_t active = __ballot_sync(kFullMask, take);
+  if (take) {
+    // One atomic per warp when the taking lanes share the digit (the top digits of a row's keys
+    // mostly do), else one per lane: cheaper than grouping the lanes by digit
+    // (__match_any_sync), whose latency was the histogram's top stall.
+    const uint32_t digit = (k >> shift) & (kBins - 1u);
+    const int leader = __ffs(active) - 1;
+    const uint32_t lead_digit = __shfl_sync(active, digit, leader);
+    if (__all_sync(active, digit == lead_digit)) {
+      if (lane == static_cast<unsigned>(leader)) atomicAdd(&sm.hloc[digit], __popc(active));
+    } else {
+      atomicAdd(&sm.hloc[digit], 1u);
+    }
+  }
+}
+
 // Local histogram of digit (key >> shift) & 255 over the valid keys whose higher digits equal
 // `prefix` (all valid keys in pass 0), added into sm.hloc (zero on entry).
-template <int N, class Load>
-__device__ void local_histogram(const Chunk<N>& ch, const Load& load, const uint32_t* keys_sm, int pass,
+template <int N, bool kTail, class Load>
+__device__ void local_histogram(const Chunk<N, kTail>& ch, const Load& load, const uint32_t* keys_sm, int pass,
                                 uint32_t prefix, Smem& sm) {
   const int shift = 32 - kDigitBits * (pass + 1);
   const unsigned lane = threadIdx.x & 31u;
@@ -271,32 +322,16 @@ __device__ void local_histogram(const Chunk<N>& ch, const Load& load, const uint
     uint32_t key[N];
     round_keys(ch, load, keys_sm, q, key);
 #pragma unroll
-    for (int e = 0; e < N; ++e) {
-      const uint32_t k = key[e];
-      const bool take = k != 0u && (pass == 0 || (k >> (shift + kDigitBits)) == prefix);
-      const uint32_t active = __ballot_sync(kFullMask, take);
-      if (take) {
-        // One atomic per warp when the taking lanes share the digit (the top digits of a row's
-        // keys mostly do), else one per lane: cheaper than grouping the lanes by digit
-        // (__match_any_sync), whose latency was the histogram's top stall.
-        const uint32_t digit = (k >> shift) & (kBins - 1u);
-        const int leader = __ffs(active) - 1;
-        const uint32_t lead_digit = __shfl_sync(active, digit, leader);
-        if (__all_sync(active, digit == lead_digit)) {
-          if (lane == static_cast<unsigned>(leader)) atomicAdd(&sm.hloc[digit], __popc(active));
-        } else {
-          atomicAdd(&sm.hloc[digit], 1u);
-        }
-      }
-    }
+    for (int e = 0; e < N; ++e) histogram_key(key[e], pass, shift, prefix, lane, sm);
   }
+  if constexpr (kTail) histogram_key(keys_sm[ch.tail_key_index()], pass, shift, prefix, lane, sm);  // resident
 }
 
 // The top k (k >= 1) of the row over the cluster. All threads of all CTAs of the cluster call it
 // with the same k and cluster-uniform chunk shapes. sm.hloc must be zero and visible (synced).
 // Clustered: the caller has issued cluster_arrive_relaxed() (matched here before the first push).
-template <int N, class Load>
-__device__ Selection cluster_select(const Chunk<N>& ch, const Load& load, uint32_t k, Smem& sm, uint32_t* recv,
+template <int N, bool kTail, class Load>
+__device__ Selection cluster_select(const Chunk<N, kTail>& ch, const Load& load, uint32_t k, Smem& sm, uint32_t* recv,
                                     uint32_t* keys_sm, int cluster, uint32_t rank, const StampCtx& st) {
   const bool clustered = cluster > 1;
   const int tid = static_cast<int>(threadIdx.x), lane = tid & 31, wid = tid >> 5;
@@ -435,15 +470,37 @@ __device__ __forceinline__ uint32_t block_excl_scan(uint32_t v, uint32_t& total,
   return before + incl - v;
 }
 
+// One round of emit_selected after its scan: the thread's selected elements and output offset.
+template <int N, class Pf, class Emit>
+__device__ __forceinline__ void emit_round(const uint32_t (&key)[N], const Selection& s, uint32_t gt_seen,
+                                           uint32_t eq_seen, uint32_t excl, int64_t first, const Pf& pf,
+                                           const Emit& emit) {
+  const uint32_t gt = gt_seen + (excl >> 16);
+  uint32_t eq = eq_seen + (excl & 0xffffu);
+  const uint32_t off = gt + min(eq, s.k_eq);
+  uint32_t sel = 0u;
+#pragma unroll
+  for (int e = 0; e < N; ++e) {
+    const bool valid = key[e] != 0u;
+    const bool is_eq = valid && key[e] == s.thr;
+    const bool take = (valid && key[e] > s.thr) || (is_eq && eq < s.k_eq);
+    eq += is_eq ? 1u : 0u;
+    sel |= static_cast<uint32_t>(take) << e;
+  }
+  emit(first, sel, off, pf);
+}
+
 // Ordered compaction of this CTA's chunk: emit(first_element, selected_bits, output_offset, pf)
 // once per thread and round (bit e = element first + e; offsets count from the row's first
 // output), pf = prefetch(first_element, candidate_bits) issued before the round's block scan:
 // what the emit reads from global memory for the candidates (valid keys >= thr, a superset of
 // the selected ones that does not wait for the scan) is then in flight during the scan instead of
-// a dependent round trip after it.
-template <int N, class Load, class Prefetch, class Emit>
-__device__ void emit_selected(const Chunk<N>& ch, const Load& load, const uint32_t* keys_sm, const Selection& s,
-                              Smem& sm, const Prefetch& prefetch, const Emit& emit) {
+// a dependent round trip after it. A chunk's tail (resident) is counted in its last round's scan
+// (its elements follow every round's in position order) and emitted after that round through
+// tail.prefetch(element, candidate) / tail.emit(element, selected, output_offset, pf).
+template <int N, bool kTail, class Load, class Prefetch, class Emit, class Tail>
+__device__ void emit_selected(const Chunk<N, kTail>& ch, const Load& load, const uint32_t* keys_sm, const Selection& s,
+                              Smem& sm, const Prefetch& prefetch, const Emit& emit, const Tail& tail) {
   uint32_t gt_seen = s.gt_before, eq_seen = s.eq_before;
   for (int q = 0; q < ch.rounds; ++q) {
     uint32_t key[N];
@@ -457,25 +514,38 @@ __device__ void emit_selected(const Chunk<N>& ch, const Load& load, const uint32
       cand |= static_cast<uint32_t>(valid && key[e] >= s.thr) << e;
     }
     const auto pf = prefetch(ch.first(q), cand);
-    uint32_t total;
-    const uint32_t excl = block_excl_scan((n_gt << 16) | n_eq, total, sm.scan[q & 1]);
-    const uint32_t gt = gt_seen + (excl >> 16);
-    uint32_t eq = eq_seen + (excl & 0xffffu);
-    const uint32_t off = gt + min(eq, s.k_eq);
-    uint32_t sel = 0u;
-#pragma unroll
-    for (int e = 0; e < N; ++e) {
-      const bool valid = key[e] != 0u;
-      const bool is_eq = valid && key[e] == s.thr;
-      const bool take = (valid && key[e] > s.thr) || (is_eq && eq < s.k_eq);
-      eq += is_eq ? 1u : 0u;
-      sel |= static_cast<uint32_t>(take) << e;
+    const uint32_t packed = (n_gt << 16) | n_eq;
+    uint32_t excl, total;
+    if (kTail && q == ch.rounds - 1) {  // cluster-uniform
+      // The tail's counts by warp ballots, its warps' sums published by the round's scan barrier.
+      const uint32_t tk = keys_sm[ch.tail_key_index()];
+      const bool t_valid = tk != 0u;
+      const auto t_pf = tail.prefetch(ch.tail_elem(), t_valid && tk >= s.thr);
+      const uint32_t b_gt = __ballot_sync(kFullMask, t_valid && tk > s.thr);
+      const uint32_t b_eq = __ballot_sync(kFullMask, t_valid && tk == s.thr);
+      const unsigned lane = threadIdx.x & 31u, wid = threadIdx.x >> 5;
+      if (lane == 0) sm.scan_tail[wid] = (static_cast<uint32_t>(__popc(b_gt)) << 16) | __popc(b_eq);
+      excl = block_excl_scan(packed, total, sm.scan[q & 1]);
+      uint32_t t_before = 0u;
+      for (unsigned w = 0; w < wid; ++w) t_before += sm.scan_tail[w];
+      const uint32_t lower = (1u << lane) - 1u;
+      const uint32_t t_gt = gt_seen + (total >> 16) + (t_before >> 16) + __popc(b_gt & lower);
+      const uint32_t t_eq = eq_seen + (total & 0xffffu) + (t_before & 0xffffu) + __popc(b_eq & lower);
+      const bool t_take = t_valid && (tk > s.thr || (tk == s.thr && t_eq < s.k_eq));
+      emit_round(key, s, gt_seen, eq_seen, excl, ch.first(q), pf, emit);
+      tail.emit(ch.tail_elem(), t_take, t_gt + min(t_eq, s.k_eq), t_pf);
+    } else {
+      excl = block_excl_scan(packed, total, sm.scan[q & 1]);
+      emit_round(key, s, gt_seen, eq_seen, excl, ch.first(q), pf, emit);
     }
-    emit(ch.first(q), sel, off, pf);
     gt_seen += total >> 16;
     eq_seen += total & 0xffffu;
   }
 }
+
+// The selection kernels' static shared memory at namespace scope, so that the out-of-line tail
+// walks (topk_tail_*) address it as shared memory too.
+__shared__ Smem v3_sm;
 
 __device__ __forceinline__ uint32_t* recv_buffers() {
   extern __shared__ __align__(16) uint8_t v3_dyn_smem[];
@@ -485,6 +555,11 @@ __device__ __forceinline__ uint32_t* recv_buffers() {
 // emit_selected's prefetch for walks that read nothing ahead (the unmasked top-k, the mask).
 struct NoPrefetch {
   __device__ int operator()(int64_t, uint32_t) const { return 0; }
+};
+// emit_selected's tail handler for walks without a tail (the mask, the compacted top-k).
+struct NoTail {
+  __device__ int prefetch(int64_t, bool) const { return 0; }
+  __device__ void emit(int64_t, bool, uint32_t, int) const {}
 };
 
 // ---- top-k ----
@@ -535,6 +610,36 @@ __device__ __forceinline__ void load_score_keys(const float* row, const uint8_t*
   }
 }
 
+// A chunk tail's element j (Chunk's kTail): its score and mask byte, loaded before round 0's keys
+// so that both share one latency, and its key once they are used.
+struct TailLoad {
+  float v;
+  uint8_t m;
+};
+__device__ __forceinline__ TailLoad issue_tail_load(const float* row, const uint8_t* mask, int mask_block, int64_t j,
+                                                    int64_t end) {
+  const bool in = j < end;
+  TailLoad t;
+  t.v = in ? row[j] : neg_inf();
+  t.m = mask != nullptr && in ? mask[mask_block == kTopkPer ? j >> 3 : j / mask_block] : uint8_t{1};
+  return t;
+}
+__device__ __forceinline__ uint32_t tail_key(const TailLoad& t) {
+  return (t.m != 0 && t.v > neg_inf()) ? value_key(t.v) : 0u;
+}
+
+// The unmasked top-k's tail: the candidate's slot-table entry loaded before the last round's
+// scan, stored at its output offset when selected.
+struct SlotTail {
+  const int32_t* table;
+  int32_t* out;
+  int64_t out_stride;
+  __device__ int32_t prefetch(int64_t j, bool cand) const { return cand ? table[j] : -1; }
+  __device__ void emit(int64_t, bool take, uint32_t off, int32_t slot) const {
+    if (take && off < out_stride) out[off] = slot;
+  }
+};
+
 // Containment of the row metadata, exactly like v1 / v2 (counted once per row by the caller).
 __device__ __forceinline__ int64_t clamp_topk_row(int32_t req, int64_t c, const IndexerTopkParams& p, bool& err) {
   err = false;
@@ -565,9 +670,12 @@ __device__ __forceinline__ int64_t clamp_topk_row(int32_t req, int64_t c, const 
 // the kept groups instead of kTopkPer of every group. Dropping keys that are 0 changes no count
 // the selection uses (they are never selected), so the output is the same bit for bit.
 constexpr int kCompactPer = 2;
-template <class Load>
-__device__ uint32_t compact_groups(const Chunk<kTopkPer>& ch, const Load& load, uint32_t* keys_sm, int32_t* first_pos,
-                                   Smem& sm) {
+// A chunk's tail (kTail, its element's loads in `tl`) is kept as a group of its one key (7 zeros
+// after it), after the last round's groups: one scan counts both (tail groups in the high half).
+template <bool kTail, class Load>
+__device__ uint32_t compact_groups(const Chunk<kTopkPer, kTail>& ch, const Load& load, const TailLoad& tl,
+                                   uint32_t* keys_sm, int32_t* first_pos, Smem& sm) {
+  static_assert(kTopkPer == 8, "two uint4 per group");
   uint32_t n = 0;
   for (int q = 0; q < ch.rounds; ++q) {
     uint32_t key[kTopkPer];
@@ -575,21 +683,97 @@ __device__ uint32_t compact_groups(const Chunk<kTopkPer>& ch, const Load& load, 
     bool any = false;
 #pragma unroll
     for (int e = 0; e < kTopkPer; ++e) any = any || key[e] != 0u;
+    const uint32_t tk = kTail && q == ch.rounds - 1 ? tail_key(tl) : 0u;  // cluster-uniform
     uint32_t total;
-    const uint32_t g = n + block_excl_scan(any ? 1u : 0u, total, sm.scan[q & 1]);
+    const uint32_t excl =
+        block_excl_scan((static_cast<uint32_t>(tk != 0u) << 16) | (any ? 1u : 0u), total, sm.scan[q & 1]);
     if (any) {
+      const uint32_t g = n + (excl & 0xffffu);
       uint4* dst = reinterpret_cast<uint4*>(keys_sm + int64_t{g} * kTopkPer);
-      static_assert(kTopkPer == 8, "two uint4 per group");
       dst[0] = make_uint4(key[0], key[1], key[2], key[3]);
       dst[1] = make_uint4(key[4], key[5], key[6], key[7]);
       first_pos[g] = static_cast<int32_t>(ch.first(q));
     }
-    n += total;
+    if (tk != 0u) {
+      const uint32_t g = n + (total & 0xffffu) + (excl >> 16);
+      uint4* dst = reinterpret_cast<uint4*>(keys_sm + int64_t{g} * kTopkPer);
+      dst[0] = make_uint4(tk, 0u, 0u, 0u);
+      dst[1] = make_uint4(0u, 0u, 0u, 0u);
+      first_pos[g] = static_cast<int32_t>(ch.tail_elem());
+    }
+    n += (total & 0xffffu) + (total >> 16);
   }
   return n;
 }
 
-// One CTA of row t's cluster (the top-k kernel, or the top-k half of the pair kernel).
+// The unmasked top-k's emit: the selected positions' slot-table entries, gathered first, then
+// stored at the thread's output offsets.
+struct SlotEmit {
+  const int32_t* table;
+  int32_t* out;
+  int64_t out_stride;
+  __device__ void operator()(int64_t j0, uint32_t sel, uint32_t off, int) const {
+    int32_t slot[kTopkPer];
+#pragma unroll
+    for (int e = 0; e < kTopkPer; ++e) slot[e] = ((sel >> e) & 1u) ? table[j0 + e] : -1;
+#pragma unroll
+    for (int e = 0; e < kTopkPer; ++e)
+      if ((sel >> e) & 1u) {
+        if (off < out_stride) out[off] = slot[e];
+        ++off;
+      }
+  }
+};
+
+// The row's score keys and mask, as the top-k walks load them.
+struct ScoreRow {
+  const float* row;
+  const uint8_t* mask;  // null: no candidate mask
+  int mask_block;
+  bool vec;
+};
+
+// The walks of chunks with a tail, out of line: inlined beside the walks without one, their
+// registers reshaped those walks' allocation (~1 us slower at 24-32 rows, docs/perf.md session 19).
+// The compacted top-k's compaction of a chunk with a tail: returns the kept keys' count.
+__device__ __noinline__ uint32_t topk_tail_compact(const Chunk<kTopkPer> ch, const ScoreRow r, int cluster,
+                                                   int rounds_cap) {
+  uint32_t* keys_sm = recv_buffers() + 2 * cluster * kBins;
+  int32_t* first_pos = reinterpret_cast<int32_t*>(keys_sm + int64_t{rounds_cap} * Chunk<kTopkPer>::kRound);
+  const auto cht = with_tail(ch);
+  const TailLoad tl = issue_tail_load(r.row, r.mask, r.mask_block, cht.tail_elem(), cht.end);  // before round 0's
+  const auto load = [&](int q, uint32_t (&key)[kTopkPer]) {
+    load_score_keys(r.row, r.mask, r.mask_block, cht.first(q), cht.end, r.vec, key);
+  };
+  return kTopkPer * compact_groups(cht, load, tl, keys_sm, first_pos, v3_sm);
+}
+// The uncompacted top-k of a chunk with a tail (resident): keys loaded here, the tail's with round
+// 0's latency, then the selection and the ordered output; returns the row's selected count.
+__device__ __noinline__ uint32_t topk_tail_walk(const Chunk<kTopkPer> ch, const ScoreRow r, int cluster, uint32_t rank,
+                                                uint32_t k, const SlotEmit emit, const StampCtx st) {
+  uint32_t* recv = recv_buffers();
+  uint32_t* keys_sm = recv + 2 * cluster * kBins;
+  auto cht = with_tail(ch);
+  const TailLoad tl = issue_tail_load(r.row, r.mask, r.mask_block, cht.tail_elem(), cht.end);
+  const auto load = [&](int q, uint32_t (&key)[kTopkPer]) {
+    load_score_keys(r.row, r.mask, r.mask_block, cht.first(q), cht.end, r.vec, key);
+  };
+  for (int q = 0; q < cht.rounds; ++q) {
+    uint32_t key[kTopkPer];
+    load(q, key);
+    store_round_keys(keys_sm, q, key);  // read back by this thread only: no barrier needed
+  }
+  keys_sm[cht.tail_key_index()] = tail_key(tl);
+  cht.preloaded = true;
+  const Selection s = cluster_select(cht, load, k, v3_sm, recv, keys_sm, cluster, rank, st);
+  emit_selected(cht, load, keys_sm, s, v3_sm, NoPrefetch{}, emit, SlotTail{emit.table, emit.out, emit.out_stride});
+  return s.total;
+}
+
+// One CTA of row t's cluster (the top-k kernel, or the top-k half of the pair kernel). kTails:
+// chunks take a tail where they can (Chunk's kTail; the host's choice, kTailsMaxCluster); without,
+// none of the tail walks' code is in the kernel.
+template <bool kTails>
 __device__ __forceinline__ void topk_cta(const IndexerTopkParams& p, const Args& a, int64_t t, Smem& sm) {
   uint32_t* recv = recv_buffers();
   uint32_t* keys_sm = recv + 2 * a.cluster * kBins;
@@ -615,16 +799,21 @@ __device__ __forceinline__ void topk_cta(const IndexerTopkParams& p, const Args&
   if (k > 0) {
     __syncthreads();  // hloc zeroed
     const Chunk<kTopkPer> ch = make_chunk<kTopkPer>(c, a.cluster, rank, a.rounds_cap);
+    const bool tail = kTails && takes_tail(ch, c, a.cluster);
     const float* row = p.scores + t * p.score_stride;
     const uint8_t* mrow = p.candidate_mask != nullptr ? p.candidate_mask + t * p.mask_stride : nullptr;
-    const auto load = [&](int q, uint32_t (&key)[kTopkPer]) {
+    const auto load = [&](int q, uint32_t (&key)[kTopkPer]) {  // the same positions with or without a tail
       load_score_keys(row, mrow, p.mask_block, ch.first(q), ch.end, a.vec, key);
     };
     const int32_t* table = p.comp_slot_table + static_cast<int64_t>(req) * p.comp_table_stride;
     const int64_t out_stride = p.out_stride;
     if (a.compact && mrow != nullptr && ch.resident) {
       int32_t* first_pos = reinterpret_cast<int32_t*>(keys_sm + int64_t{a.rounds_cap} * Chunk<kTopkPer>::kRound);
-      const uint32_t n_keys = kTopkPer * compact_groups(ch, load, keys_sm, first_pos, sm);
+      uint32_t n_keys = 0;
+      if constexpr (kTails) {
+        if (tail) n_keys = topk_tail_compact(ch, ScoreRow{row, mrow, p.mask_block, a.vec}, a.cluster, a.rounds_cap);
+      }
+      if (!tail) n_keys = kTopkPer * compact_groups(ch, load, TailLoad{}, keys_sm, first_pos, sm);
       Chunk<kCompactPer> cc;  // flat indices into the kept groups' keys
       cc.begin = 0;
       cc.end = n_keys;
@@ -647,35 +836,33 @@ __device__ __forceinline__ void topk_cta(const IndexerTopkParams& p, const Args&
         }
         return pf;
       };
-      emit_selected(cc, no_load, keys_sm, s, sm, prefetch, [&](int64_t, uint32_t sel, uint32_t off,
-                                                               const SlotPrefetch<kCompactPer>& pf) {
-        const int32_t* slot = pf.slot;
+      emit_selected(
+          cc, no_load, keys_sm, s, sm, prefetch,
+          [&](int64_t, uint32_t sel, uint32_t off, const SlotPrefetch<kCompactPer>& pf) {
+            const int32_t* slot = pf.slot;
 #pragma unroll
-        for (int e = 0; e < kCompactPer; ++e)
-          if ((sel >> e) & 1u) {
-            if (off < out_stride) out[off] = slot[e];
-            ++off;
-          }
-      });
+            for (int e = 0; e < kCompactPer; ++e)
+              if ((sel >> e) & 1u) {
+                if (off < out_stride) out[off] = slot[e];
+                ++off;
+              }
+          },
+          NoTail{});
       st.at(20);
       n_out = s.total;
     } else {
-      const Selection s = cluster_select(ch, load, k, sm, recv, keys_sm, a.cluster, rank, st);
       // No prefetch here: the candidates' slots loaded before the scan (as the compacted walk
       // does) measured slower in the cycle (docs/perf.md session 18, run 9).
-      emit_selected(ch, load, keys_sm, s, sm, NoPrefetch{}, [&](int64_t j0, uint32_t sel, uint32_t off, int) {
-        int32_t slot[kTopkPer];  // gather first, then store
-#pragma unroll
-        for (int e = 0; e < kTopkPer; ++e) slot[e] = ((sel >> e) & 1u) ? table[j0 + e] : -1;
-#pragma unroll
-        for (int e = 0; e < kTopkPer; ++e)
-          if ((sel >> e) & 1u) {
-            if (off < out_stride) out[off] = slot[e];
-            ++off;
-          }
-      });
+      const SlotEmit emit{table, out, out_stride};
+      if constexpr (kTails) {
+        if (tail) n_out = topk_tail_walk(ch, ScoreRow{row, mrow, p.mask_block, a.vec}, a.cluster, rank, k, emit, st);
+      }
+      if (!tail) {
+        const Selection s = cluster_select(ch, load, k, sm, recv, keys_sm, a.cluster, rank, st);
+        emit_selected(ch, load, keys_sm, s, sm, NoPrefetch{}, emit, NoTail{});
+        n_out = s.total;
+      }
       st.at(20);
-      n_out = s.total;
     }
   }
   const int64_t step = int64_t{a.cluster} * kThreads;
@@ -685,10 +872,10 @@ __device__ __forceinline__ void topk_cta(const IndexerTopkParams& p, const Args&
   dev::pdl_launch_dependents();  // after this thread's last store
 }
 
+template <bool kTails>
 __global__ void __launch_bounds__(kThreads, kMinCtas)
     indexer_topk_v3_kernel(const __grid_constant__ IndexerTopkParams p, const Args a) {
-  __shared__ Smem sm;
-  topk_cta(p, a, blockIdx.x / static_cast<unsigned>(a.cluster), sm);
+  topk_cta<kTails>(p, a, blockIdx.x / static_cast<unsigned>(a.cluster), v3_sm);
 }
 
 // ---- candidate mask ----
@@ -730,11 +917,14 @@ __device__ __forceinline__ void mask_cta(const CandidateMaskParams& p, const Arg
         key[e] = b0 + e < ch.end ? block_key(row, c, p.block, b0 + e, n_blocks - 1, vec8) : 0u;
     };
     const Selection s = cluster_select(ch, load, k, sm, recv, keys_sm, a.cluster, rank, st);
-    emit_selected(ch, load, keys_sm, s, sm, NoPrefetch{}, [&](int64_t b0, uint32_t sel, uint32_t, int) {
+    emit_selected(
+        ch, load, keys_sm, s, sm, NoPrefetch{},
+        [&](int64_t b0, uint32_t sel, uint32_t, int) {
 #pragma unroll
-      for (int e = 0; e < kMaskPer; ++e)
-        if (b0 + e < ch.end) mask[b0 + e] = static_cast<uint8_t>((sel >> e) & 1u);
-    });
+          for (int e = 0; e < kMaskPer; ++e)
+            if (b0 + e < ch.end) mask[b0 + e] = static_cast<uint8_t>((sel >> e) & 1u);
+        },
+        NoTail{});
     st.at(20);
     zero_from = n_blocks;
   }
@@ -747,20 +937,19 @@ __device__ __forceinline__ void mask_cta(const CandidateMaskParams& p, const Arg
 
 __global__ void __launch_bounds__(kThreads, kMinCtas)
     candidate_mask_v3_kernel(const __grid_constant__ CandidateMaskParams p, const Args a) {
-  __shared__ Smem sm;
-  mask_cta(p, a, blockIdx.x / static_cast<unsigned>(a.cluster), sm);
+  mask_cta(p, a, blockIdx.x / static_cast<unsigned>(a.cluster), v3_sm);
 }
 
 // The candidate source's two selections over the same scores in one launch: clusters [0, T) of the
 // grid run the top-k of rows 0..T-1, clusters [T, 2T) the candidate mask (both kinds of cluster
 // have the same size; a cluster never mixes them). Neither needs the other's output.
+template <bool kTails>
 __global__ void __launch_bounds__(kThreads, kMinCtas)
     select_pair_v3_kernel(const __grid_constant__ IndexerTopkParams tp, const __grid_constant__ CandidateMaskParams mp,
                           const Args ta, const Args ma) {
-  __shared__ Smem sm;
   const int64_t c = blockIdx.x / static_cast<unsigned>(ta.cluster);
-  if (c < tp.T) topk_cta(tp, ta, c, sm);
-  else mask_cta(mp, ma, c - tp.T, sm);
+  if (c < tp.T) topk_cta<kTails>(tp, ta, c, v3_sm);
+  else mask_cta(mp, ma, c - tp.T, v3_sm);
 }
 
 }  // namespace v3
@@ -963,6 +1152,16 @@ v3::Args args_of(const Plan& pl, const float* scores, int64_t score_stride) {
   a.compact = pl.compact;
   return a;
 }
+// Launches of clusters of at most this many CTAs run the top-k kernels with chunk tails (Chunk's
+// kTail); larger clusters the ones without their code. Three-lane cycles (docs/perf.md session 19,
+// runs 9-10, against the session-start binary in the same run): at 65537-position rows verify bs 4
+// (8-CTA clusters) -0.8 %, verify bs 8, decode bs 16 / 32 (4-CTA clusters) -0.5 to -0.9 %; at
+// 60001-position rows (no tail) within +-0.3 %. With tails in the 16-CTA launches too (up to 12
+// rows), verify bs 1 +0.3 %: there the bench's gain (one row 17.6 -> 14.7 us) does not reach the
+// cycle.
+constexpr int kTailsMaxCluster = 8;
+bool takes_tails(const Plan& pl) { return pl.cluster <= kTailsMaxCluster; }
+
 // The top-k's rows with a candidate mask take the compacted walk (compact_groups).
 bool topk_compacts(const IndexerTopkParams& p) { return p.candidate_mask != nullptr && p.v3_compact; }
 
@@ -971,9 +1170,9 @@ bool topk_compacts(const IndexerTopkParams& p) { return p.candidate_mask != null
 void run_indexer_topk_v3(const IndexerTopkParams& p, cudaStream_t stream, bool pdl) {
   const char* who = "run_indexer_topk_v3";
   if (!check_topk_v3(p, who)) return;
-  const auto kernel = v3::indexer_topk_v3_kernel;
-  const Plan pl = make_plan(reinterpret_cast<const void*>(kernel), p.v3_cluster, p.T, p.score_stride, v3::kTopkPer, who,
-                            topk_compacts(p));
+  const Plan pl = make_plan(reinterpret_cast<const void*>(v3::indexer_topk_v3_kernel<false>), p.v3_cluster, p.T,
+                            p.score_stride, v3::kTopkPer, who, topk_compacts(p));
+  const auto kernel = takes_tails(pl) ? v3::indexer_topk_v3_kernel<true> : v3::indexer_topk_v3_kernel<false>;
   LaunchConfig cfg;
   launch_plan(who, reinterpret_cast<const void*>(kernel), pl, p.T, stream, pdl, cfg);
   launch_kernel("indexer_topk_v3", kernel, cfg, p, args_of(pl, p.scores, p.score_stride));
@@ -1012,13 +1211,12 @@ bool run_indexer_select_pair_v3(const IndexerTopkParams& tp, const CandidateMask
   require(tp.candidate_mask == nullptr || tp.candidate_mask != mp.mask, who,
           "the top-k cannot read the mask the same launch writes");
   if (!any_t) return true;
-  const auto pair = v3::select_pair_v3_kernel;
-  const void* pair_ptr = reinterpret_cast<const void*>(pair);
+  const void* pair_ptr = reinterpret_cast<const void*>(v3::select_pair_v3_kernel<false>);
   // The automatic cluster for 2T rows within one wave of 2 CTAs per SM (the pair's two halves);
   // when that is smaller than what the top-k alone takes (9..31 rows on 132 SMs), two launches
   // one after the other are faster than a pair of smaller clusters: then the caller's order
   // (mask, top-k) is kept. At 32 rows both take 4-CTA clusters: one launch of 256 CTAs (run 10).
-  const Plan alone = make_plan(reinterpret_cast<const void*>(v3::indexer_topk_v3_kernel), tp.v3_cluster, tp.T,
+  const Plan alone = make_plan(reinterpret_cast<const void*>(v3::indexer_topk_v3_kernel<false>), tp.v3_cluster, tp.T,
                                tp.score_stride, v3::kTopkPer, who, topk_compacts(tp));
   const Plan pt = make_plan(pair_ptr, tp.v3_cluster, 2 * tp.T, tp.score_stride, v3::kTopkPer, who, topk_compacts(tp),
                             2 * int64_t{sm_count()});
@@ -1030,8 +1228,9 @@ bool run_indexer_select_pair_v3(const IndexerTopkParams& tp, const CandidateMask
     return false;
   }
   pm.smem = smem;
+  const auto pair = takes_tails(pt) ? v3::select_pair_v3_kernel<true> : v3::select_pair_v3_kernel<false>;
   LaunchConfig cfg;
-  launch_plan(who, pair_ptr, pm, 2 * tp.T, stream, pdl, cfg);
+  launch_plan(who, reinterpret_cast<const void*>(pair), pm, 2 * tp.T, stream, pdl, cfg);
   launch_kernel("select_pair_v3", pair, cfg, tp, mp, args_of(pt, tp.scores, tp.score_stride),
                 args_of(pm, mp.scores, mp.score_stride));
   return true;

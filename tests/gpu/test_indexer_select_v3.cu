@@ -507,6 +507,72 @@ TEST(GpuIndexerSelectV3, TopkCompactedMaskEdges) {
   }
 }
 
+// Chunk tails (launches of clusters of at most 8 CTAs): a resident chunk whose last round would
+// hold at most 512 positions ends with one position per thread after its full rounds instead
+// (rows just past a multiple of cluster x 4096, like the benchmark's 65537 = 8 x 8192 + 1).
+// Lengths around the tail ranges of every cluster size (cluster 1: 4097..4608 and 8193..8704; 8:
+// 32769..36864 and 65537..69632; 16, which takes none: 65537..73728) and just past them (a
+// near-full last round, no tail), with the tail positions
+// holding ties of the threshold (kTies, kAdjacent: their order after every round's positions
+// decides which are taken), a candidate mask (the compacted walk, both mask block sizes; and the
+// uncompacted walk), PDL with late scores, and the pair kernel.
+TEST(GpuIndexerSelectV3, TopkChunkTails) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5e1e300a);
+  const std::vector<int32_t> clen = {4097, 4100, 4608, 4609, 8193, 8704, 32769, 34817, 36864, 36865,
+                                     65537, 65543, 69632, 69633, 73728, 73729, 0, 1};
+  const int64_t stride = 73736;
+  for (Flavour f : {Flavour::kNormal, Flavour::kTies, Flavour::kAdjacent}) {
+    const auto pb = make_topk_problem(clen, stride, 512, 576, rng, f);
+    const auto want = reference_topk(pb);
+    check_topk_all_clusters(pb, want, std::string("tails ") + flavour_name(f));
+    TopkRun run;
+    run.mode = Launch::kPdlLate;
+    run.cluster = 16;
+    expect_same_bytes(gpu_topk(pb, run), want, std::string("tails, pdl late, ") + flavour_name(f), pb.out_stride);
+  }
+  // One row per launch (65537 positions and a little more): the 8-CTA chunks' tail positions
+  // (the last per - 8192 of each chunk of per positions) made the row's largest scores, with ties
+  // among them, so that the tails hold the selected positions.
+  for (int32_t n : {65537, 65540, 69000}) {
+    auto pb = make_topk_problem({n}, stride, 512, 512, rng, Flavour::kNormal);
+    const int64_t per = ((n + 7) / 8 + 7) / 8 * 8;
+    for (int64_t r = 0; r < 8; ++r)
+      for (int64_t j = r * per + 8192; j < std::min<int64_t>((r + 1) * per, n); ++j)
+        pb.scores[static_cast<size_t>(j)] = 1000.0f + static_cast<float>(j % 3);
+    check_topk_all_clusters(pb, reference_topk(pb), "one row of " + std::to_string(n) + ", hot tail");
+  }
+  for (int mask_block : {8, 5}) {
+    for (bool compact : {true, false}) {
+      auto pb = make_topk_problem(clen, stride, 512, 512, rng, Flavour::kTies);
+      pb.mask_block = mask_block;
+      pb.mask_stride = (stride + mask_block - 1) / mask_block + 8;
+      pb.mask.resize(static_cast<size_t>(pb.T * pb.mask_stride));
+      for (auto& m : pb.mask) m = (rng() % 4 == 0) ? 1 : 0;
+      // Every tail range's first block kept, so that kept tail groups exist at every cluster size.
+      for (int64_t t = 0; t < pb.T; ++t)
+        for (int64_t j : {4096, 8192, 32768, 36864, 65536})
+          pb.mask[static_cast<size_t>(t * pb.mask_stride + j / mask_block)] = 1;
+      const auto want = reference_topk(pb);
+      const std::string what = "tails with a mask, block " + std::to_string(mask_block) +
+                               (compact ? ", compacted" : ", uncompacted");
+      for (int cl : kClusters) {
+        TopkOnDevice d(pb);
+        d.tp.v3_cluster = cl;
+        d.tp.v3_compact = compact;
+        ErrorCount err;
+        d.tp.err_count = err.get();
+        TestStream stream;
+        kernels::run_indexer_topk(d.tp, stream.s, false);
+        V4_CUDA_CHECK_LAUNCH();
+        V4_CUDA_CHECK(cudaStreamSynchronize(stream.s));
+        EXPECT_EQ(err.read(), 0u) << what;
+        expect_same_bytes(d.out.download_checked(), want, what + ", " + cl_name(cl), pb.out_stride);
+      }
+    }
+  }
+}
+
 TEST(GpuIndexerSelectV3, TopkPaddedAndBadRowsAreContainedAndCounted) {
   V4_REQUIRE_GPU();
   std::mt19937_64 rng(0x5e1e3009);
@@ -798,6 +864,29 @@ TEST(GpuIndexerSelectV3, PairMatchesTheTwoSelections) {
 
 // Rows of different kinds in one pair: short rows (fewer valid positions than k / fewer blocks
 // than the budget: everything selected), empty rows, and a top-k that reads another layer's mask.
+// The pair's top-k half over rows with chunk tails (the candidate source at the benchmark's
+// 65537 positions; tails at explicit clusters of 1, 2 and 8 CTAs), every cluster size, plain and
+// PDL.
+TEST(GpuIndexerSelectV3, PairRowsWithChunkTails) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5e1e3303);
+  for (const std::vector<int32_t>& clen :
+       {std::vector<int32_t>{65537}, std::vector<int32_t>{65537, 65540, 36864, 4100, 69632, 65537}}) {
+    const auto pb = make_topk_problem(clen, 73736, 512, 576, rng, Flavour::kTies);
+    const auto mp = mask_of(pb);
+    const auto want_t = reference_topk(pb);
+    const auto want_m = reference_mask(mp);
+    for (int cl : kClusters)
+      for (Launch mode : {Launch::kPlain, Launch::kPdlLate}) {
+        const std::string what = "pair with tails, T " + std::to_string(pb.T) + ", " + cl_name(cl) + ", " +
+                                 launch_name(mode);
+        const PairResult r = gpu_pair(pb, mp, cl, mode);
+        expect_same_bytes(r.topk, want_t, what + " (top-k)", pb.out_stride);
+        expect_same_bytes(r.mask, want_m, what + " (mask)", mp.mask_stride);
+      }
+  }
+}
+
 TEST(GpuIndexerSelectV3, PairShortRowsAndAFusedMask) {
   V4_REQUIRE_GPU();
   std::mt19937_64 rng(0x5e1e3302);
