@@ -512,10 +512,10 @@ TEST(GpuIndexerSelectV3, TopkCompactedMaskEdges) {
 // (rows just past a multiple of cluster x 4096, like the benchmark's 65537 = 8 x 8192 + 1).
 // Lengths around the tail ranges of every cluster size (cluster 1: 4097..4608 and 8193..8704; 8:
 // 32769..36864 and 65537..69632; 16, which takes none: 65537..73728) and just past them (a
-// near-full last round, no tail), with the tail positions
-// holding ties of the threshold (kTies, kAdjacent: their order after every round's positions
-// decides which are taken), a candidate mask (the compacted walk, both mask block sizes; and the
-// uncompacted walk), PDL with late scores, and the pair kernel.
+// near-full last round, no tail), with ties of the threshold at the tail positions (kTies,
+// kAdjacent: their order after every round's positions decides which are taken), a candidate
+// mask (the compacted walk, both mask block sizes; and the uncompacted walk), PDL with late
+// scores. The pair kernel: PairRowsWithChunkTails.
 TEST(GpuIndexerSelectV3, TopkChunkTails) {
   V4_REQUIRE_GPU();
   std::mt19937_64 rng(0x5e1e300a);
@@ -528,7 +528,7 @@ TEST(GpuIndexerSelectV3, TopkChunkTails) {
     check_topk_all_clusters(pb, want, std::string("tails ") + flavour_name(f));
     TopkRun run;
     run.mode = Launch::kPdlLate;
-    run.cluster = 16;
+    run.cluster = 8;
     expect_same_bytes(gpu_topk(pb, run), want, std::string("tails, pdl late, ") + flavour_name(f), pb.out_stride);
   }
   // One row per launch (65537 positions and a little more): the 8-CTA chunks' tail positions
@@ -862,8 +862,6 @@ TEST(GpuIndexerSelectV3, PairMatchesTheTwoSelections) {
   }
 }
 
-// Rows of different kinds in one pair: short rows (fewer valid positions than k / fewer blocks
-// than the budget: everything selected), empty rows, and a top-k that reads another layer's mask.
 // The pair's top-k half over rows with chunk tails (the candidate source at the benchmark's
 // 65537 positions; tails at explicit clusters of 1, 2 and 8 CTAs), every cluster size, plain and
 // PDL.
@@ -887,6 +885,8 @@ TEST(GpuIndexerSelectV3, PairRowsWithChunkTails) {
   }
 }
 
+// Rows of different kinds in one pair: short rows (fewer valid positions than k / fewer blocks
+// than the budget: everything selected), empty rows, and a top-k that reads another layer's mask.
 TEST(GpuIndexerSelectV3, PairShortRowsAndAFusedMask) {
   V4_REQUIRE_GPU();
   std::mt19937_64 rng(0x5e1e3302);
