@@ -691,6 +691,37 @@ TEST(GpuIndexerSelectV3, MaskOtherBlockSizes) {
   }
 }
 
+// The candidate mask at rows whose chunks' last 1024-block round holds few blocks (cluster 1:
+// 1025..1536 blocks; 8: 8193..12288, like the benchmark's 65537 positions = 8193 blocks, whose
+// newest block is always kept) and just past those ranges, block 8 and 5, both budgets, ties, PDL
+// with late scores. (Chunk tails, as the top-k has, measured no gain in the mask: docs/perf.md
+// session 19, run 14.)
+TEST(GpuIndexerSelectV3, MaskNearlyEmptyLastRounds) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5e1e3104);
+  for (int block : {8, 5}) {
+    const std::vector<int32_t> clen = {1025 * block,     1536 * block,     1536 * block + 1, 8193 * block,
+                                       8192 * block + 1, 12288 * block,    12289 * block,    0,
+                                       16385 * block,    9000 * block + 3, 4097 * block,     1};
+    for (int budget : {100, 2048}) {
+      for (Flavour f : {Flavour::kNormal, Flavour::kTies}) {
+        MaskProblem pb;
+        pb.T = static_cast<int64_t>(clen.size());
+        pb.stride = 16392 * block;
+        pb.block = block;
+        pb.topk_blocks = budget;
+        pb.mask_stride = (pb.stride + block - 1) / block + 5;
+        pb.clen = clen;
+        pb.scores = make_scores(pb.T, pb.stride, clen, rng, f);
+        const std::string what = "mask last rounds, block " + std::to_string(block) + " budget " + std::to_string(budget) +
+                                 " " + flavour_name(f);
+        check_mask_all_clusters(pb, what);
+        if (budget == 2048) check_mask_all_clusters(pb, what, Launch::kPdlLate);
+      }
+    }
+  }
+}
+
 // More blocks than a CTA keeps resident (24 rounds of 1024 blocks): cluster 1 at 262144 positions
 // (32768 blocks), and the same launch's short rows resident; plus v1 / v2 agreement.
 TEST(GpuIndexerSelectV3, MaskTiledPathAndOlderVersions) {
