@@ -232,7 +232,7 @@ struct BenchCliOptions {
   std::string gemm = "auto";
   std::string fuse_x_quant = "auto";
   int v3_int_mask = -1;
-  std::string s_fork = "idx-on-k";  // GpuStackOptions' default
+  std::string s_fork = s_fork_name(prepare::GpuStackOptions{}.s_fork);
   bool lane_prologue = false;
   int scores_group_rows = 0;
   int scores_steps = 0;

@@ -610,35 +610,15 @@ __device__ __forceinline__ void load_score_keys(const float* row, const uint8_t*
   }
 }
 
-// A chunk tail's element j (Chunk's kTail): its score and mask byte, loaded before round 0's keys
-// so that both share one latency, and its key once they are used.
+// A chunk tail's element (Chunk's kTail): its score and mask byte (ScoreRow::tail_load, issued
+// before round 0's keys so that both share one latency), and its key once they are used.
 struct TailLoad {
   float v;
   uint8_t m;
 };
-__device__ __forceinline__ TailLoad issue_tail_load(const float* row, const uint8_t* mask, int mask_block, int64_t j,
-                                                    int64_t end) {
-  const bool in = j < end;
-  TailLoad t;
-  t.v = in ? row[j] : neg_inf();
-  t.m = mask != nullptr && in ? mask[mask_block == kTopkPer ? j >> 3 : j / mask_block] : uint8_t{1};
-  return t;
-}
 __device__ __forceinline__ uint32_t tail_key(const TailLoad& t) {
   return (t.m != 0 && t.v > neg_inf()) ? value_key(t.v) : 0u;
 }
-
-// The unmasked top-k's tail: the candidate's slot-table entry loaded before the last round's
-// scan, stored at its output offset when selected.
-struct SlotTail {
-  const int32_t* table;
-  int32_t* out;
-  int64_t out_stride;
-  __device__ int32_t prefetch(int64_t j, bool cand) const { return cand ? table[j] : -1; }
-  __device__ void emit(int64_t, bool take, uint32_t off, int32_t slot) const {
-    if (take && off < out_stride) out[off] = slot;
-  }
-};
 
 // Containment of the row metadata, exactly like v1 / v2 (counted once per row by the caller).
 __device__ __forceinline__ int64_t clamp_topk_row(int32_t req, int64_t c, const IndexerTopkParams& p, bool& err) {
@@ -707,7 +687,8 @@ __device__ uint32_t compact_groups(const Chunk<kTopkPer, kTail>& ch, const Load&
 }
 
 // The unmasked top-k's emit: the selected positions' slot-table entries, gathered first, then
-// stored at the thread's output offsets.
+// stored at the thread's output offsets. Also emit_selected's tail handler: a tail candidate's
+// entry loaded before the last round's scan, stored at its output offset when selected.
 struct SlotEmit {
   const int32_t* table;
   int32_t* out;
@@ -723,14 +704,31 @@ struct SlotEmit {
         ++off;
       }
   }
+  __device__ int32_t prefetch(int64_t j, bool cand) const { return cand ? table[j] : -1; }
+  __device__ void emit(int64_t, bool take, uint32_t off, int32_t slot) const {
+    if (take && off < out_stride) out[off] = slot;
+  }
 };
 
-// The row's score keys and mask, as the top-k walks load them.
+// The row's score keys and candidate mask, as the out-of-line tail walks load them (topk_cta's
+// own walks call load_score_keys with the same arguments).
 struct ScoreRow {
   const float* row;
   const uint8_t* mask;  // null: no candidate mask
   int mask_block;
   bool vec;
+  // Keys of a thread's kTopkPer positions j0.. of a chunk ending at `end` (load_score_keys).
+  __device__ void keys(int64_t j0, int64_t end, uint32_t (&key)[kTopkPer]) const {
+    load_score_keys(row, mask, mask_block, j0, end, vec, key);
+  }
+  // The loads of a chunk tail's position j (tail_key makes its key).
+  __device__ TailLoad tail_load(int64_t j, int64_t end) const {
+    const bool in = j < end;
+    TailLoad t;
+    t.v = in ? row[j] : neg_inf();
+    t.m = mask != nullptr && in ? mask[mask_block == kTopkPer ? j >> 3 : j / mask_block] : uint8_t{1};
+    return t;
+  }
 };
 
 // The walks of chunks with a tail, out of line: inlined beside the walks without one, their
@@ -741,10 +739,8 @@ __device__ __noinline__ uint32_t topk_tail_compact(const Chunk<kTopkPer> ch, con
   uint32_t* keys_sm = recv_buffers() + 2 * cluster * kBins;
   int32_t* first_pos = reinterpret_cast<int32_t*>(keys_sm + int64_t{rounds_cap} * Chunk<kTopkPer>::kRound);
   const auto cht = with_tail(ch);
-  const TailLoad tl = issue_tail_load(r.row, r.mask, r.mask_block, cht.tail_elem(), cht.end);  // before round 0's
-  const auto load = [&](int q, uint32_t (&key)[kTopkPer]) {
-    load_score_keys(r.row, r.mask, r.mask_block, cht.first(q), cht.end, r.vec, key);
-  };
+  const TailLoad tl = r.tail_load(cht.tail_elem(), cht.end);  // before round 0's
+  const auto load = [&](int q, uint32_t (&key)[kTopkPer]) { r.keys(cht.first(q), cht.end, key); };
   return kTopkPer * compact_groups(cht, load, tl, keys_sm, first_pos, v3_sm);
 }
 // The uncompacted top-k of a chunk with a tail (resident): keys loaded here, the tail's with round
@@ -754,10 +750,8 @@ __device__ __noinline__ uint32_t topk_tail_walk(const Chunk<kTopkPer> ch, const 
   uint32_t* recv = recv_buffers();
   uint32_t* keys_sm = recv + 2 * cluster * kBins;
   auto cht = with_tail(ch);
-  const TailLoad tl = issue_tail_load(r.row, r.mask, r.mask_block, cht.tail_elem(), cht.end);
-  const auto load = [&](int q, uint32_t (&key)[kTopkPer]) {
-    load_score_keys(r.row, r.mask, r.mask_block, cht.first(q), cht.end, r.vec, key);
-  };
+  const TailLoad tl = r.tail_load(cht.tail_elem(), cht.end);
+  const auto load = [&](int q, uint32_t (&key)[kTopkPer]) { r.keys(cht.first(q), cht.end, key); };
   for (int q = 0; q < cht.rounds; ++q) {
     uint32_t key[kTopkPer];
     load(q, key);
@@ -766,7 +760,7 @@ __device__ __noinline__ uint32_t topk_tail_walk(const Chunk<kTopkPer> ch, const 
   keys_sm[cht.tail_key_index()] = tail_key(tl);
   cht.preloaded = true;
   const Selection s = cluster_select(cht, load, k, v3_sm, recv, keys_sm, cluster, rank, st);
-  emit_selected(cht, load, keys_sm, s, v3_sm, NoPrefetch{}, emit, SlotTail{emit.table, emit.out, emit.out_stride});
+  emit_selected(cht, load, keys_sm, s, v3_sm, NoPrefetch{}, emit, emit);
   return s.total;
 }
 

@@ -369,9 +369,12 @@ struct GpuPrepareStack::Impl {
   void issue_q_norm(int L, int T, cudaStream_t s);
   bool qnorm_fused_layer(int L, int T) const;  // GpuStackOptions::fuse_qnorm applies to layer L
   void issue_qb(int L, int T, cudaStream_t s);
-  // GpuStackOptions::fuse_qchain: whether layer L runs as one fused kernel at T rows, and that kernel.
+  // GpuStackOptions::fuse_qchain / fuse_qchain_index: whether layer L (plain / reindex) runs its Q
+  // chain as the fused kernel at T rows, and that kernel.
   bool qchain_fused_layer(int L, int T) const;
   bool qchain_fused_index_layer(int L, int T) const;
+  // The row rule both share: the knob f (kAuto up to auto_rows) and rows the kernel was built for.
+  bool qchain_fused_rows(Fusion f, int auto_rows, int T) const;
   void issue_qchain_fused(int L, int T, cudaStream_t s);
   void issue_kv(int L, int T, cudaStream_t s);
   kn::WindowKStoreParams window_k_params(int L, int T) const;
@@ -905,21 +908,23 @@ void GpuPrepareStack::Impl::issue_qb(int L, int T, cudaStream_t s) {
   kn::run_q_rope_store(r, s, o.pdl);  // the kernel right after the wq_b GEMM (prepare-schedule.md "PDL")
 }
 
-bool GpuPrepareStack::Impl::qchain_fused_layer(int L, int T) const {
+bool GpuPrepareStack::Impl::qchain_fused_rows(Fusion f, int auto_rows, int T) const {
   // kAuto only where the GEMMs are the automatic choice too: a forced GEMM version (kSimple for
   // the reference's bytes, a version under measurement) keeps the unfused chain that runs it.
-  const int auto_max = o.gemm == kn::GemmVersion::kAuto ? kQChainAutoRows : 0;
+  const int auto_max = o.gemm == kn::GemmVersion::kAuto ? auto_rows : 0;
+  // fusion_applies holds only at T <= kQChainMaxRows (both row limits are), which guards the shift.
+  return fusion_applies(f, T, 1, auto_max, kn::kQChainMaxRows) && (qchain_rows_ok >> T & 1u) != 0;
+}
+
+bool GpuPrepareStack::Impl::qchain_fused_layer(int L, int T) const {
   static_assert(kn::kQChainMaxRows < 32 && kQChainAutoRows <= kn::kQChainMaxRows,
                 "qchain_rows_ok holds one bit per row count, and kAuto stays within it");
-  // fusion_applies holds only at T <= kQChainMaxRows (both row limits are), which guards the shift.
-  return fusion_applies(o.fuse_qchain, T, 1, auto_max, kn::kQChainMaxRows) && (qchain_rows_ok >> T & 1u) != 0 &&
-         lp(L).work == (kWorkQA | kWorkQB | kWorkKV);
+  return qchain_fused_rows(o.fuse_qchain, kQChainAutoRows, T) && lp(L).work == (kWorkQA | kWorkQB | kWorkKV);
 }
 
 bool GpuPrepareStack::Impl::qchain_fused_index_layer(int L, int T) const {
-  const int auto_max = o.gemm == kn::GemmVersion::kAuto ? kQChainIndexAutoRows : 0;
   static_assert(kQChainIndexAutoRows <= kn::kQChainMaxRows, "kAuto stays within qchain_rows_ok");
-  return fusion_applies(o.fuse_qchain_index, T, 1, auto_max, kn::kQChainMaxRows) && (qchain_rows_ok >> T & 1u) != 0 &&
+  return qchain_fused_rows(o.fuse_qchain_index, kQChainIndexAutoRows, T) &&
          lp(L).work == (kWorkQA | kWorkQB | kWorkKV | kWorkIDX);
 }
 
