@@ -1,6 +1,7 @@
 // bench_qchain: the plain layer's Q chain, fused (run_qchain_fused, one kernel) against the
 // unfused chain it replaces (act quant -> v3 GEMM -> rmsnorm + act quant -> v2 wq_b GEMM with the
-// RoPE store -> window-K store), at the V4.1 TP1 shapes. First checks that both write the same
+// RoPE store -> window-K store), at the V4.1 TP1 shapes, the fused kernel with either q hand-off
+// (QChainFusedParams::q_direct). First checks that all write the same
 // bytes (qkv_a, the head-padded q_pad, the window cache), then times `--layers` layers back to back
 // in one CUDA graph (PDL between kernels, each layer with its own weights so that every layer
 // streams its 51 MB from HBM), median over `--reps` replays, per layer, next to the bytes floor.
@@ -108,7 +109,11 @@ struct Chain {
   void unfused(const LayerWeights& w, cudaStream_t s, int int_mask) {
     run_qchain_unfused(params(w), xq.get(), xs.get(), int_mask, s, true);
   }
-  void fused(const LayerWeights& w, cudaStream_t s) { run_qchain_fused(params(w), s, true); }
+  void fused(const LayerWeights& w, cudaStream_t s, bool q_direct = false) {
+    QChainFusedParams p = params(w);
+    p.q_direct = q_direct;
+    run_qchain_fused(p, s, true);
+  }
   QChainFusedParams params(const LayerWeights& w) {
     QChainFusedParams p;
     p.x = x.get();
@@ -204,12 +209,17 @@ int main(int argc, char** argv) {
       c.poison();
       c.fused(*w[0], s);
       V4_CUDA_CHECK(cudaStreamSynchronize(s));
-      const bool valid = outputs(c) == want;
+      bool valid = outputs(c) == want;
+      c.poison();
+      c.fused(*w[0], s, true);
+      V4_CUDA_CHECK(cudaStreamSynchronize(s));
+      valid = valid && outputs(c) == want;
       all_valid = all_valid && valid;
       const std::pair<const char*, std::function<void(int, cudaStream_t)>> variants[] = {
           {"unfused (v3 default: cvt)", [&](int l, cudaStream_t st) { c.unfused(*w[static_cast<size_t>(l)], st, -1); }},
           {"unfused (v3 mask 0b1010)", [&](int l, cudaStream_t st) { c.unfused(*w[static_cast<size_t>(l)], st, 0xA); }},
           {"fused (one kernel)", [&](int l, cudaStream_t st) { c.fused(*w[static_cast<size_t>(l)], st); }},
+          {"fused, direct q hand-off", [&](int l, cudaStream_t st) { c.fused(*w[static_cast<size_t>(l)], st, true); }},
       };
       for (const auto& [name, issue] : variants) {
         const double us = graph_per_layer_us(issue, layers, reps, s);

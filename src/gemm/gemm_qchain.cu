@@ -98,11 +98,12 @@ constexpr int kSmemAlign = 1024;
 // only), same run, 1000 / 1500 / 2000: verify bs 1 1240.7 / 1231.5 / 1237.9 us, decode bs 1 1072.0 /
 // 1068.6 / 1071.6, decode bs 2 / 3 / 4 / 6 -0.2 / -0.55 / -0.4 / -0.6 % at 1500; 0 and 500 slower.
 constexpr uint64_t kRingPaceNs = 1500;
+constexpr int kMaxSplits = 8;              // QA split-K splits the reductions hold in registers
 constexpr int kKvCols = kPrepHeadDim;      // 512 kv columns after the q_rank q columns
 constexpr int kKvParts = (kKvCols / 2 + kHelpers - 1) / kHelpers;  // window-K work items per row (3)
 static_assert(kHelpers % 32 == 0, "window-K pairs in whole warps");
 
-enum Counter : int { kQDone = 0, kKvDone = 1, kExits = 2, kTile0 = 4 };  // words of the workspace
+enum Counter : int { kQDone = 0, kKvDone = 1, kExits = 2, kQParts = 3, kTile0 = 4 };  // words of the workspace
 constexpr int kCounterBytes = 256;         // kTile0 + up to 60 tiles
 
 struct SmemLayout {
@@ -275,7 +276,16 @@ __device__ __forceinline__ void run_full_stage(const BlockOps<MT, NP>& ops, SwRo
   }
 }
 
-template <int NP>
+// kDirect (QChainFusedParams::q_direct): the q columns take ONE hand-off instead of two. Each q unit
+// counts its stored partial tile (kQParts, a release add it does not wait on) and every CTA, once
+// all q_tiles x qa_splits have arrived, adds the partials of every q column itself -- in split
+// order, rounded to bf16 as the tile's reducer would -- into shared memory (the QA weight slots,
+// consumed by then), and q_norm reads them there. So the q tiles have no reducer, no tile-counter
+// round trip and no second count to wait for; the price is the partial bytes every CTA reads
+// (qa_splits x T x q_rank x 4: 40 KB per row at V4.1), which grows with the rows. CTA r stores
+// row r's qkv_a q columns (the reducers' output). The kv tiles keep their reducer (the window-K
+// store waits for them off the critical path).
+template <int NP, bool kDirect>
 __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_constant__ QcParams p) {
   constexpr int R = NP / 2;
   static_assert(NP == 8 || NP == 16, "the fused chain takes up to 16 rows");
@@ -345,7 +355,8 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
     // The QA weights, needed first, go out at once.
     mbar_wait(bar_prologue, 0u);
     const uint64_t t_start = dev::globaltimer_ns();
-    const int first_free = qa_unit ? p.qa_slot0 : ST;  // slots not holding QA weights
+    // Slots not holding QA weights (kDirect: q_norm's staged rows use those slots in every CTA).
+    const int first_free = qa_unit || kDirect ? p.qa_slot0 : ST;
     for (int it = 0; it < qb_iters; ++it) {
       const int s = it % ST;
       if (it >= ST) mbar_wait(bar_empty + 8u * s, static_cast<uint32_t>((it / ST - 1) & 1));
@@ -510,39 +521,47 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
       }
       named_barrier_sync(kBarConsumers, kConsumerThreads);
       uint32_t* tile_counter = counters + kTile0 + qa_tile;
-      if (ctid == 0) *s_flag = atom_add_acq_rel_gpu(tile_counter, 1u) == static_cast<uint32_t>(p.qa_splits - 1) ? 1 : 0;
-      named_barrier_sync(kBarConsumers, kConsumerThreads);
-      if (ctid == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kQChain, 5);
-      if (*s_flag) {
-        // Every load of the thread's elements first (one L2 latency, not one per element), then
-        // the sums in split order ((P0 + P1) + P2) + ..., as v3.
-        constexpr int kPer = kQChainMaxRows * kQaBn / kConsumerThreads;  // elements per thread, at most
-        constexpr int kMaxSplits = 8;
-        float part_v[kPer][kMaxSplits];
-#pragma unroll
-        for (int e = 0; e < kPer; ++e) {
-          const int idx = ctid + e * kConsumerThreads;
-          if (idx >= p.T * kQaBn) break;
-          const int64_t off = static_cast<int64_t>(idx / kQaBn) * p.n_qa + qa_tile * kQaBn + idx % kQaBn;
-#pragma unroll
-          for (int sp = 0; sp < kMaxSplits; ++sp)
-            if (sp < p.qa_splits) part_v[e][sp] = __ldcg(p.partials + sp * tile_elems + off);
-        }
-#pragma unroll
-        for (int e = 0; e < kPer; ++e) {
-          const int idx = ctid + e * kConsumerThreads;
-          if (idx >= p.T * kQaBn) break;
-          float sum = part_v[e][0];
-#pragma unroll
-          for (int sp = 1; sp < kMaxSplits; ++sp)
-            if (sp < p.qa_splits) sum = num::add_rn(sum, part_v[e][sp]);
-          p.qkv_a[static_cast<int64_t>(idx / kQaBn) * p.qkv_a_stride + qa_tile * kQaBn + idx % kQaBn] = num::bf16_from_f32(sum);
-        }
-        named_barrier_sync(kBarConsumers, kConsumerThreads);
+      if (kDirect && qa_tile < p.q_tiles) {
+        // The partial is counted (release: the barrier ordered every consumer's stores before it);
+        // every CTA adds the q partials in phase 2.
         if (ctid == 0) {
-          *tile_counter = 0u;  // every split of the tile has arrived (read again only by the next launch)
-          red_add_release_gpu(counters + (qa_tile < p.q_tiles ? kQDone : kKvDone), 1u);
-          V4ATTN_STAMP_AT(stamp_rec, stamps::kQChain, 6);
+          red_add_release_gpu(counters + kQParts, 1u);
+          V4ATTN_STAMP_AT(stamp_rec, stamps::kQChain, 5);
+        }
+      } else {
+        if (ctid == 0) *s_flag = atom_add_acq_rel_gpu(tile_counter, 1u) == static_cast<uint32_t>(p.qa_splits - 1) ? 1 : 0;
+        named_barrier_sync(kBarConsumers, kConsumerThreads);
+        if (ctid == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kQChain, 5);
+        if (*s_flag) {
+          // Every load of the thread's elements first (one L2 latency, not one per element), then
+          // the sums in split order ((P0 + P1) + P2) + ..., as v3.
+          constexpr int kPer = kQChainMaxRows * kQaBn / kConsumerThreads;  // elements per thread, at most
+          float part_v[kPer][kMaxSplits];
+#pragma unroll
+          for (int e = 0; e < kPer; ++e) {
+            const int idx = ctid + e * kConsumerThreads;
+            if (idx >= p.T * kQaBn) break;
+            const int64_t off = static_cast<int64_t>(idx / kQaBn) * p.n_qa + qa_tile * kQaBn + idx % kQaBn;
+#pragma unroll
+            for (int sp = 0; sp < kMaxSplits; ++sp)
+              if (sp < p.qa_splits) part_v[e][sp] = __ldcg(p.partials + sp * tile_elems + off);
+          }
+#pragma unroll
+          for (int e = 0; e < kPer; ++e) {
+            const int idx = ctid + e * kConsumerThreads;
+            if (idx >= p.T * kQaBn) break;
+            float sum = part_v[e][0];
+#pragma unroll
+            for (int sp = 1; sp < kMaxSplits; ++sp)
+              if (sp < p.qa_splits) sum = num::add_rn(sum, part_v[e][sp]);
+            p.qkv_a[static_cast<int64_t>(idx / kQaBn) * p.qkv_a_stride + qa_tile * kQaBn + idx % kQaBn] = num::bf16_from_f32(sum);
+          }
+          named_barrier_sync(kBarConsumers, kConsumerThreads);
+          if (ctid == 0) {
+            *tile_counter = 0u;  // every split of the tile has arrived (read again only by the next launch)
+            red_add_release_gpu(counters + (qa_tile < p.q_tiles ? kQDone : kKvDone), 1u);
+            V4ATTN_STAMP_AT(stamp_rec, stamps::kQChain, 6);
+          }
         }
       }
     }
@@ -555,27 +574,67 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
 
   // ---- phase 2: q_norm of every row into the wq_b operand -------------------------------------------
   if (wtid == 0) {
-    spin_until(counters + kQDone, static_cast<uint32_t>(p.q_tiles));
+    if (kDirect) spin_until(counters + kQParts, static_cast<uint32_t>(p.q_tiles * p.qa_splits));
+    else spin_until(counters + kQDone, static_cast<uint32_t>(p.q_tiles));
     V4ATTN_STAMP_AT(stamp_rec, stamps::kQChain, 7);
   }
   named_barrier_sync(kBarWorkers, kWorkers);  // also: the QA operand (aliased) is no longer read
   {
-    // (b)'s mapping, and its first passes' chunks loaded before (a) so that all the loads overlap.
     const int row_chunks = p.q_rank / 8;
     const int ch = wtid % row_chunks, b = ch >> 2;
-    const RowChunks<true, kQNormAhead> rows{p.qkv_a + ch * 8, p.qkv_a_stride, p.T, wtid / row_chunks,
-                                            kWorkers / row_chunks};
+    // Where q_norm reads qkv_a's q columns: the reducers' global rows, or (kDirect) this CTA's own
+    // sums of the partials staged in the QA weight slots ([T][q_rank] bf16).
+    bf16_t* const stage = reinterpret_cast<bf16_t*>(smem + L.ring + static_cast<uint32_t>(p.qa_slot0 * kQbSlot));
+    const bf16_t* const q_src = kDirect ? stage : p.qkv_a;
+    const int64_t q_stride = kDirect ? static_cast<int64_t>(p.q_rank) : p.qkv_a_stride;
+    if constexpr (kDirect) {
+      // Worker w: chunk w % row_chunks of rows w / row_chunks + k * rows_per_pass, all splits' loads
+      // first, then ((P0 + P1) + P2) + ... as the tile reducer adds them.
+      const int sub_r = wtid / row_chunks, rows_per_pass = kWorkers / row_chunks;
+      const int64_t tile_elems = static_cast<int64_t>(p.T) * p.n_qa;
+#pragma unroll 1
+      for (int r = sub_r; sub_r < rows_per_pass && r < p.T; r += rows_per_pass) {
+        const float* src = p.partials + static_cast<int64_t>(r) * p.n_qa + ch * 8;
+        float4 v[kMaxSplits][2];
+#pragma unroll
+        for (int sp = 0; sp < kMaxSplits; ++sp)
+          if (sp < p.qa_splits) {
+            v[sp][0] = __ldcg(reinterpret_cast<const float4*>(src + sp * tile_elems));
+            v[sp][1] = __ldcg(reinterpret_cast<const float4*>(src + sp * tile_elems) + 1);
+          }
+        float sum[detail::kChunk] = {v[0][0].x, v[0][0].y, v[0][0].z, v[0][0].w,
+                                     v[0][1].x, v[0][1].y, v[0][1].z, v[0][1].w};
+#pragma unroll
+        for (int sp = 1; sp < kMaxSplits; ++sp)
+          if (sp < p.qa_splits) {
+            const float add[detail::kChunk] = {v[sp][0].x, v[sp][0].y, v[sp][0].z, v[sp][0].w,
+                                               v[sp][1].x, v[sp][1].y, v[sp][1].z, v[sp][1].w};
+#pragma unroll
+            for (int k = 0; k < detail::kChunk; ++k) sum[k] = num::add_rn(sum[k], add[k]);
+          }
+        const uint4 packed = detail::pack_bf16x8(sum);
+        *reinterpret_cast<uint4*>(stage + static_cast<int64_t>(r) * p.q_rank + ch * 8) = packed;
+        if (c == r) *reinterpret_cast<uint4*>(p.qkv_a + static_cast<int64_t>(r) * p.qkv_a_stride + ch * 8) = packed;
+      }
+      named_barrier_sync(kBarWorkers, kWorkers);
+    }
+    // (b)'s mapping, and its first passes' chunks loaded before (a) so that all the loads overlap.
+    const RowChunks<!kDirect, kQNormAhead> rows{q_src + ch * 8, q_stride, p.T, wtid / row_chunks,
+                                                kWorkers / row_chunks};
     const auto first = rows.prefetch();
     // (a) One warp per row: the sum of squares in the LaneSum order (lane l: chunks l, l + 32, ...;
     //     all loads first), rstd into shared memory.
     constexpr int kMaxPerLane = 8;  // q_rank <= 2048
     const int per_lane = p.q_rank / 256;
     for (int r = warp - 1; r < p.T; r += kWorkers / 32) {
-      const bf16_t* row = p.qkv_a + static_cast<int64_t>(r) * p.qkv_a_stride;
+      const bf16_t* row = q_src + static_cast<int64_t>(r) * q_stride;
       uint4 raw[kMaxPerLane];
 #pragma unroll
       for (int i = 0; i < kMaxPerLane; ++i)
-        if (i < per_lane) raw[i] = __ldcg(reinterpret_cast<const uint4*>(row + (lane + 32 * i) * 8));
+        if (i < per_lane) {
+          const uint4* src = reinterpret_cast<const uint4*>(row + (lane + 32 * i) * 8);
+          raw[i] = kDirect ? *src : __ldcg(src);
+        }
       float ss = 0.0f;
 #pragma unroll
       for (int i = 0; i < kMaxPerLane; ++i) {
@@ -638,6 +697,7 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
         counters[kQDone] = 0u;
         counters[kKvDone] = 0u;
         counters[kExits] = 0u;
+        counters[kQParts] = 0u;
       }
     }
     return;
@@ -693,6 +753,9 @@ struct QcPlan {
   int np = 0, n_qa = 0, n_qb = 0, qa_tiles = 0, q_tiles = 0, qa_splits = 0, qa_units = 0, qa_max_blocks = 0;
   int qb_tiles = 0, grid = 0, ring = 0, qa_slot0 = 0;
   size_t smem = 0;
+  // The direct q hand-off (QChainFusedParams::q_direct) takes the shape: the T staged q rows fit in
+  // the QA weight slots.
+  bool direct_ok = false;
 };
 
 // The SMs this process can have at once on `device`: the device's count, limited by the current
@@ -747,6 +810,7 @@ QcPlan make_plan(int T, int64_t dim, int64_t q_rank, int H, int sm_count) {
   pl.q_tiles = static_cast<int>(q_rank / kQaBn);
   pl.qa_splits = qa.splits;
   pl.qa_units = pl.qa_tiles * pl.qa_splits;
+  if (pl.qa_splits > kMaxSplits) return no("the QA GEMM's v3 plan has more than 8 splits");
   if (kTile0 + pl.qa_tiles > kCounterBytes / 4) return no("too many QA tiles");
   const int dim_blocks = static_cast<int>(dim / 32);
   pl.qa_max_blocks = (dim_blocks + pl.qa_splits - 1) / pl.qa_splits;
@@ -767,6 +831,7 @@ QcPlan make_plan(int T, int64_t dim, int64_t q_rank, int H, int sm_count) {
   if (pl.ring < qa_slots + 1) return no("shared memory holds too few ring slots beside the QA weights");
   pl.qa_slot0 = pl.ring - qa_slots;
   pl.smem = smem_layout(pl.np, pl.ring, qb_blocks, pl.qa_max_blocks, static_cast<int>(q_rank)).total + kSmemAlign;
+  pl.direct_ok = static_cast<int64_t>(T) * q_rank * 2 <= static_cast<int64_t>(qa_slots) * kQbSlot;
   pl.ok = true;
   return pl;
 }
@@ -786,8 +851,9 @@ size_t partial_bytes(int T_max, int64_t q_rank, int splits) {
 
 }  // namespace
 
-bool qchain_fused_supported(int T, int64_t dim, int64_t q_rank, int H, int device) {
-  return make_plan(T, dim, q_rank, H, device_sm_count(device)).ok;
+bool qchain_fused_supported(int T, int64_t dim, int64_t q_rank, int H, int device, bool q_direct) {
+  const QcPlan pl = make_plan(T, dim, q_rank, H, device_sm_count(device));
+  return pl.ok && (!q_direct || pl.direct_ok);
 }
 
 int qchain_fused_grid(int T, int64_t dim, int64_t q_rank, int H, int sm_count) {
@@ -872,6 +938,7 @@ void run_qchain_fused(const QChainFusedParams& p, cudaStream_t stream, bool pdl)
   const char* who = "run_qchain_fused";
   const QcPlan pl = make_plan(p.T, p.dim, p.q_rank, p.H, device_sm_count(-1));
   require(pl.ok, who, "unsupported shape: " + pl.why);
+  require(!p.q_direct || pl.direct_ok, who, "q_direct: the staged q rows do not fit in the QA weight slots");
   require_ptr(p.x, who, "x");
   require_ptr(p.wqkv_a, who, "wqkv_a");
   require_ptr(p.wqkv_a_scale, who, "wqkv_a_scale");
@@ -942,7 +1009,8 @@ void run_qchain_fused(const QChainFusedParams& p, cudaStream_t stream, bool pdl)
   t.ring = pl.ring;
   t.qa_slot0 = pl.qa_slot0;
   t.grid = pl.grid;
-  auto kernel = pl.np == 8 ? qchain_fused_kernel<8> : qchain_fused_kernel<16>;
+  auto kernel = pl.np == 8 ? (p.q_direct ? qchain_fused_kernel<8, true> : qchain_fused_kernel<8, false>)
+                           : (p.q_direct ? qchain_fused_kernel<16, true> : qchain_fused_kernel<16, false>);
   detail::set_max_dynamic_smem(kernel, pl.smem);
   LaunchConfig cfg;
   cfg.grid = dim3(static_cast<unsigned>(pl.grid));

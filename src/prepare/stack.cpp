@@ -272,6 +272,7 @@ struct GpuPrepareStack::Impl {
   // qchain_fused_supported at T rows (bit T), asked once at init: the rule queries the driver
   // (SM count, execution affinity) and the MPS share, which a stack's life does not change.
   uint32_t qchain_rows_ok = 0;
+  uint32_t qchain_direct_ok = 0;  // the same, for the direct q hand-off
   uint8_t* select_ws = nullptr;  // multi-CTA top-k / candidate mask workspace (zeroed once; null: v1 kernels)
   size_t select_ws_bytes = 0;
 
@@ -575,7 +576,10 @@ void GpuPrepareStack::Impl::init() {
     qchain_ws = alloc<uint8_t>(qchain_ws_bytes);
     kn::init_qchain_workspace(qchain_ws, qchain_ws_bytes, main());
     for (int T = 1; T <= std::min(R, kn::kQChainMaxRows); ++T)
-      if (kn::qchain_fused_supported(T, dim, q_rank, H)) qchain_rows_ok |= 1u << T;
+      if (kn::qchain_fused_supported(T, dim, q_rank, H)) {
+        qchain_rows_ok |= 1u << T;
+        if (kn::qchain_fused_supported(T, dim, q_rank, H, -1, true)) qchain_direct_ok |= 1u << T;
+      }
   }
 
   // Weights.
@@ -953,6 +957,8 @@ void GpuPrepareStack::Impl::issue_qchain_fused(int L, int T, cudaStream_t s) {
   p.H = H;
   p.workspace = qchain_ws;
   p.workspace_bytes = qchain_ws_bytes;
+  static_assert(kQChainDirectAutoRows <= kn::kQChainMaxRows, "kAuto stays within qchain_direct_ok");
+  p.q_direct = fusion_applies(o.qchain_q_direct, T, 1, kQChainDirectAutoRows) && (qchain_direct_ok >> T & 1u) != 0;
   kn::run_qchain_fused(p, s, pdl_rest());
 }
 
@@ -1276,6 +1282,7 @@ void GpuPrepareStack::set_fuse_qchain(Fusion f) { impl_->set_option(&GpuStackOpt
 void GpuPrepareStack::set_fuse_qchain_index(Fusion f) {
   impl_->set_option(&GpuStackOptions::fuse_qchain_index, f);
 }
+void GpuPrepareStack::set_qchain_q_direct(Fusion f) { impl_->set_option(&GpuStackOptions::qchain_q_direct, f); }
 void GpuPrepareStack::set_fuse_x_quant(Fusion f) { impl_->set_option(&GpuStackOptions::fuse_x_quant, f); }
 void GpuPrepareStack::set_lane_prologue(bool on) { impl_->set_option(&GpuStackOptions::lane_prologue, on); }
 

@@ -113,8 +113,10 @@ WindowKStoreParams window_params(const Weights& w, const Step& s, Outputs& o) {
   return p;
 }
 
-QChainFusedParams fused_params(const Weights& w, const Step& s, Outputs& o, const DeviceBuffer<uint8_t>& ws) {
+QChainFusedParams fused_params(const Weights& w, const Step& s, Outputs& o, const DeviceBuffer<uint8_t>& ws,
+                                bool q_direct = false) {
   QChainFusedParams p;
+  p.q_direct = q_direct;
   p.x = s.x.get();
   p.x_stride = kDim + 64;
   p.wqkv_a = w.wqkv_a.get();
@@ -191,21 +193,27 @@ TEST(GpuQChainFused, MatchesUnfusedChainBytes) {
   ws.fill_bytes(0xCD);  // the partials may hold anything; the counters must start at zero
   init_qchain_workspace(ws.get(), ws.size(), nullptr);
   uint64_t seed = 70;
-  for (int T : {1, 6, 8, 9, 16}) {
+  for (int T : {1, 2, 3, 6, 8, 9, 16}) {
     ASSERT_TRUE(qchain_fused_supported(T, kDim, kQRank, kHeads)) << T;
+    ASSERT_TRUE(qchain_fused_supported(T, kDim, kQRank, kHeads, -1, true)) << T;
     for (bool pdl : {false, true}) {
       const Step s(T, ++seed);
-      Outputs want(T), got(T);
+      Outputs want(T);
       run_unfused(w, s, want, pdl);
       expect_written(want);
-      run_qchain_fused(fused_params(w, s, got, ws), nullptr, pdl);
-      V4_CUDA_CHECK(cudaDeviceSynchronize());
-      expect_same(want, got, "eager T " + std::to_string(T) + (pdl ? " pdl" : ""));
-      // Again on the same workspace: the counters were left at zero.
-      got.poison();
-      run_qchain_fused(fused_params(w, s, got, ws), nullptr, pdl);
-      V4_CUDA_CHECK(cudaDeviceSynchronize());
-      expect_same(want, got, "second launch T " + std::to_string(T));
+      // Both q hand-offs, each twice on the same workspace (the counters were left at zero), and
+      // the other form in between: each leaves the counters as the other expects them.
+      for (bool direct : {false, true, false}) {
+        const std::string form = std::string(direct ? " direct" : " tiles") + (pdl ? " pdl" : "");
+        Outputs got(T);
+        run_qchain_fused(fused_params(w, s, got, ws, direct), nullptr, pdl);
+        V4_CUDA_CHECK(cudaDeviceSynchronize());
+        expect_same(want, got, "eager T " + std::to_string(T) + form);
+        got.poison();
+        run_qchain_fused(fused_params(w, s, got, ws, direct), nullptr, pdl);
+        V4_CUDA_CHECK(cudaDeviceSynchronize());
+        expect_same(want, got, "second launch T " + std::to_string(T) + form);
+      }
     }
   }
 }
@@ -215,7 +223,7 @@ TEST(GpuQChainFused, GraphReplaysMatch) {
   const Weights w(43);
   DeviceBuffer<uint8_t> ws(qchain_fused_workspace_bytes(kQChainMaxRows, kDim, kQRank));
   init_qchain_workspace(ws.get(), ws.size(), nullptr);
-  for (int T : {6, 16}) {
+  for (int T : {1, 6, 16}) {
     const Step s(T, 500 + static_cast<uint64_t>(T));
     Outputs want(T), got(T);
     run_unfused(w, s, want, true);
@@ -223,8 +231,9 @@ TEST(GpuQChainFused, GraphReplaysMatch) {
     V4_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     cudaGraph_t graph;
     V4_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-    // Three chains back to back (PDL between them): each waits for the previous one's grid.
-    for (int i = 0; i < 3; ++i) run_qchain_fused(fused_params(w, s, got, ws), st, true);
+    // Chains back to back (PDL between them): each waits for the previous one's grid; both q
+    // hand-offs, the direct one twice in a row.
+    for (int i = 0; i < 3; ++i) run_qchain_fused(fused_params(w, s, got, ws, i > 0), st, true);
     V4_CUDA_CHECK(cudaStreamEndCapture(st, &graph));
     cudaGraphExec_t exec;
     V4_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
@@ -232,7 +241,7 @@ TEST(GpuQChainFused, GraphReplaysMatch) {
       got.poison();
       V4_CUDA_CHECK(cudaGraphLaunch(exec, st));
       V4_CUDA_CHECK(cudaStreamSynchronize(st));
-      // Each of the 3 launches counted the bad row once (the unfused chain: once).
+      // Each of the 3 launches counted the bad row once (the unfused chain: once; T 1 has none).
       const unsigned long long e = to_host(got.err)[0];
       EXPECT_EQ(e, 3 * to_host(want.err)[0]);
       got.err.fill_bytes(0);

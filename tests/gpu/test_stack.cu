@@ -664,6 +664,7 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
     Fusion fuse_x_quant = Fusion::kAuto;  // x quantised inside the wq_a|wkv GEMM (the default)
     Fusion fuse_qnorm = Fusion::kAuto;    // q_norm inside the wq_b GEMM (the default: its own kernel)
     Fusion fuse_qchain_index = Fusion::kOff;  // reindex layers' Q chain as the fused kernel
+    Fusion qchain_q_direct = Fusion::kAuto;   // the fused chain's direct q hand-off (kernels/qchain.h)
   };
   const Config configs[] = {{Schedule::kSerial, false, false},
                             {Schedule::kThreeLane, true, true},
@@ -687,7 +688,10 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
                             {Schedule::kThreeLane, true, true, Fusion::kOff, Fusion::kOn, Fusion::kAuto, Fusion::kAuto, Fusion::kOn},
                             {Schedule::kThreeLane, false, true, Fusion::kAuto, Fusion::kOff, Fusion::kAuto, Fusion::kAuto, Fusion::kOn},
                             {Schedule::kSerial, false, false, Fusion::kOff, Fusion::kOff, Fusion::kAuto, Fusion::kAuto, Fusion::kOn},
-                            {Schedule::kSourcesSide, true, false, Fusion::kOff, Fusion::kOn, Fusion::kAuto, Fusion::kAuto, Fusion::kOn}};
+                            {Schedule::kSourcesSide, true, false, Fusion::kOff, Fusion::kOn, Fusion::kAuto, Fusion::kAuto, Fusion::kOn},
+                            // The fused chains' q hand-off: always direct / always through the tile reducers.
+                            {Schedule::kThreeLane, true, true, Fusion::kAuto, Fusion::kOn, Fusion::kAuto, Fusion::kAuto, Fusion::kOn, Fusion::kOn},
+                            {Schedule::kSerial, false, false, Fusion::kOff, Fusion::kOn, Fusion::kAuto, Fusion::kAuto, Fusion::kOn, Fusion::kOff}};
   // The fused form must really run here (wq_b at this config and bucket), or the configs above
   // that ask for it would silently compare the unfused path with itself.
   if (tp == 1) {
@@ -695,6 +699,7 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
                                                       cfg.q_lora_rank));
     // Likewise the fused Q chain (its QA GEMM widens every block with cvt, as v3's default mask).
     EXPECT_TRUE(kernels::qchain_fused_supported(buckets_rows(go, kind), cfg.dim, cfg.q_lora_rank, cfg.n_heads));
+    EXPECT_TRUE(kernels::qchain_fused_supported(buckets_rows(go, kind), cfg.dim, cfg.q_lora_rank, cfg.n_heads, -1, true));
     // And the wq_b GEMM that normalises its input itself.
     EXPECT_TRUE(kernels::gemm_v2_qnorm_supported(buckets_rows(go, kind), static_cast<int64_t>(cfg.n_heads) * 512,
                                                  cfg.q_lora_rank));
@@ -707,7 +712,8 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
     const std::string name = std::string(to_string(configs[c].schedule)) + (configs[c].graph ? " graph" : " eager") +
                              " rope-store " + to_string(configs[c].fuse_rope_store) + " qchain " + to_string(configs[c].fuse_qchain) +
                              " x-quant " + to_string(configs[c].fuse_x_quant) + " qnorm " + to_string(configs[c].fuse_qnorm) +
-                             " qchain-index " + to_string(configs[c].fuse_qchain_index);
+                             " qchain-index " + to_string(configs[c].fuse_qchain_index) + " q-direct " +
+                             to_string(configs[c].qchain_q_direct);
     SCOPED_TRACE(name);
     gpu.upload_caches(initial);
     gpu.set_schedule(configs[c].schedule);
@@ -717,6 +723,7 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
     gpu.set_fuse_x_quant(configs[c].fuse_x_quant);
     gpu.set_fuse_qnorm(configs[c].fuse_qnorm);
     gpu.set_fuse_qchain_index(configs[c].fuse_qchain_index);
+    gpu.set_qchain_q_direct(configs[c].qchain_q_direct);
     gpu.reset_error_count();
     for (int step = 0; step < 2; ++step) {
       gpu.poison_outputs(kPoison);

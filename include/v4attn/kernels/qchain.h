@@ -86,13 +86,20 @@ struct QChainFusedParams {
   // One workspace per stream that runs the chain.
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
+  // The q columns' hand-off. false: the split-K partials of each q tile are added by the tile's last
+  // CTA, which stores qkv_a and counts the tile; every CTA waits for all q tiles and reads qkv_a
+  // (two hand-offs). true: every CTA waits for all q partials and adds them itself (one hand-off,
+  // but every CTA reads qa_splits x T x q_rank fp32: 40 KB per row at V4.1). Same bytes either way.
+  // Needs qchain_fused_supported(..., q_direct = true).
+  bool q_direct = false;
 };
 
 // Whether the fused chain takes this shape on `device` (T rows, the layer's dim / q_rank / H):
 // 1 <= T <= kQChainMaxRows, dim % 128 == 0, q_rank % 256 == 0, the wq_b GEMM's v2 rope-store plan
 // (one split, 256-column tiles), the QA GEMM's v3 plan with 128-column tiles, and a grid of at
 // most the device's SM count.
-bool qchain_fused_supported(int T, int64_t dim, int64_t q_rank, int H, int device = -1);
+// With q_direct: also whether the direct q hand-off takes it (the T staged q rows fit in shared memory).
+bool qchain_fused_supported(int T, int64_t dim, int64_t q_rank, int H, int device = -1, bool q_direct = false);
 // The same rule for a device of `sm_count` SMs, without asking the driver (host only; what the
 // CPU tests pin). The grid it needs: max(wq_b tiles, QA tiles x splits, 3 T); 0 when unsupported.
 int qchain_fused_grid(int T, int64_t dim, int64_t q_rank, int H, int sm_count);

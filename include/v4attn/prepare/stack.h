@@ -108,6 +108,12 @@ constexpr int kQChainAutoRows = 12;
 // repetitions: decode bs 1 -1.8 %, bs 2 -0.8 %, bs 3 -0.4 %, bs 4 -0.9 %; decode bs 6 +0.1 %,
 // verify bs 1 (6 rows) -0.2 % over three runs, decode bs 8 +0.2 %, verify bs 2 (12 rows) +1.3 %).
 constexpr int kQChainIndexAutoRows = 4;
+// qchain_q_direct's kAuto row limit: the fused chain's direct q hand-off (kernels/qchain.h
+// QChainFusedParams::q_direct) where it measured faster (docs/perf.md session 20 run 1, three-lane,
+// same binary, four repetitions each: decode bs 1 -1.8 %, decode bs 2 +0.5 %, decode bs 4 +6 %,
+// verify bs 1 (6 rows) +10 %: every CTA reads 40 KB of partials per row, ~0.75 us per row of L2
+// bandwidth; bench_qchain per layer 19.98 -> 19.46 us at 1 row, even at 2, +1.2 .. +6 us at 3-8).
+constexpr int kQChainDirectAutoRows = 1;
 // fuse_x_quant's kAuto row limit (docs/perf.md, session 9, three-lane, three repetitions: verify
 // bs 1 (6 rows) -0.5 %, decode bs 8 -0.8 %, decode bs 2 even, verify bs 2 (12 rows) +1.0 %).
 constexpr int kXQuantAutoRows = 8;
@@ -269,6 +275,12 @@ struct GpuStackOptions {
   // +1.6 to +5.7 %, docs/perf.md session 17). In the layers it takes, idx_gemm_on_main,
   // idx_scores_on_main and s_fork (but kAfterQNorm) do not apply: the indexer has one place there.
   Fusion fuse_qchain_index = Fusion::kAuto;
+  // The fused Q chain's q hand-off (in every layer that runs it): kOff: the q tiles' split-K
+  // partials added by each tile's last CTA, then every CTA waits for all tiles (two hand-offs);
+  // kAuto: the direct form (every CTA adds all q partials itself: one hand-off, 40 KB of partials
+  // per row and CTA) at most kQChainDirectAutoRows rows; kOn: the direct form wherever it fits.
+  // Same bytes (QChainFusedParams::q_direct).
+  Fusion qchain_q_direct = Fusion::kAuto;
   // Index-source layers: run the indexer's wq_b GEMM (qr -> qi) on the main lane right after
   // q_norm instead of first on lane S (experiment knob; docs/perf.md).
   // Default since run 20: verify bs 1 1688.7 vs 1703.8 us, decode bs 32 4615.6 vs 4668.1 us.
@@ -343,6 +355,7 @@ class GpuPrepareStack {
   void set_fuse_qnorm(Fusion f);       // GpuStackOptions::fuse_qnorm
   void set_fuse_qchain(Fusion f);     // GpuStackOptions::fuse_qchain
   void set_fuse_qchain_index(Fusion f);  // GpuStackOptions::fuse_qchain_index
+  void set_qchain_q_direct(Fusion f);    // GpuStackOptions::qchain_q_direct
   void set_fuse_x_quant(Fusion f);    // GpuStackOptions::fuse_x_quant
 
   // --- caches ------------------------------------------------------------------------------------
