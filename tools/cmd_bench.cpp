@@ -250,6 +250,7 @@ struct BenchCliOptions {
   bool qnorm_trigger_late = false;
   int qb_prewait_stages = -1;
   int qb_overlap = -1;
+  int qb_side_mtiles = 0;
   int qb_prewait_pace_ns = -1;
   int aq_warps = -1;
   bool idx_scores_main = false;
@@ -402,6 +403,7 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
     j["qnorm_trigger_late"] = c.knobs.qnorm_trigger_late;
     j["qb_prewait_stages"] = c.knobs.qb_prewait_stages;
     j["qb_overlap"] = c.knobs.qb_overlap;
+    j["qb_side_mtiles"] = c.knobs.qb_side_mtiles;
     j["qb_prewait_pace_ns"] = c.knobs.qb_prewait_pace_ns;
     j["aq_warps"] = c.knobs.aq_warps;
     j["idx_scores_on_main"] = c.knobs.idx_scores_on_main;
@@ -586,6 +588,12 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
                   "(m <= 32), -1 default (tuning knob)")
       ->check(CLI::Range(-1, 2))
       ->capture_default_str();
+  sub->add_option("--qb-side-mtiles", o->qb_side_mtiles,
+                  "wq_b GEMM (v2, plain form, <= 16 rows) in layers with an indexer or a compressor: m64 tiles per "
+                  "consumer warpgroup: 2 (128 CTAs), 4 (64 CTAs: SMs left to the side lanes), 0 automatic (4 in one-row steps, "
+                  "where it measured faster); same bytes (tuning knob)")
+      ->check(CLI::IsMember({0, 2, 4}))
+      ->capture_default_str();
   sub->add_option("--select-cluster", o->select_cluster,
                   "Selection v3: CTAs per row (thread-block cluster size) 1, 2, 4, 8 or 16; 0: automatic")
       ->check(CLI::IsMember({0, 1, 2, 4, 8, 16}))
@@ -650,6 +658,7 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       c.knobs.qnorm_trigger_late = o->qnorm_trigger_late;
       c.knobs.qb_prewait_stages = o->qb_prewait_stages;
       c.knobs.qb_overlap = o->qb_overlap;
+      c.knobs.qb_side_mtiles = o->qb_side_mtiles;
       c.knobs.qb_prewait_pace_ns = o->qb_prewait_pace_ns;
       c.knobs.aq_warps = o->aq_warps;
       c.knobs.idx_scores_on_main = o->idx_scores_main && c.knobs.idx_gemm_on_main;

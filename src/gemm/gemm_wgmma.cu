@@ -104,6 +104,8 @@ constexpr int kTargetCtas = 132;        // H100 / H200 SXM: one CTA per SM
 constexpr int kMaxCtaBlocks = 96;       // K blocks per CTA in the automatic plan (scale arrays)
 constexpr uint32_t kConsumerBarrierId = 1;              // named barrier of the 256 consumers
 constexpr uint32_t kProducerRegs = 40, kConsumerRegs = 232;
+constexpr int kMaxBoxRows = 256;  // TMA box limit per dimension
+constexpr int kMaxNpMt4 = 16;     // rows of the four-m64-tile form (its accumulators grow with MT x NP)
 static_assert(kWarpgroupThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= kThreads * 168,
               "setmaxnreg split must fit the CTA's register pool (168 per thread at launch)");
 
@@ -248,6 +250,7 @@ __device__ __forceinline__ void qnorm_quant_prologue(const WgmmaParams& p, uint8
 template <int MT, int NP, bool kRope = false, bool kQNorm = false>
 __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __grid_constant__ WgmmaParams p) {
   constexpr int BN = kConsumerWarpgroups * 64 * MT;  // weight rows per CTA
+  constexpr int kBoxRows = BN < kMaxBoxRows ? BN : kMaxBoxRows;
   constexpr int R = NP / 2;                          // accumulator registers per m64 tile per thread
   constexpr uint32_t kStageTx = static_cast<uint32_t>((BN + (kQNorm ? 0 : NP)) * kStageK);  // kQNorm: no x box
   static_assert(NP % 8 == 0 && NP >= 8 && NP <= 64, "NP is m rounded up to 8");
@@ -292,10 +295,16 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
   __syncthreads();
   [[maybe_unused]] unsigned int stamp_rec = 0u;  // measurement builds only (phase_stamps.cuh)
   if (tid == 0) V4ATTN_STAMP_BEGIN(stamp_rec, stamps::kGemmV2, 0);
+  // A stage's weights: BN rows in boxes of at most kMaxBoxRows (TMA's limit per dimension).
+  auto load_weights = [&](int s, int it) {
+#pragma unroll
+    for (int b = 0; b < BN / kBoxRows; ++b)
+      tma_load_weights_3d(base + L.w + static_cast<uint32_t>((s * BN + b * kBoxRows) * kStageK), &p.tmap_w,
+                          bar_full + 8u * s, (kb_begin + it * kBlocksPerStage) * kGemmBlock, row0 + b * kBoxRows, grp);
+  };
   auto issue_weight_stage = [&](int it) {
     mbar_arrive_expect_tx(bar_full + 8u * it, kStageTx);
-    tma_load_weights_3d(base + L.w + static_cast<uint32_t>(it * BN * kStageK), &p.tmap_w, bar_full + 8u * it,
-                        (kb_begin + it * kBlocksPerStage) * kGemmBlock, row0, grp);
+    load_weights(it, it);
   };
   if (tid == 0) {
     const uint64_t t_start = p.prewait_pace_ns > 0 ? dev::globaltimer_ns() : 0;
@@ -375,8 +384,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
           mbar_wait(bar_empty + 8u * s, static_cast<uint32_t>((it / ST - 1) & 1));  // slot consumed (it - ST)
           const int kx = (kb_begin + it * kBlocksPerStage) * kGemmBlock;
           mbar_arrive_expect_tx(bar_full + 8u * s, kStageTx);
-          tma_load_weights_3d(base + L.w + static_cast<uint32_t>(s * BN * kStageK), &p.tmap_w, bar_full + 8u * s, kx, row0,
-                              grp);
+          load_weights(s, it);
           if constexpr (!kQNorm)
             tma_load_3d(base + L.xc + static_cast<uint32_t>(s * NP * kStageK), &p.tmap_x, bar_full + 8u * s, kx, 0, grp);
         }
@@ -602,6 +610,16 @@ WgmmaKernel pick_wgmma_kernel(int np) {
   }
 }
 
+// Four m64 tiles per warpgroup (512 weight rows per CTA): plain form, at most kMaxNpMt4 rows.
+WgmmaKernel pick_wgmma_kernel_mt4(int np) {
+  static_assert(kMaxNpMt4 == 16, "the instantiations below");
+  switch (np) {
+    case 8: return gemm_fp8_wgmma_kernel<4, 8>;
+    case 16: return gemm_fp8_wgmma_kernel<4, 16>;
+    default: throw std::invalid_argument("gemm v2: four m64 tiles per warpgroup take m <= 16");
+  }
+}
+
 // The TMA descriptors: shared host helper (gemm/tensor_map.h).
 CUtensorMap make_tensor_map(const void* ptr, uint64_t cols, uint64_t rows, uint64_t groups, uint64_t row_stride,
                             uint64_t group_stride, uint32_t box_rows) {
@@ -616,8 +634,11 @@ WgmmaSplit plan_wgmma_split(const char* who, int m, int64_t n, int64_t k, int gr
                             int force_stages, int max_splits) {
   auto fail = [who](const std::string& what) { throw std::invalid_argument(std::string(who) + ": " + what); };
   if (m < 0 || m > kGemmMaxRows || n <= 0 || k <= 0 || groups < 1) fail("need 0 <= m <= 64, n > 0, k > 0, groups >= 1");
-  if (force_splits < 0 || force_mtiles < 0 || force_mtiles > 2 || force_stages < 0)
-    fail("force_splits >= 0, force_mtiles in 0..2, force_stages >= 0");
+  // force_mtiles 4 (v2 only: plan_gemm_wgmma takes it for one split and m <= kMaxNpMt4): 512 rows per
+  // CTA, half the CTAs of 2, the same bytes (a tile's rows do not change any element's arithmetic).
+  if (force_splits < 0 || force_mtiles < 0 || (force_mtiles > 2 && force_mtiles != 4) || force_stages < 0)
+    fail("force_splits >= 0, force_mtiles in 0..2 or 4, force_stages >= 0");
+  if (force_mtiles == 4 && max_splits > 0) fail("force_mtiles 4 is v2's only");
   const int64_t kb = k / kGemmBlock;
   if (kb < 1) fail("k < 32");
   WgmmaSplit sp;
@@ -643,6 +664,8 @@ WgmmaSplit plan_wgmma_split(const char* who, int m, int64_t n, int64_t k, int gr
 GemmPlan plan_gemm_wgmma(int m, int64_t n, int64_t k, int groups, int force_splits, int force_mtiles, int force_stages) {
   const detail::WgmmaSplit sp =
       detail::plan_wgmma_split("plan_gemm_wgmma", m, n, k, groups, force_splits, force_mtiles, force_stages, 0);
+  if (sp.warp_mtiles == 4 && (sp.splits != 1 || m > kMaxNpMt4))
+    throw std::invalid_argument("plan_gemm_wgmma: force_mtiles 4 needs one split and m <= " + std::to_string(kMaxNpMt4));
   const int64_t kb = k / kGemmBlock, s = sp.splits;
   GemmPlan plan = sp.plan_base();
   // Pipeline depth for this m (numerics do not depend on it): as many stages as fit, <= 8, <= the
@@ -702,7 +725,7 @@ void launch_gemm_fp8_wgmma(const Fp8GemmParams& p, const GemmPlan& plan, const G
   // Weights: [groups][n][k]; a single group gets a nominal group stride (the dimension has size 1).
   const uint64_t w_group = p.groups > 1 ? static_cast<uint64_t>(p.w_group_stride) : static_cast<uint64_t>(p.n * p.k);
   t.tmap_w = make_tensor_map(p.w, static_cast<uint64_t>(p.k), static_cast<uint64_t>(p.n), static_cast<uint64_t>(p.groups),
-                             static_cast<uint64_t>(p.k), w_group, static_cast<uint32_t>(plan.block_n));
+                             static_cast<uint64_t>(p.k), w_group, static_cast<uint32_t>(std::min(plan.block_n, kMaxBoxRows)));
   const uint64_t a_group = p.groups > 1 ? static_cast<uint64_t>(p.a_group_stride) : static_cast<uint64_t>(p.m) * p.a_stride;
   const bool qnorm = p.qnorm_x != nullptr;
   if (!qnorm)  // kQNorm: no activation TMA (the map stays zero and is never used)
@@ -753,6 +776,7 @@ void launch_gemm_fp8_wgmma(const Fp8GemmParams& p, const GemmPlan& plan, const G
   const WgmmaKernel kernel = qnorm                   ? (rope ? pick_wgmma_kernel<2, true, true>(np)
                                                              : pick_wgmma_kernel<2, false, true>(np))
                              : rope                  ? pick_wgmma_kernel<2, true>(np)
+                             : plan.warp_mtiles == 4 ? pick_wgmma_kernel_mt4(np)
                              : plan.warp_mtiles == 2 ? pick_wgmma_kernel<2>(np)
                                                      : pick_wgmma_kernel<1>(np);
   set_max_dynamic_smem(kernel, smem_bytes);

@@ -186,6 +186,8 @@ void validate_options(const ModelPlan& plan, const GpuStackOptions& o) {
     fail("select_version must be 2 or 3 (got " + std::to_string(o.select_version) + ")");
   if (o.qb_prewait_stages < -1) fail("qb_prewait_stages must be >= -1 (got " + std::to_string(o.qb_prewait_stages) + ")");
   if (o.qb_overlap < -1 || o.qb_overlap > 2) fail("qb_overlap must be -1, 0, 1 or 2 (got " + std::to_string(o.qb_overlap) + ")");
+  if (o.qb_side_mtiles != 0 && o.qb_side_mtiles != 2 && o.qb_side_mtiles != 4)
+    fail("qb_side_mtiles must be 0, 2 or 4 (got " + std::to_string(o.qb_side_mtiles) + ")");
   if (o.aq_warps < -1 || o.aq_warps > 32)
     fail("aq_warps must be -1 (automatic) or 0..32 (got " + std::to_string(o.aq_warps) + ")");
   if (o.v3_int_mask < -1 || o.v3_int_mask > 15)
@@ -896,6 +898,13 @@ void GpuPrepareStack::Impl::issue_qb(int L, int T, cudaStream_t s) {
     kn::run_gemm_fp8(g, ws_for(s), o.gemm, s, pdl_rest());
     return;
   }
+  // The plain v2 form in a layer with side lanes: optionally half the CTAs (qb_side_mtiles).
+  const int side_mtiles = o.qb_side_mtiles != 0 ? o.qb_side_mtiles : (T == 1 ? 4 : 2);
+  if (side_mtiles == 4 && g.qnorm_x == nullptr && T <= 16 && (lp(L).work & (kWorkIDX | kWorkCMP)) != 0 &&
+      fp8_version(T, g.n, g.k) == kn::GemmVersion::kWgmma) {
+    g.force_mtiles = 4;
+    g.force_splits = 1;
+  }
   kn::run_gemm_fp8(g, ws_for(s), o.gemm, s, pdl_rest());
   kn::QRopeStoreParams r;
   r.q = q;
@@ -1283,6 +1292,10 @@ void GpuPrepareStack::set_fuse_qchain_index(Fusion f) {
   impl_->set_option(&GpuStackOptions::fuse_qchain_index, f);
 }
 void GpuPrepareStack::set_qchain_q_direct(Fusion f) { impl_->set_option(&GpuStackOptions::qchain_q_direct, f); }
+void GpuPrepareStack::set_qb_side_mtiles(int mtiles) {
+  if (mtiles != 0 && mtiles != 2 && mtiles != 4) fail("qb_side_mtiles must be 0, 2 or 4 (got " + std::to_string(mtiles) + ")");
+  impl_->set_option(&GpuStackOptions::qb_side_mtiles, mtiles);
+}
 void GpuPrepareStack::set_fuse_x_quant(Fusion f) { impl_->set_option(&GpuStackOptions::fuse_x_quant, f); }
 void GpuPrepareStack::set_lane_prologue(bool on) { impl_->set_option(&GpuStackOptions::lane_prologue, on); }
 

@@ -805,6 +805,51 @@ TEST(GpuGemm, Fp8WgmmaOverlapAndPrewaitAreByteNeutral) {
   expect_realistic_stats(agg, "fp8 v2 overlap / prewait variants, realistic");
 }
 
+// v2 with four m64 tiles per consumer warpgroup (force_mtiles 4: 512 weight rows per CTA, each stage
+// two 256-row TMA boxes; the stack's qb_side_mtiles): the bytes of the two-tile plan at every m it
+// takes (<= 16), with and without PDL, and within 1 ulp of the reference. Shapes: wq_b, a last tile
+// half beyond n (its second box entirely), one tile smaller than a box, a partial last stage.
+TEST(GpuGemm, Fp8WgmmaFourTilesPerWarpgroupMatchTwo) {
+  V4_REQUIRE_GPU();
+  use_all_cores();
+  const Fp8Case cases[] = {
+      {32768, 1280, 1, 1, 4, 0},  // wq_b: 64 CTAs, 10 full stages
+      {4352, 1280, 1, 1, 4, 0},   // 8.5 tiles of 512: the last one's second box beyond n
+      {160, 416, 1, 1, 4, 0},     // one tile, 160 of 512 rows; 13 blocks = 3 full stages + 1 block
+  };
+  uint64_t seed = 2900;
+  DiffStats agg;
+  for (const Fp8Case& cs : cases) {
+    const Fp8Weights w4 = make_fp8_weights(cs, Data::kRealistic, ++seed);
+    for (int m : {1, 6, 8, 9, 16}) {
+      const Fp8Acts a = make_fp8_acts(cs, m, Data::kRealistic, ++seed);
+      const OutLayout l = make_layout(m, cs.n, cs.groups);
+      ASSERT_EQ(plan_gemm_wgmma(m, cs.n, cs.k, 1, 1, 4).warp_mtiles, 4);
+      ASSERT_EQ(plan_gemm_wgmma(m, cs.n, cs.k, 1, 1, 4).tiles_n, static_cast<int>((cs.n + 511) / 512));
+      for (bool pdl : {false, true}) {
+        const std::vector<bf16_t> got = run_fp8(w4, a, l, GemmVersion::kWgmma, pdl);
+        Fp8GemmParams p = fp8_params(w4, a, nullptr, l);
+        DeviceBuffer<bf16_t> out(l.elems());
+        out.fill_bytes(kPoisonByte);
+        p.out = out.get();
+        p.force_mtiles = 2;  // the same weights and activations under the two-tile plan
+        run_gemm_fp8(p, GemmWorkspace{}, GemmVersion::kWgmma, nullptr, pdl);
+        V4_CUDA_CHECK(cudaDeviceSynchronize());
+        const std::vector<bf16_t> want = to_host(out);
+        const std::string name = fp8_name(cs, m) + (pdl ? " pdl" : "");
+        ASSERT_EQ(got.size(), want.size());
+        EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(bf16_t))) << name << ": MT 4 vs MT 2";
+        if (!pdl) agg.add(check_bf16(got, l, dense_want(ref_fp8(w4, a), cs.n), 1, name + " v2 MT4", true));
+      }
+    }
+  }
+  expect_realistic_stats(agg, "fp8 v2 four tiles per warpgroup, realistic");
+  // Refused: more than 16 rows, a split, the fused RoPE store.
+  EXPECT_THROW(plan_gemm_wgmma(17, 32768, 1280, 1, 1, 4), std::invalid_argument);
+  EXPECT_THROW(plan_gemm_wgmma(8, 32768, 1280, 1, 2, 4), std::invalid_argument);
+  EXPECT_THROW(plan_gemm_wgmma_pipelined(8, 32768, 1280, 1, 1, 4), std::invalid_argument);
+}
+
 // v3: every code path on small shapes. m covers every token padding NP = 8..64; the cases cover
 // one and two m64 tiles per consumer warpgroup, tiles partly beyond n, cluster split-K with
 // S = 2..8 (uneven K ranges, one block per CTA, MT = 2 partial tiles of 256 rows), 8-unit

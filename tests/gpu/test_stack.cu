@@ -163,6 +163,7 @@ TEST(GpuStackHost, ValidateOptionsRefusesWhatTheStackCannotRun) {
   refused([](GpuStackOptions& o) { o.scores_steps = 65; }, "scores_steps");
   refused([](GpuStackOptions& o) { o.select_version = 1; }, "select_version");
   refused([](GpuStackOptions& o) { o.qb_prewait_stages = -2; }, "qb_prewait_stages");
+  refused([](GpuStackOptions& o) { o.qb_side_mtiles = 3; }, "qb_side_mtiles");
   refused([](GpuStackOptions& o) { o.qb_overlap = 3; }, "qb_overlap");
   refused([](GpuStackOptions& o) { o.qb_prewait_pace_ns = -2; }, "qb_prewait_pace_ns");
   refused([](GpuStackOptions& o) { o.aq_warps = 33; }, "aq_warps");
@@ -665,6 +666,7 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
     Fusion fuse_qnorm = Fusion::kAuto;    // q_norm inside the wq_b GEMM (the default: its own kernel)
     Fusion fuse_qchain_index = Fusion::kOff;  // reindex layers' Q chain as the fused kernel
     Fusion qchain_q_direct = Fusion::kAuto;   // the fused chain's direct q hand-off (kernels/qchain.h)
+    int qb_side_mtiles = 0;                   // the index layers' wq_b GEMM at 64 (4) / 128 (2) CTAs
   };
   const Config configs[] = {{Schedule::kSerial, false, false},
                             {Schedule::kThreeLane, true, true},
@@ -691,7 +693,10 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
                             {Schedule::kSourcesSide, true, false, Fusion::kOff, Fusion::kOn, Fusion::kAuto, Fusion::kAuto, Fusion::kOn},
                             // The fused chains' q hand-off: always direct / always through the tile reducers.
                             {Schedule::kThreeLane, true, true, Fusion::kAuto, Fusion::kOn, Fusion::kAuto, Fusion::kAuto, Fusion::kOn, Fusion::kOn},
-                            {Schedule::kSerial, false, false, Fusion::kOff, Fusion::kOn, Fusion::kAuto, Fusion::kAuto, Fusion::kOn, Fusion::kOff}};
+                            {Schedule::kSerial, false, false, Fusion::kOff, Fusion::kOn, Fusion::kAuto, Fusion::kAuto, Fusion::kOn, Fusion::kOff},
+                            // The index layers' wq_b GEMM at four / two m64 tiles per warpgroup.
+                            {Schedule::kThreeLane, true, true, Fusion::kOff, Fusion::kAuto, Fusion::kAuto, Fusion::kAuto, Fusion::kAuto, Fusion::kAuto, 4},
+                            {Schedule::kThreeLane, true, true, Fusion::kOff, Fusion::kAuto, Fusion::kAuto, Fusion::kAuto, Fusion::kAuto, Fusion::kAuto, 2}};
   // The fused form must really run here (wq_b at this config and bucket), or the configs above
   // that ask for it would silently compare the unfused path with itself.
   if (tp == 1) {
@@ -713,7 +718,7 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
                              " rope-store " + to_string(configs[c].fuse_rope_store) + " qchain " + to_string(configs[c].fuse_qchain) +
                              " x-quant " + to_string(configs[c].fuse_x_quant) + " qnorm " + to_string(configs[c].fuse_qnorm) +
                              " qchain-index " + to_string(configs[c].fuse_qchain_index) + " q-direct " +
-                             to_string(configs[c].qchain_q_direct);
+                             to_string(configs[c].qchain_q_direct) + " qb-side-mtiles " + std::to_string(configs[c].qb_side_mtiles);
     SCOPED_TRACE(name);
     gpu.upload_caches(initial);
     gpu.set_schedule(configs[c].schedule);
@@ -724,6 +729,7 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
     gpu.set_fuse_qnorm(configs[c].fuse_qnorm);
     gpu.set_fuse_qchain_index(configs[c].fuse_qchain_index);
     gpu.set_qchain_q_direct(configs[c].qchain_q_direct);
+    gpu.set_qb_side_mtiles(configs[c].qb_side_mtiles);
     gpu.reset_error_count();
     for (int step = 0; step < 2; ++step) {
       gpu.poison_outputs(kPoison);

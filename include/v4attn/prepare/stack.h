@@ -224,6 +224,14 @@ struct GpuStackOptions {
   // 0, 1, 2). Tuning knobs; same bytes.
   int qb_prewait_stages = -1;
   int qb_overlap = -1;
+  // The wq_b GEMM in layers with side lanes (an indexer or a compressor), plain form only (no fused
+  // RoPE store / q_norm), steps of <= 16 rows: m64 tiles per consumer warpgroup. 2: 128 CTAs of 256
+  // rows; 4: 64 CTAs of 512 rows (the same bytes; the other SMs stay free for the side lanes'
+  // kernels while it streams); 0 = automatic: 4 in one-row steps, else 2. Measured (docs/perf.md
+  // session 20 run 7, same binary, four repetitions): 4 vs 2 decode bs 1 -0.55 %, decode bs 4
+  // +0.6 %, decode bs 6 +1.2 %, verify bs 1 +1.8 % (the side lanes' latency-bound kernels beside
+  // the GEMM's stream get slower, not faster: the scores of a reindex layer 16.7 -> 28.7 us).
+  int qb_side_mtiles = 0;
   // wq_b GEMM: Fp8GemmParams::prewait_pace_ns; -1 = automatic: 1000 ns for one-row steps (decode
   // bs 1: -2.3 % per cycle), 0 otherwise (pacing was slower at 6 rows and more; docs/perf.md session 4).
   int qb_prewait_pace_ns = -1;
@@ -356,6 +364,7 @@ class GpuPrepareStack {
   void set_fuse_qchain(Fusion f);     // GpuStackOptions::fuse_qchain
   void set_fuse_qchain_index(Fusion f);  // GpuStackOptions::fuse_qchain_index
   void set_qchain_q_direct(Fusion f);    // GpuStackOptions::qchain_q_direct
+  void set_qb_side_mtiles(int mtiles);   // GpuStackOptions::qb_side_mtiles (validated as at construction)
   void set_fuse_x_quant(Fusion f);    // GpuStackOptions::fuse_x_quant
 
   // --- caches ------------------------------------------------------------------------------------
