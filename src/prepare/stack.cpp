@@ -898,10 +898,11 @@ void GpuPrepareStack::Impl::issue_qb(int L, int T, cudaStream_t s) {
     kn::run_gemm_fp8(g, ws_for(s), o.gemm, s, pdl_rest());
     return;
   }
-  // The plain v2 form in a layer with side lanes: optionally half the CTAs (qb_side_mtiles).
+  // The plain v2 form in a layer with side lanes: optionally half the CTAs (qb_side_mtiles), where
+  // the automatic plan is one split (so that the bytes are its: a split-K plan adds in another order).
   const int side_mtiles = o.qb_side_mtiles != 0 ? o.qb_side_mtiles : (T == 1 ? 4 : 2);
   if (side_mtiles == 4 && g.qnorm_x == nullptr && T <= 16 && (lp(L).work & (kWorkIDX | kWorkCMP)) != 0 &&
-      fp8_version(T, g.n, g.k) == kn::GemmVersion::kWgmma) {
+      fp8_version(T, g.n, g.k) == kn::GemmVersion::kWgmma && kn::plan_gemm_wgmma(T, g.n, g.k, 1).splits == 1) {
     g.force_mtiles = 4;
     g.force_splits = 1;
   }

@@ -225,9 +225,10 @@ struct GpuStackOptions {
   int qb_prewait_stages = -1;
   int qb_overlap = -1;
   // The wq_b GEMM in layers with side lanes (an indexer or a compressor), plain form only (no fused
-  // RoPE store / q_norm), steps of <= 16 rows: m64 tiles per consumer warpgroup. 2: 128 CTAs of 256
-  // rows; 4: 64 CTAs of 512 rows (the same bytes; the other SMs stay free for the side lanes'
-  // kernels while it streams); 0 = automatic: 4 in one-row steps, else 2. Measured (docs/perf.md
+  // RoPE store / q_norm), steps of <= 16 rows, where v2's automatic plan is one split (TP1: 128 CTAs
+  // of 256 rows): m64 tiles per consumer warpgroup. 2: the automatic plan; 4: 64 CTAs of 512 rows
+  // (the same bytes; the other SMs stay free for the side lanes' kernels while it streams); 0 =
+  // automatic: 4 in one-row steps, else 2. Measured (docs/perf.md
   // session 20 run 7, same binary, four repetitions): 4 vs 2 decode bs 1 -0.55 %, decode bs 4
   // +0.6 %, decode bs 6 +1.2 %, verify bs 1 +1.8 % (the side lanes' latency-bound kernels beside
   // the GEMM's stream get slower, not faster: the scores of a reindex layer 16.7 -> 28.7 us).
