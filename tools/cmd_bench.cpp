@@ -251,6 +251,7 @@ struct BenchCliOptions {
   int qb_prewait_stages = -1;
   int qb_overlap = -1;
   int qb_side_mtiles = 0;
+  bool no_fused_index_main = false;
   int qb_prewait_pace_ns = -1;
   int aq_warps = -1;
   bool idx_scores_main = false;
@@ -404,6 +405,7 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
     j["qb_prewait_stages"] = c.knobs.qb_prewait_stages;
     j["qb_overlap"] = c.knobs.qb_overlap;
     j["qb_side_mtiles"] = c.knobs.qb_side_mtiles;
+    j["fused_index_on_main"] = c.knobs.fused_index_on_main;
     j["qb_prewait_pace_ns"] = c.knobs.qb_prewait_pace_ns;
     j["aq_warps"] = c.knobs.aq_warps;
     j["idx_scores_on_main"] = c.knobs.idx_scores_on_main;
@@ -588,6 +590,9 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
                   "(m <= 32), -1 default (tuning knob)")
       ->check(CLI::Range(-1, 2))
       ->capture_default_str();
+  sub->add_flag("--no-fused-index-main", o->no_fused_index_main,
+                "Reindex layers on the fused Q chain: the whole indexer on lane S after the chain (default: its GEMM, "
+                "q pack, scores and selection on main after the chain, PDL-chained; weights_proj on lane S)");
   sub->add_option("--qb-side-mtiles", o->qb_side_mtiles,
                   "wq_b GEMM (v2, plain form, <= 16 rows) in layers with an indexer or a compressor: m64 tiles per "
                   "consumer warpgroup: 2 (128 CTAs), 4 (64 CTAs: SMs left to the side lanes), 0 automatic (4 in one-row steps, "
@@ -659,6 +664,7 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       c.knobs.qb_prewait_stages = o->qb_prewait_stages;
       c.knobs.qb_overlap = o->qb_overlap;
       c.knobs.qb_side_mtiles = o->qb_side_mtiles;
+      c.knobs.fused_index_on_main = !o->no_fused_index_main;
       c.knobs.qb_prewait_pace_ns = o->qb_prewait_pace_ns;
       c.knobs.aq_warps = o->aq_warps;
       c.knobs.idx_scores_on_main = o->idx_scores_main && c.knobs.idx_gemm_on_main;

@@ -711,6 +711,20 @@ void GpuPrepareStack::Impl::issue_cycle(int T) {
       lanes.on_main([this, L, T](cudaStream_t s) { issue_qchain_fused(L, T, s); });
       continue;
     }
+    if (qchain_fused_index_layer(L, T) && o.fused_index_on_main && o.schedule != Schedule::kSerial) {
+      // GpuStackOptions::fused_index_on_main: weights_proj on lane S from the layer's start; main:
+      // the fused chain, the indexer's wq_b GEMM, then (joined with S: the q pack reads
+      // weights_proj's output) q pack, scores and selection, PDL-chained, and the next layer's
+      // chain PDL-chained after the selection. Lane K stays empty (KV and QB are in the chain).
+      lanes.fork(Lane::kS).defer([this, L, T](cudaStream_t s) { issue_idx_x(L, T, s); });
+      lanes.on_main([this, L, T](cudaStream_t s) {
+        issue_qchain_fused(L, T, s);
+        issue_idx_gemms(L, T, s);
+      });
+      lanes.join(Lane::kS);
+      lanes.on_main([this, L, T](cudaStream_t s) { issue_idx_rest(L, T, s); });
+      continue;
+    }
     if (qchain_fused_index_layer(L, T)) {
       // A reindex layer's Q chain as the fused chain on main (it writes qr and its codes); lane S:
       // weights_proj from x at the layer's start, the whole indexer after the chain. KV and QB are
@@ -1297,6 +1311,7 @@ void GpuPrepareStack::set_qb_side_mtiles(int mtiles) {
   if (mtiles != 0 && mtiles != 2 && mtiles != 4) fail("qb_side_mtiles must be 0, 2 or 4 (got " + std::to_string(mtiles) + ")");
   impl_->set_option(&GpuStackOptions::qb_side_mtiles, mtiles);
 }
+void GpuPrepareStack::set_fused_index_on_main(bool on) { impl_->set_option(&GpuStackOptions::fused_index_on_main, on); }
 void GpuPrepareStack::set_fuse_x_quant(Fusion f) { impl_->set_option(&GpuStackOptions::fuse_x_quant, f); }
 void GpuPrepareStack::set_lane_prologue(bool on) { impl_->set_option(&GpuStackOptions::lane_prologue, on); }
 

@@ -667,6 +667,7 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
     Fusion fuse_qchain_index = Fusion::kOff;  // reindex layers' Q chain as the fused kernel
     Fusion qchain_q_direct = Fusion::kAuto;   // the fused chain's direct q hand-off (kernels/qchain.h)
     int qb_side_mtiles = 0;                   // the index layers' wq_b GEMM at 64 (4) / 128 (2) CTAs
+    bool fused_index_on_main = true;          // fused reindex layers: the indexer on main after the chain
   };
   const Config configs[] = {{Schedule::kSerial, false, false},
                             {Schedule::kThreeLane, true, true},
@@ -696,7 +697,10 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
                             {Schedule::kSerial, false, false, Fusion::kOff, Fusion::kOn, Fusion::kAuto, Fusion::kAuto, Fusion::kOn, Fusion::kOff},
                             // The index layers' wq_b GEMM at four / two m64 tiles per warpgroup.
                             {Schedule::kThreeLane, true, true, Fusion::kOff, Fusion::kAuto, Fusion::kAuto, Fusion::kAuto, Fusion::kAuto, Fusion::kAuto, 4},
-                            {Schedule::kThreeLane, true, true, Fusion::kOff, Fusion::kAuto, Fusion::kAuto, Fusion::kAuto, Fusion::kAuto, Fusion::kAuto, 2}};
+                            {Schedule::kThreeLane, true, true, Fusion::kOff, Fusion::kAuto, Fusion::kAuto, Fusion::kAuto, Fusion::kAuto, Fusion::kAuto, 2},
+                            // Fused reindex layers with the whole indexer on lane S (the default: on main).
+                            {Schedule::kThreeLane, true, true, Fusion::kOff, Fusion::kOn, Fusion::kAuto, Fusion::kAuto, Fusion::kOn, Fusion::kAuto, 0, false},
+                            {Schedule::kSourcesSide, true, true, Fusion::kOff, Fusion::kOn, Fusion::kAuto, Fusion::kAuto, Fusion::kOn, Fusion::kAuto, 0, true}};
   // The fused form must really run here (wq_b at this config and bucket), or the configs above
   // that ask for it would silently compare the unfused path with itself.
   if (tp == 1) {
@@ -718,7 +722,8 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
                              " rope-store " + to_string(configs[c].fuse_rope_store) + " qchain " + to_string(configs[c].fuse_qchain) +
                              " x-quant " + to_string(configs[c].fuse_x_quant) + " qnorm " + to_string(configs[c].fuse_qnorm) +
                              " qchain-index " + to_string(configs[c].fuse_qchain_index) + " q-direct " +
-                             to_string(configs[c].qchain_q_direct) + " qb-side-mtiles " + std::to_string(configs[c].qb_side_mtiles);
+                             to_string(configs[c].qchain_q_direct) + " qb-side-mtiles " + std::to_string(configs[c].qb_side_mtiles) +
+                             (configs[c].fused_index_on_main ? "" : " fused-index-on-S");
     SCOPED_TRACE(name);
     gpu.upload_caches(initial);
     gpu.set_schedule(configs[c].schedule);
@@ -730,6 +735,7 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
     gpu.set_fuse_qchain_index(configs[c].fuse_qchain_index);
     gpu.set_qchain_q_direct(configs[c].qchain_q_direct);
     gpu.set_qb_side_mtiles(configs[c].qb_side_mtiles);
+    gpu.set_fused_index_on_main(configs[c].fused_index_on_main);
     gpu.reset_error_count();
     for (int step = 0; step < 2; ++step) {
       gpu.poison_outputs(kPoison);

@@ -290,6 +290,14 @@ struct GpuStackOptions {
   // per row and CTA) at most kQChainDirectAutoRows rows; kOn: the direct form wherever it fits.
   // Same bytes (QChainFusedParams::q_direct).
   Fusion qchain_q_direct = Fusion::kAuto;
+  // Reindex layers on the fused Q chain (fuse_qchain_index), three-lane / sources-side schedules:
+  // true: lane S runs only weights_proj (from the layer's start); main runs the chain, the indexer's
+  // wq_b GEMM and, joined with S, the q pack, scores and selection, all PDL-chained, so the next
+  // layer's chain launches under PDL behind the selection instead of after a cross-stream join.
+  // false: the whole indexer on lane S after the chain (sessions 17-19). Same bytes. Measured
+  // (docs/perf.md session 20 run 11, same binary, two repetitions): decode bs 1 -0.5 %, bs 2 -0.3 %,
+  // bs 4 -0.7 %. (Only the indexer's GEMM on main, lane S from the q pack on, was +0.4 to +0.6 %.)
+  bool fused_index_on_main = true;
   // Index-source layers: run the indexer's wq_b GEMM (qr -> qi) on the main lane right after
   // q_norm instead of first on lane S (experiment knob; docs/perf.md).
   // Default since run 20: verify bs 1 1688.7 vs 1703.8 us, decode bs 32 4615.6 vs 4668.1 us.
@@ -366,6 +374,7 @@ class GpuPrepareStack {
   void set_fuse_qchain_index(Fusion f);  // GpuStackOptions::fuse_qchain_index
   void set_qchain_q_direct(Fusion f);    // GpuStackOptions::qchain_q_direct
   void set_qb_side_mtiles(int mtiles);   // GpuStackOptions::qb_side_mtiles (validated as at construction)
+  void set_fused_index_on_main(bool on); // GpuStackOptions::fused_index_on_main
   void set_fuse_x_quant(Fusion f);    // GpuStackOptions::fuse_x_quant
 
   // --- caches ------------------------------------------------------------------------------------
