@@ -560,7 +560,7 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
                       " rows) or off; the unfused chain's bytes (with the default --v3-int-mask)");
   add_fusion_option(sub, "--fuse-qchain-index", o->fuse_qchain_index,
                   "Reindex layers (index sources without a compressor) with their Q chain as the fused kernel, "
-                  "the indexer on lane S after it: auto (steps of <= " + std::to_string(prepare::kQChainIndexAutoRows) +
+                  "the indexer after it (on main; --no-fused-index-main: on lane S): auto (steps of <= " + std::to_string(prepare::kQChainIndexAutoRows) +
                       " rows, where it measured faster), on (<= " + std::to_string(kernels::kQChainMaxRows) +
                       " rows) or off; same bytes");
   add_fusion_option(sub, "--qchain-q-direct", o->qchain_q_direct,

@@ -27,7 +27,7 @@
 // -1.7 % against --fuse-qchain off), even at 8 and slower at 12 and 16 (it holds every SM while the index layers' side lanes want some):
 // GpuStackOptions::fuse_qchain runs it by default up to kQChainAutoRows (8 rows in sessions 10-13,
 // 12 since session 16; Fusion::kAuto), and fuse_qchain_index in the reindex layers up to
-// kQChainIndexAutoRows (4, session 17). Session 16
+// kQChainIndexAutoRows (4 in sessions 17-19, 8 since session 20). Session 16
 // (bench_qchain, same run): 20.0 us at 1 row, 22.1 at 6, 22.8 at 8 (fewer instructions in its
 // exact elementwise steps; only the QA scales before the PDL wait; a staged RoPE store; the QA
 // slots' wq_b stages fetched after q_norm).

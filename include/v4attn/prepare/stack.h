@@ -107,7 +107,9 @@ constexpr int kQChainAutoRows = 12;
 // fuse_qchain_index's kAuto row limit (docs/perf.md session 17, three-lane, same binary, two
 // repetitions: decode bs 1 -1.8 %, bs 2 -0.8 %, bs 3 -0.4 %, bs 4 -0.9 %; decode bs 6 +0.1 %,
 // verify bs 1 (6 rows) -0.2 % over three runs, decode bs 8 +0.2 %, verify bs 2 (12 rows) +1.3 %).
-constexpr int kQChainIndexAutoRows = 4;
+// Session 20 (run 13, with the indexer on main after the chain, fused_index_on_main; same binary,
+// two repetitions): on vs 4 rows: decode bs 5 -0.4 %, bs 6 -0.3 %, bs 8 -0.7 %, verify bs 1 -0.4 %.
+constexpr int kQChainIndexAutoRows = 8;
 // qchain_q_direct's kAuto row limit: the fused chain's direct q hand-off (kernels/qchain.h
 // QChainFusedParams::q_direct) where it measured faster (docs/perf.md session 20 run 1, three-lane,
 // same binary, four repetitions each: decode bs 1 -1.8 %, decode bs 2 +0.5 %, decode bs 4 +6 %,
@@ -276,8 +278,9 @@ struct GpuStackOptions {
   Fusion fuse_qchain = Fusion::kAuto;
   // When a reindex layer (an index source without a compressor: 24, 28, 32, 36 in V4.1) runs its
   // Q chain as the fused Q chain on main (it writes qr and its codes, which the indexer reads):
-  // lane S takes weights_proj from x at the layer's start and the whole indexer (its wq_b GEMM,
-  // q pack, scores, selection) after the chain. Same bytes (tested over whole cycles). kOff: never;
+  // lane S takes weights_proj from x at the layer's start, and the indexer (its wq_b GEMM, q pack,
+  // scores, selection) follows the chain on main (fused_index_on_main) or on lane S. Same bytes
+  // (tested over whole cycles). kOff: never;
   // kAuto: at most kQChainIndexAutoRows rows, with `gemm` kAuto; kOn: at most
   // kernels::kQChainMaxRows rows. Layers with a compressor keep the unfused chain: the spinning
   // chain holds 128 SMs while the compressor's four dependent kernels wait for them (measured
