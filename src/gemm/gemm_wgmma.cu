@@ -709,6 +709,11 @@ bool gemm_v2_qnorm_supported(int m, int64_t n, int64_t k) {
          (n % kRopeHeadDim != 0 || fitting_stages(plan, np, msb, true, true) >= 1);
 }
 
+bool gemm_v2_four_tiles_supported(int m, int64_t n, int64_t k) {
+  if (m < 1 || m > kMaxNpMt4 || n <= 0 || k <= 0 || k % kGemmBlock != 0) return false;
+  return plan_gemm_wgmma(m, n, k, 1).splits == 1 && plan_gemm_wgmma(m, n, k, 1, 1, 4).stages >= 1;
+}
+
 bool gemm_v2_rope_store_supported(int m, int64_t n, int64_t k) {
   if (m < 1 || m > kGemmMaxRows || n <= 0 || n % kRopeHeadDim != 0 || k <= 0 || k % kGemmBlock != 0) return false;
   const GemmPlan plan = plan_gemm_wgmma(m, n, k, 1);

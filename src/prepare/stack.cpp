@@ -140,6 +140,10 @@ static bool fusion_applies(Fusion f, int T, int auto_min, int auto_max, int on_m
   return false;
 }
 
+void check_qb_side_mtiles(int v) {
+  if (v != 0 && v != 2 && v != 4) fail("qb_side_mtiles must be 0, 2 or 4 (got " + std::to_string(v) + ")");
+}
+
 void validate_options(const ModelPlan& plan, const GpuStackOptions& o) {
   const ModelConfig& c = plan.config;
   if (c.n_layers < 1) fail("the config has no backbone layer");
@@ -186,8 +190,7 @@ void validate_options(const ModelPlan& plan, const GpuStackOptions& o) {
     fail("select_version must be 2 or 3 (got " + std::to_string(o.select_version) + ")");
   if (o.qb_prewait_stages < -1) fail("qb_prewait_stages must be >= -1 (got " + std::to_string(o.qb_prewait_stages) + ")");
   if (o.qb_overlap < -1 || o.qb_overlap > 2) fail("qb_overlap must be -1, 0, 1 or 2 (got " + std::to_string(o.qb_overlap) + ")");
-  if (o.qb_side_mtiles != 0 && o.qb_side_mtiles != 2 && o.qb_side_mtiles != 4)
-    fail("qb_side_mtiles must be 0, 2 or 4 (got " + std::to_string(o.qb_side_mtiles) + ")");
+  check_qb_side_mtiles(o.qb_side_mtiles);
   if (o.aq_warps < -1 || o.aq_warps > 32)
     fail("aq_warps must be -1 (automatic) or 0..32 (got " + std::to_string(o.aq_warps) + ")");
   if (o.v3_int_mask < -1 || o.v3_int_mask > 15)
@@ -915,8 +918,8 @@ void GpuPrepareStack::Impl::issue_qb(int L, int T, cudaStream_t s) {
   // The plain v2 form in a layer with side lanes: optionally half the CTAs (qb_side_mtiles), where
   // the automatic plan is one split (so that the bytes are its: a split-K plan adds in another order).
   const int side_mtiles = o.qb_side_mtiles != 0 ? o.qb_side_mtiles : (T == 1 ? 4 : 2);
-  if (side_mtiles == 4 && g.qnorm_x == nullptr && T <= 16 && (lp(L).work & (kWorkIDX | kWorkCMP)) != 0 &&
-      fp8_version(T, g.n, g.k) == kn::GemmVersion::kWgmma && kn::plan_gemm_wgmma(T, g.n, g.k, 1).splits == 1) {
+  if (side_mtiles == 4 && g.qnorm_x == nullptr && (lp(L).work & (kWorkIDX | kWorkCMP)) != 0 &&
+      fp8_version(T, g.n, g.k) == kn::GemmVersion::kWgmma && kn::gemm_v2_four_tiles_supported(T, g.n, g.k)) {
     g.force_mtiles = 4;
     g.force_splits = 1;
   }
@@ -1308,7 +1311,7 @@ void GpuPrepareStack::set_fuse_qchain_index(Fusion f) {
 }
 void GpuPrepareStack::set_qchain_q_direct(Fusion f) { impl_->set_option(&GpuStackOptions::qchain_q_direct, f); }
 void GpuPrepareStack::set_qb_side_mtiles(int mtiles) {
-  if (mtiles != 0 && mtiles != 2 && mtiles != 4) fail("qb_side_mtiles must be 0, 2 or 4 (got " + std::to_string(mtiles) + ")");
+  check_qb_side_mtiles(mtiles);
   impl_->set_option(&GpuStackOptions::qb_side_mtiles, mtiles);
 }
 void GpuPrepareStack::set_fused_index_on_main(bool on) { impl_->set_option(&GpuStackOptions::fused_index_on_main, on); }

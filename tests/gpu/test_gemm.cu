@@ -844,7 +844,14 @@ TEST(GpuGemm, Fp8WgmmaFourTilesPerWarpgroupMatchTwo) {
     }
   }
   expect_realistic_stats(agg, "fp8 v2 four tiles per warpgroup, realistic");
-  // Refused: more than 16 rows, a split, the fused RoPE store.
+  // The predicate the stack asks: wq_b at TP1 (one-split automatic plan) yes up to 16 rows; TP4's
+  // wq_b (8192 x 1280: a split-K automatic plan, which forcing one split would re-order) no.
+  for (int m : {1, 8, 16}) EXPECT_TRUE(gemm_v2_four_tiles_supported(m, 32768, 1280)) << m;
+  EXPECT_FALSE(gemm_v2_four_tiles_supported(17, 32768, 1280));
+  EXPECT_FALSE(gemm_v2_four_tiles_supported(0, 32768, 1280));
+  EXPECT_GT(plan_gemm_wgmma(1, 8192, 1280, 1).splits, 1);
+  EXPECT_FALSE(gemm_v2_four_tiles_supported(1, 8192, 1280));
+  // Refused: more than 16 rows, a forced split, v3.
   EXPECT_THROW(plan_gemm_wgmma(17, 32768, 1280, 1, 1, 4), std::invalid_argument);
   EXPECT_THROW(plan_gemm_wgmma(8, 32768, 1280, 1, 2, 4), std::invalid_argument);
   EXPECT_THROW(plan_gemm_wgmma_pipelined(8, 32768, 1280, 1, 1, 4), std::invalid_argument);

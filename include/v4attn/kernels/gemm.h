@@ -312,6 +312,10 @@ void run_gemm_fp8(const Fp8GemmParams& p, const GemmWorkspace& ws, GemmVersion v
 bool gemm_v3_fused_quant_supported(int m, int64_t n, int64_t k);
 void run_gemm_fp8_fused_quant(const Fp8GemmParams& p, GemmVersion version, cudaStream_t stream, bool pdl);
 
+// Whether v2's four-m64-tiles-per-warpgroup form (force_splits 1, force_mtiles 4: 512 weight rows
+// per CTA, half the CTAs of the two-tile plan) takes an m x n x k problem with the bytes of v2's
+// automatic plan: m <= 16 and an automatic plan of one split (a split-K plan adds in another order).
+bool gemm_v2_four_tiles_supported(int m, int64_t n, int64_t k);
 // wq_b with q_rope_store fused into its epilogue (v2): out[m, n] is the q_pad row m (heads of 512
 // dims, out_stride = H_pad * 512), dims 448..511 of each head rotated at rope_pos[m] exactly like
 // run_q_rope_store on the unfused GEMM's bf16 output (the same bytes; tested). A row with a
