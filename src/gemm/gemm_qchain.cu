@@ -856,6 +856,11 @@ bool qchain_fused_supported(int T, int64_t dim, int64_t q_rank, int H, int devic
   return pl.ok && (!q_direct || pl.direct_ok);
 }
 
+bool qchain_fused_direct_fits(int T, int64_t dim, int64_t q_rank, int H, int sm_count) {
+  const QcPlan pl = make_plan(T, dim, q_rank, H, sm_count);
+  return pl.ok && pl.direct_ok;
+}
+
 int qchain_fused_grid(int T, int64_t dim, int64_t q_rank, int H, int sm_count) {
   const QcPlan pl = make_plan(T, dim, q_rank, H, sm_count);
   return pl.ok ? pl.grid : 0;

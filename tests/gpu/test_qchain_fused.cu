@@ -272,6 +272,14 @@ TEST(GpuQChainHost, ShapeRuleAndWorkspace) {
   EXPECT_EQ(qchain_fused_workspace_bytes(kQChainMaxRows, kDim, kQRank),
             256u + 8u * kQChainMaxRows * static_cast<size_t>(kQa) * sizeof(float));
   EXPECT_EQ(qchain_fused_workspace_bytes(0, kDim, kQRank), 0u);
+  // The direct q hand-off stages T x q_rank bf16 in the QA weight slots: V4.1's 80 KB QA slice
+  // (three 32 KB slots) holds 16 rows; at dim 512 the slice is one slot, which holds 12 rows of
+  // 1280 (30 KB) but not 13 (32.5 KB).
+  for (int T : {1, 6, 16}) EXPECT_TRUE(qchain_fused_direct_fits(T, kDim, kQRank, kHeads, 132)) << T;
+  ASSERT_EQ(qchain_fused_grid(16, 512, kQRank, kHeads, 132), 128);
+  EXPECT_TRUE(qchain_fused_direct_fits(12, 512, kQRank, kHeads, 132));
+  EXPECT_FALSE(qchain_fused_direct_fits(13, 512, kQRank, kHeads, 132));
+  EXPECT_FALSE(qchain_fused_direct_fits(6, kDim, kQRank, kHeads, 127));  // no plan at all
   EXPECT_THROW(init_qchain_workspace(nullptr, 1024, nullptr), std::invalid_argument);
 }
 
@@ -333,6 +341,11 @@ TEST(GpuQChainFused, RefusesBadInput) {
   p = ok;
   p.kv.table = nullptr;
   refused(p, "no table");
+  p = ok;  // the direct q hand-off where its staged rows do not fit (checked before any pointer)
+  p.dim = 512;
+  p.T = 16;
+  p.q_direct = true;
+  refused(p, "q_direct, 16 rows at dim 512");
   V4_CUDA_CHECK(cudaDeviceSynchronize());
   // Nothing was written by the refused calls.
   const std::vector<bf16_t> q = to_host(o.q_pad);

@@ -103,6 +103,9 @@ bool qchain_fused_supported(int T, int64_t dim, int64_t q_rank, int H, int devic
 // The same rule for a device of `sm_count` SMs, without asking the driver (host only; what the
 // CPU tests pin). The grid it needs: max(wq_b tiles, QA tiles x splits, 3 T); 0 when unsupported.
 int qchain_fused_grid(int T, int64_t dim, int64_t q_rank, int H, int sm_count);
+// The same for the direct q hand-off: whether the shape is supported and its T staged q rows
+// (T x q_rank bf16) fit in the QA weight slots (host only).
+bool qchain_fused_direct_fits(int T, int64_t dim, int64_t q_rank, int H, int sm_count);
 size_t qchain_fused_workspace_bytes(int T_max, int64_t dim, int64_t q_rank);
 void init_qchain_workspace(void* workspace, size_t bytes, cudaStream_t stream);
 // Validates everything (std::invalid_argument, nothing launched) and launches one kernel.
