@@ -634,11 +634,11 @@ WgmmaSplit plan_wgmma_split(const char* who, int m, int64_t n, int64_t k, int gr
                             int force_stages, int max_splits) {
   auto fail = [who](const std::string& what) { throw std::invalid_argument(std::string(who) + ": " + what); };
   if (m < 0 || m > kGemmMaxRows || n <= 0 || k <= 0 || groups < 1) fail("need 0 <= m <= 64, n > 0, k > 0, groups >= 1");
-  // force_mtiles 4 (v2 only: plan_gemm_wgmma takes it for one split and m <= kMaxNpMt4): 512 rows per
-  // CTA, half the CTAs of 2, the same bytes (a tile's rows do not change any element's arithmetic).
+  // force_mtiles 4 (v2 only: plan_gemm_wgmma takes it for one split and m <= kMaxNpMt4, v3 refuses
+  // it): 512 rows per CTA, half the CTAs of 2, the same bytes (a tile's rows do not change any
+  // element's arithmetic).
   if (force_splits < 0 || force_mtiles < 0 || (force_mtiles > 2 && force_mtiles != 4) || force_stages < 0)
     fail("force_splits >= 0, force_mtiles in 0..2 or 4, force_stages >= 0");
-  if (force_mtiles == 4 && max_splits > 0) fail("force_mtiles 4 is v2's only");
   const int64_t kb = k / kGemmBlock;
   if (kb < 1) fail("k < 32");
   WgmmaSplit sp;

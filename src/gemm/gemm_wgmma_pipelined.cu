@@ -686,7 +686,8 @@ CUtensorMap make_tensor_map(const void* ptr, uint64_t cols, uint64_t rows, uint6
 GemmPlan plan_gemm_wgmma_pipelined(int m, int64_t n, int64_t k, int groups, int force_splits, int force_mtiles,
                                    int force_stages) {
   // v2's tiling and split choice, S capped at the portable cluster size (the S CTAs of a tile form
-  // one cluster).
+  // one cluster). Two m64 tiles per warpgroup at most (v2's four-tile form is v2's own).
+  if (force_mtiles == 4) throw std::invalid_argument("plan_gemm_wgmma_pipelined: force_mtiles 4 is v2's only");
   detail::WgmmaSplit sp = detail::plan_wgmma_split("plan_gemm_wgmma_pipelined", m, n, k, groups, force_splits,
                                                    force_mtiles, force_stages, kMaxClusterSplits);
   // One wave of clusters: with one CTA per SM, a cluster needs S free SMs of one GPC, so well below

@@ -714,24 +714,24 @@ void GpuPrepareStack::Impl::issue_cycle(int T) {
       lanes.on_main([this, L, T](cudaStream_t s) { issue_qchain_fused(L, T, s); });
       continue;
     }
-    if (qchain_fused_index_layer(L, T) && o.fused_index_on_main && o.schedule != Schedule::kSerial) {
-      // GpuStackOptions::fused_index_on_main: weights_proj on lane S from the layer's start; main:
-      // the fused chain, the indexer's wq_b GEMM, then (joined with S: the q pack reads
-      // weights_proj's output) q pack, scores and selection, PDL-chained, and the next layer's
-      // chain PDL-chained after the selection. Lane K stays empty (KV and QB are in the chain).
-      lanes.fork(Lane::kS).defer([this, L, T](cudaStream_t s) { issue_idx_x(L, T, s); });
-      lanes.on_main([this, L, T](cudaStream_t s) {
-        issue_qchain_fused(L, T, s);
-        issue_idx_gemms(L, T, s);
-      });
-      lanes.join(Lane::kS);
-      lanes.on_main([this, L, T](cudaStream_t s) { issue_idx_rest(L, T, s); });
-      continue;
-    }
     if (qchain_fused_index_layer(L, T)) {
       // A reindex layer's Q chain as the fused chain on main (it writes qr and its codes); lane S:
-      // weights_proj from x at the layer's start, the whole indexer after the chain. KV and QB are
-      // inside the chain: their items have nothing left to issue (lane K stays empty).
+      // weights_proj from x at the layer's start. KV and QB are inside the chain: lane K stays empty.
+      if (o.fused_index_on_main && o.schedule != Schedule::kSerial) {
+        // GpuStackOptions::fused_index_on_main: main runs the chain, the indexer's wq_b GEMM, then
+        // (joined with S: the q pack reads weights_proj's output) q pack, scores and selection,
+        // PDL-chained, and the next layer's chain PDL-chained after the selection.
+        lanes.fork(Lane::kS).defer([this, L, T](cudaStream_t s) { issue_idx_x(L, T, s); });
+        lanes.on_main([this, L, T](cudaStream_t s) {
+          issue_qchain_fused(L, T, s);
+          issue_idx_gemms(L, T, s);
+        });
+        lanes.join(Lane::kS);
+        lanes.on_main([this, L, T](cudaStream_t s) { issue_idx_rest(L, T, s); });
+        continue;
+      }
+      // Otherwise (and in the serial schedule, where every lane is main) the whole indexer after
+      // the chain, on lane S.
       LayerIssue li;
       li.work = lp(L).work;
       li.s_fork = o.s_fork == LayerIssue::SFork::kAfterQNorm ? o.s_fork : LayerIssue::SFork::kAtLayerStart;

@@ -224,34 +224,38 @@ TEST(GpuQChainFused, GraphReplaysMatch) {
   DeviceBuffer<uint8_t> ws(qchain_fused_workspace_bytes(kQChainMaxRows, kDim, kQRank));
   init_qchain_workspace(ws.get(), ws.size(), nullptr);
   for (int T : {1, 6, 16}) {
-    const Step s(T, 500 + static_cast<uint64_t>(T));
-    Outputs want(T), got(T);
-    run_unfused(w, s, want, true);
-    cudaStream_t st;
-    V4_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-    cudaGraph_t graph;
-    V4_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-    // Chains back to back (PDL between them): each waits for the previous one's grid; both q
-    // hand-offs, the direct one twice in a row.
-    for (int i = 0; i < 3; ++i) run_qchain_fused(fused_params(w, s, got, ws, i > 0), st, true);
-    V4_CUDA_CHECK(cudaStreamEndCapture(st, &graph));
-    cudaGraphExec_t exec;
-    V4_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    for (int rep = 0; rep < 3; ++rep) {
-      got.poison();
-      V4_CUDA_CHECK(cudaGraphLaunch(exec, st));
-      V4_CUDA_CHECK(cudaStreamSynchronize(st));
-      // Each of the 3 launches counted the bad row once (the unfused chain: once; T 1 has none).
-      const unsigned long long e = to_host(got.err)[0];
-      EXPECT_EQ(e, 3 * to_host(want.err)[0]);
-      got.err.fill_bytes(0);
-      want.err.fill_bytes(0);
-      expect_same(want, got, "graph replay " + std::to_string(rep) + " T " + std::to_string(T));
-      run_unfused(w, s, want, true);  // restore want's error count
+    // Each form's bytes from a replayed graph: three chains back to back (PDL between them, each
+    // waiting for the previous one's grid), the checked form last, the other form before it (so the
+    // counters are also handed from each form to the other).
+    for (bool direct_last : {false, true}) {
+      const Step s(T, 500 + static_cast<uint64_t>(T));
+      Outputs want(T), got(T);
+      run_unfused(w, s, want, true);
+      cudaStream_t st;
+      V4_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+      cudaGraph_t graph;
+      V4_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+      for (int i = 0; i < 3; ++i) run_qchain_fused(fused_params(w, s, got, ws, i == 2 ? direct_last : !direct_last), st, true);
+      V4_CUDA_CHECK(cudaStreamEndCapture(st, &graph));
+      cudaGraphExec_t exec;
+      V4_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+      const std::string form = direct_last ? " direct last" : " tiles last";
+      for (int rep = 0; rep < 3; ++rep) {
+        got.poison();
+        V4_CUDA_CHECK(cudaGraphLaunch(exec, st));
+        V4_CUDA_CHECK(cudaStreamSynchronize(st));
+        // Each of the 3 launches counted the bad row once (the unfused chain: once; T 1 has none).
+        const unsigned long long e = to_host(got.err)[0];
+        EXPECT_EQ(e, 3 * to_host(want.err)[0]);
+        got.err.fill_bytes(0);
+        want.err.fill_bytes(0);
+        expect_same(want, got, "graph replay " + std::to_string(rep) + " T " + std::to_string(T) + form);
+        run_unfused(w, s, want, true);  // restore want's error count
+      }
+      V4_CUDA_CHECK(cudaGraphExecDestroy(exec));
+      V4_CUDA_CHECK(cudaGraphDestroy(graph));
+      V4_CUDA_CHECK(cudaStreamDestroy(st));
     }
-    V4_CUDA_CHECK(cudaGraphExecDestroy(exec));
-    V4_CUDA_CHECK(cudaGraphDestroy(graph));
-    V4_CUDA_CHECK(cudaStreamDestroy(st));
   }
 }
 
