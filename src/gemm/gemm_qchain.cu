@@ -276,6 +276,36 @@ __device__ __forceinline__ void run_full_stage(const BlockOps<MT, NP>& ops, SwRo
   }
 }
 
+// The QA loop's stage (MT 1): all four blocks' loads and wgmmas issued before the first fold (four
+// block-sum sets in flight), then the folds in block order. The QA slice is in shared memory before
+// the loop starts, so its stages are not memory-paced: with two blocks in flight a stage took ~0.42 us
+// (phase stamps, session 21: 2.0 us for the 5 stages at 1-8 rows) -- the latency of a block's two
+// chained wgmmas, paid twice per stage -- against ~0.15 us of tensor-core throughput
+// (bench_wgmma_probe). Same arithmetic as run_full_stage: each block sum from its own zeroed set,
+// the folds in order.
+template <int MT, int NP, class SwRow>
+__device__ __forceinline__ void run_full_stage_all4(const BlockOps<MT, NP>& ops, SwRow sw_row, const float* sa,
+                                                    float (&acc)[MT][NP / 2]) {
+  constexpr int R = NP / 2;
+  uint32_t a[kBlocksPerStage][MT][2][4];
+  float sw[kBlocksPerStage][MT];
+  float d[kBlocksPerStage][MT][R];
+#pragma unroll
+  for (int j = 0; j < kBlocksPerStage; ++j) {
+    ops.load(j, a[j], [&](int mt) { sw[j][mt] = sw_row(mt, j); });
+    ops.issue(j, a[j], d[j]);
+  }
+  wgmma_wait<3>();
+  ops.fold(sa + 0 * NP, sw[0], d[0], acc);
+  wgmma_wait<2>();
+  ops.fold(sa + 1 * NP, sw[1], d[1], acc);
+  wgmma_wait<1>();
+  ops.fold(sa + 2 * NP, sw[2], d[2], acc);
+  wgmma_wait<0>();
+  ops.fold(sa + 3 * NP, sw[3], d[3], acc);
+}
+static_assert(kBlocksPerStage == 4, "run_full_stage_all4 waits for four commit groups");
+
 // kDirect (QChainFusedParams::q_direct): the q columns take ONE hand-off instead of two. Each q unit
 // counts its stored partial tile (kQParts, a release add it does not wait on) and every CTA, once
 // all q_tiles x qa_splits have arrived, adds the partials of every q column itself -- in split
@@ -494,7 +524,10 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
         const int b0 = it * kBlocksPerStage;
         const int nb = min(kBlocksPerStage, nkb - b0);
         if (nb == kBlocksPerStage) {
-          run_full_stage<1, NP>(ops, [&](int, int j) { return sw_grp[b0 + j]; }, sa_a + b0 * NP, acc, d, d2);
+          if constexpr (kDirect)  // measured: the four-block stage +0.9 % at decode bs 1 in this form
+            run_full_stage<1, NP>(ops, [&](int, int j) { return sw_grp[b0 + j]; }, sa_a + b0 * NP, acc, d, d2);
+          else
+            run_full_stage_all4<1, NP>(ops, [&](int, int j) { return sw_grp[b0 + j]; }, sa_a + b0 * NP, acc);
         } else {
           for (int j = 0; j < nb; ++j) {
             uint32_t a[1][2][4];
