@@ -224,12 +224,16 @@ __device__ Chunk<N> make_chunk(int64_t n, int cluster, uint32_t rank, int rounds
   ch.resident = ch.rounds <= rounds_cap;
   return ch;
 }
-// Whether a chunk of a row of n elements takes a tail (cluster-uniform): resident, and its last
-// round would hold at most kThreads elements.
+// Whether a chunk of `rounds` rounds of a row of n elements takes a tail (cluster-uniform):
+// resident, and its last round would hold at most kThreads elements. One formula for the kernels
+// (takes_tail) and the host's select_v3_topk_takes_tail, which the tail tests use to show that
+// their rows do walk the tail.
+__host__ __device__ inline bool tail_after_rounds(int64_t n, int cluster, int per_thread, int rounds, bool resident) {
+  return resident && rounds >= 2 && chunk_elems(n, cluster) - int64_t{rounds - 1} * kThreads * per_thread <= kThreads;
+}
 template <int N>
 __device__ bool takes_tail(const Chunk<N>& ch, int64_t n, int cluster) {
-  return ch.resident && ch.rounds >= 2 &&
-         chunk_elems(n, cluster) - int64_t{ch.rounds - 1} * Chunk<N>::kRound <= kThreads;
+  return tail_after_rounds(n, cluster, N, ch.rounds, ch.resident);
 }
 template <int N>
 __device__ Chunk<N, true> with_tail(const Chunk<N>& ch) {
@@ -1047,14 +1051,19 @@ int auto_cluster(int64_t T, int64_t n_max, int per_thread, int64_t max_ctas) {
   return cluster;
 }
 
-Plan make_plan(const void* kernel, int requested, int64_t T, int64_t n_max, int per_thread, const char* who,
-               bool compact = false, int64_t max_ctas = 0) {
+// The rounds of keys a CTA keeps in shared memory for rows of at most n_max elements.
+int resident_rounds_cap(int64_t n_max, int cluster, int per_thread) {
   const int64_t round = int64_t{v3::kThreads} * per_thread;
   const int max_resident = static_cast<int>(v3::kMaxKeyBytes / (static_cast<size_t>(round) * sizeof(uint32_t)));
+  return std::max(1, std::min(v3::chunk_rounds(n_max, cluster, per_thread), max_resident));
+}
+
+Plan make_plan(const void* kernel, int requested, int64_t T, int64_t n_max, int per_thread, const char* who,
+               bool compact = false, int64_t max_ctas = 0) {
   auto plan_for = [&](int cluster) {
     Plan pl;
     pl.cluster = cluster;
-    pl.rounds_cap = std::max(1, std::min(v3::chunk_rounds(n_max, cluster, per_thread), max_resident));
+    pl.rounds_cap = resident_rounds_cap(n_max, cluster, per_thread);
     pl.compact = compact;
     pl.smem = v3::dyn_smem_bytes(cluster, pl.rounds_cap, per_thread, compact);
     return pl;
@@ -1185,6 +1194,17 @@ void run_candidate_mask_v3(const CandidateMaskParams& p, cudaStream_t stream, bo
 int select_v3_auto_cluster(int64_t T, int64_t n, bool mask, int sms) {
   if (T < 1 || n < 1 || sms < 1) throw std::invalid_argument("select_v3_auto_cluster: T, n and sms must be >= 1");
   return auto_cluster(T, n, mask ? v3::kMaskPer : v3::kTopkPer, 3 * int64_t{sms} / 2);
+}
+
+bool select_v3_topk_takes_tail(int64_t n, int64_t score_stride, int cluster) {
+  const char* who = "select_v3_topk_takes_tail";
+  if (cluster == 0) throw std::invalid_argument(std::string(who) + ": an explicit cluster size (1, 2, 4, 8 or 16)");
+  require_cluster_choice(cluster, who);
+  if (n < 1 || n > score_stride) throw std::invalid_argument(std::string(who) + ": n must be in [1, score_stride]");
+  if (cluster > kTailsMaxCluster) return false;  // the kernels without tail code (takes_tails)
+  const int rounds = v3::chunk_rounds(n, cluster, v3::kTopkPer);
+  return v3::tail_after_rounds(n, cluster, v3::kTopkPer, rounds,
+                               rounds <= resident_rounds_cap(score_stride, cluster, v3::kTopkPer));
 }
 
 bool select_v3_pair_is_one_launch(int64_t T, int64_t score_stride, int sms) {

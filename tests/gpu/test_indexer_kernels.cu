@@ -1695,6 +1695,22 @@ TEST(GpuIndexerHostChecks, SelectV3LaunchRules) {
   EXPECT_FALSE(select_v3_pair_is_one_launch(8, 65536, 114));
   EXPECT_THROW(select_v3_auto_cluster(0, 65536, false, kSms), std::invalid_argument);
   EXPECT_THROW(select_v3_pair_is_one_launch(6, 65536, 0), std::invalid_argument);
+  // Chunk tails: a resident chunk whose last round (4096 positions) would hold at most 512, in
+  // clusters of at most 8 CTAs (the tail tests of test_indexer_select_v3.cu assert their rows with it).
+  using kernels::select_v3_topk_takes_tail;
+  EXPECT_TRUE(select_v3_topk_takes_tail(65537, 65544, 8));    // 8 chunks of 8200: 2 rounds + 8
+  EXPECT_FALSE(select_v3_topk_takes_tail(65536, 65544, 8));   // a whole last round
+  EXPECT_FALSE(select_v3_topk_takes_tail(65537, 65544, 16));  // 16-CTA launches have no tail code
+  EXPECT_TRUE(select_v3_topk_takes_tail(36864, 73736, 8));    // last round 512: the largest tail
+  EXPECT_FALSE(select_v3_topk_takes_tail(36865, 73736, 8));   // 520
+  EXPECT_TRUE(select_v3_topk_takes_tail(4097, 73736, 1));
+  EXPECT_FALSE(select_v3_topk_takes_tail(4096, 73736, 1));    // one round: nothing to end early
+  EXPECT_FALSE(select_v3_topk_takes_tail(65537, 73736, 1));   // 17 rounds: not resident (6 fit)
+  EXPECT_TRUE(select_v3_topk_takes_tail(32769, 73736, 4));
+  EXPECT_THROW(select_v3_topk_takes_tail(65537, 65544, 0), std::invalid_argument);
+  EXPECT_THROW(select_v3_topk_takes_tail(65537, 65544, 3), std::invalid_argument);
+  EXPECT_THROW(select_v3_topk_takes_tail(0, 65544, 8), std::invalid_argument);
+  EXPECT_THROW(select_v3_topk_takes_tail(65545, 65544, 8), std::invalid_argument);
 }
 
 TEST(GpuIndexerHostChecks, SelectionWorkspaceSizes) {

@@ -507,6 +507,15 @@ TEST(GpuIndexerSelectV3, TopkCompactedMaskEdges) {
   }
 }
 
+// How many rows of clen walk a chunk tail in clusters of cl CTAs over rows of `stride` slots (the
+// kernels' rule, kernels::select_v3_topk_takes_tail): the tail tests assert that theirs do, so that
+// a change of the rule cannot leave the tail path untested while they still pass.
+int tail_rows(const std::vector<int32_t>& clen, int64_t stride, int cl) {
+  int n = 0;
+  for (int32_t c : clen) n += c >= 1 && kernels::select_v3_topk_takes_tail(c, stride, cl) ? 1 : 0;
+  return n;
+}
+
 // Chunk tails (launches of clusters of at most 8 CTAs): a resident chunk whose last round would
 // hold at most 512 positions ends with one position per thread after its full rounds instead
 // (rows just past a multiple of cluster x 4096, like the benchmark's 65537 = 8 x 8192 + 1).
@@ -522,6 +531,8 @@ TEST(GpuIndexerSelectV3, TopkChunkTails) {
   const std::vector<int32_t> clen = {4097, 4100, 4608, 4609, 8193, 8704, 32769, 34817, 36864, 36865,
                                      65537, 65543, 69632, 69633, 73728, 73729, 0, 1};
   const int64_t stride = 73736;
+  for (int cl : {1, 2, 4, 8}) EXPECT_GE(tail_rows(clen, stride, cl), 2) << "rows with a tail at cluster " << cl;
+  EXPECT_EQ(tail_rows(clen, stride, 16), 0);
   for (Flavour f : {Flavour::kNormal, Flavour::kTies, Flavour::kAdjacent}) {
     const auto pb = make_topk_problem(clen, stride, 512, 576, rng, f);
     const auto want = reference_topk(pb);
@@ -535,6 +546,7 @@ TEST(GpuIndexerSelectV3, TopkChunkTails) {
   // (the last per - 8192 of each chunk of per positions) made the row's largest scores, with ties
   // among them, so that the tails hold the selected positions.
   for (int32_t n : {65537, 65540, 69000}) {
+    EXPECT_EQ(tail_rows({n}, stride, 8), 1) << n;
     auto pb = make_topk_problem({n}, stride, 512, 512, rng, Flavour::kNormal);
     const int64_t per = ((n + 7) / 8 + 7) / 8 * 8;
     for (int64_t r = 0; r < 8; ++r)
@@ -894,13 +906,15 @@ TEST(GpuIndexerSelectV3, PairMatchesTheTwoSelections) {
 }
 
 // The pair's top-k half over rows with chunk tails (the candidate source at the benchmark's
-// 65537 positions; tails at explicit clusters of 1, 2 and 8 CTAs), every cluster size, plain and
+// 65537 positions; tails at explicit clusters of 1 and 8 CTAs), every cluster size, plain and
 // PDL.
 TEST(GpuIndexerSelectV3, PairRowsWithChunkTails) {
   V4_REQUIRE_GPU();
   std::mt19937_64 rng(0x5e1e3303);
   for (const std::vector<int32_t>& clen :
        {std::vector<int32_t>{65537}, std::vector<int32_t>{65537, 65540, 36864, 4100, 69632, 65537}}) {
+    EXPECT_GE(tail_rows(clen, 73736, 8), 1);
+    if (clen.size() > 1) EXPECT_EQ(tail_rows(clen, 73736, 1), 1);  // 4100
     const auto pb = make_topk_problem(clen, 73736, 512, 576, rng, Flavour::kTies);
     const auto mp = mask_of(pb);
     const auto want_t = reference_topk(pb);

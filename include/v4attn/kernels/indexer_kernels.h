@@ -263,5 +263,10 @@ bool run_indexer_select_pair_v3(const IndexerTopkParams& tp, const CandidateMask
 // is one launch for automatic clusters (its 2T rows within 2 * sms CTAs take the same size).
 int select_v3_auto_cluster(int64_t T, int64_t n, bool mask, int sms);
 bool select_v3_pair_is_one_launch(int64_t T, int64_t score_stride, int sms);
+// Whether the v3 top-k (alone or the pair's top-k half) over rows of score_stride slots walks a
+// chunk tail for a row of n positions in clusters of `cluster` CTAs (1, 2, 4, 8 or 16; host only):
+// a resident chunk whose last round would hold at most 512 positions, in launches of at most 8 CTAs
+// per cluster. Throws std::invalid_argument for cluster 0 or another size, or n outside [1, score_stride].
+bool select_v3_topk_takes_tail(int64_t n, int64_t score_stride, int cluster);
 
 }  // namespace v4attn::kernels
