@@ -279,10 +279,10 @@ __device__ __forceinline__ void run_full_stage(const BlockOps<MT, NP>& ops, SwRo
 // The QA loop's stage (MT 1): all four blocks' loads and wgmmas issued before the first fold (four
 // block-sum sets in flight), then the folds in block order. The QA slice is in shared memory before
 // the loop starts, so its stages are not memory-paced: with two blocks in flight a stage took ~0.42 us
-// (phase stamps, session 21: 2.0 us for the 5 stages at 1-8 rows) -- the latency of a block's two
-// chained wgmmas, paid twice per stage -- against ~0.15 us of tensor-core throughput
-// (bench_wgmma_probe). Same arithmetic as run_full_stage: each block sum from its own zeroed set,
-// the folds in order.
+// (phase stamps, session 21: 2.0 us for the 5 stages at 1-8 rows) against ~0.15 us of tensor-core
+// throughput (bench_wgmma_probe); with four, 1.87 us for the 5 (the rest is not the wgmma chains:
+// five iterations per launch never reach a steady state). Same arithmetic as run_full_stage: each
+// block sum from its own zeroed set, the folds in order.
 template <int MT, int NP, class SwRow>
 __device__ __forceinline__ void run_full_stage_all4(const BlockOps<MT, NP>& ops, SwRow sw_row, const float* sa,
                                                     float (&acc)[MT][NP / 2]) {
