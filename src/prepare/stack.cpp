@@ -716,16 +716,18 @@ void GpuPrepareStack::Impl::issue_cycle(int T) {
     }
     if (qchain_fused_index_layer(L, T)) {
       // A reindex layer's Q chain as the fused chain on main (it writes qr and its codes); lane S:
-      // weights_proj from x at the layer's start. KV and QB are inside the chain: lane K stays empty.
+      // weights_proj from x. KV and QB are inside the chain: lane K stays empty.
       if (o.fused_index_on_main && o.schedule != Schedule::kSerial) {
         // GpuStackOptions::fused_index_on_main: main runs the chain, the indexer's wq_b GEMM, then
         // (joined with S: the q pack reads weights_proj's output) q pack, scores and selection,
         // PDL-chained, and the next layer's chain PDL-chained after the selection.
+        // weights_proj is forked after the chain: at the layer's start its CTAs ran beside the
+        // chain (~7.6 -> ~15 us own) and slowed it by ~1.6 us; after it, they run beside the
+        // indexer's GEMM (v3 leaves SMs free) and end before it (perf.md session 21, run 7: verify
+        // bs 1 -0.35 %, decode bs 2 / 4 -0.5 / -0.45 %, decode bs 1 / 8 even).
+        lanes.on_main([this, L, T](cudaStream_t s) { issue_qchain_fused(L, T, s); });
         lanes.fork(Lane::kS).defer([this, L, T](cudaStream_t s) { issue_idx_x(L, T, s); });
-        lanes.on_main([this, L, T](cudaStream_t s) {
-          issue_qchain_fused(L, T, s);
-          issue_idx_gemms(L, T, s);
-        });
+        lanes.on_main([this, L, T](cudaStream_t s) { issue_idx_gemms(L, T, s); });
         lanes.join(Lane::kS);
         lanes.on_main([this, L, T](cudaStream_t s) { issue_idx_rest(L, T, s); });
         continue;

@@ -294,7 +294,9 @@ struct GpuStackOptions {
   // Same bytes (QChainFusedParams::q_direct).
   Fusion qchain_q_direct = Fusion::kAuto;
   // Reindex layers on the fused Q chain (fuse_qchain_index), three-lane / sources-side schedules:
-  // true: lane S runs only weights_proj (from the layer's start); main runs the chain, the indexer's
+  // true: lane S runs only weights_proj (forked after the chain, beside the indexer's GEMM: session
+  // 21, verify bs 1 -0.35 %, decode bs 2 / 4 -0.5 %, against the fork at the layer's start, where
+  // it ran beside the chain and slowed it); main runs the chain, the indexer's
   // wq_b GEMM and, joined with S, the q pack, scores and selection, all PDL-chained, so the next
   // layer's chain launches under PDL behind the selection instead of after a cross-stream join.
   // false: the whole indexer on lane S after the chain (sessions 17-19). Same bytes. Measured
