@@ -249,6 +249,16 @@ __device__ __forceinline__ void red_add_release_gpu(uint32_t* p, uint32_t v) {
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+// The split-K partials of one element added in split order, ((P0 + P1) + P2) + ..., as v3 adds
+// them: the tile reducer's and the direct q hand-off's one sum (v[sp] for sp < splits).
+__device__ __forceinline__ float sum_in_split_order(const float (&v)[kMaxSplits], int splits) {
+  float sum = v[0];
+#pragma unroll
+  for (int sp = 1; sp < kMaxSplits; ++sp)
+    if (sp < splits) sum = num::add_rn(sum, v[sp]);
+  return sum;
+}
+
 // One full stage (4 K blocks) of MT m64 tiles, v2's overlap-2 pipeline: block j + 1's ldmatrix,
 // widening and wgmmas are issued before block j is folded (two block-sum sets), folds in block
 // order. sw_row(mt, b): the weight scale of tile mt's 32-row group at the stage's block b; sa: the
@@ -583,10 +593,7 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
           for (int e = 0; e < kPer; ++e) {
             const int idx = ctid + e * kConsumerThreads;
             if (idx >= p.T * kQaBn) break;
-            float sum = part_v[e][0];
-#pragma unroll
-            for (int sp = 1; sp < kMaxSplits; ++sp)
-              if (sp < p.qa_splits) sum = num::add_rn(sum, part_v[e][sp]);
+            const float sum = sum_in_split_order(part_v[e], p.qa_splits);
             p.qkv_a[static_cast<int64_t>(idx / kQaBn) * p.qkv_a_stride + qa_tile * kQaBn + idx % kQaBn] = num::bf16_from_f32(sum);
           }
           named_barrier_sync(kBarConsumers, kConsumerThreads);
@@ -628,23 +635,19 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
 #pragma unroll 1
       for (int r = sub_r; sub_r < rows_per_pass && r < p.T; r += rows_per_pass) {
         const float* src = p.partials + static_cast<int64_t>(r) * p.n_qa + ch * 8;
-        float4 v[kMaxSplits][2];
+        static_assert(detail::kChunk == 8, "a chunk is two float4");
+        float v[detail::kChunk][kMaxSplits];  // element k of the chunk, split sp
 #pragma unroll
         for (int sp = 0; sp < kMaxSplits; ++sp)
           if (sp < p.qa_splits) {
-            v[sp][0] = __ldcg(reinterpret_cast<const float4*>(src + sp * tile_elems));
-            v[sp][1] = __ldcg(reinterpret_cast<const float4*>(src + sp * tile_elems) + 1);
+            const float4 lo = __ldcg(reinterpret_cast<const float4*>(src + sp * tile_elems));
+            const float4 hi = __ldcg(reinterpret_cast<const float4*>(src + sp * tile_elems) + 1);
+            v[0][sp] = lo.x, v[1][sp] = lo.y, v[2][sp] = lo.z, v[3][sp] = lo.w;
+            v[4][sp] = hi.x, v[5][sp] = hi.y, v[6][sp] = hi.z, v[7][sp] = hi.w;
           }
-        float sum[detail::kChunk] = {v[0][0].x, v[0][0].y, v[0][0].z, v[0][0].w,
-                                     v[0][1].x, v[0][1].y, v[0][1].z, v[0][1].w};
+        float sum[detail::kChunk];
 #pragma unroll
-        for (int sp = 1; sp < kMaxSplits; ++sp)
-          if (sp < p.qa_splits) {
-            const float add[detail::kChunk] = {v[sp][0].x, v[sp][0].y, v[sp][0].z, v[sp][0].w,
-                                               v[sp][1].x, v[sp][1].y, v[sp][1].z, v[sp][1].w};
-#pragma unroll
-            for (int k = 0; k < detail::kChunk; ++k) sum[k] = num::add_rn(sum[k], add[k]);
-          }
+        for (int k = 0; k < detail::kChunk; ++k) sum[k] = sum_in_split_order(v[k], p.qa_splits);
         const uint4 packed = detail::pack_bf16x8(sum);
         *reinterpret_cast<uint4*>(stage + static_cast<int64_t>(r) * p.q_rank + ch * 8) = packed;
         if (c == r) *reinterpret_cast<uint4*>(p.qkv_a + static_cast<int64_t>(r) * p.qkv_a_stride + ch * 8) = packed;

@@ -714,15 +714,15 @@ struct SlotEmit {
   }
 };
 
-// The row's score keys and candidate mask, as the out-of-line tail walks load them (topk_cta's
-// own walks call load_score_keys with the same arguments).
+// The row's score keys and candidate mask: how topk_cta's walks and the out-of-line tail walks
+// load them.
 struct ScoreRow {
   const float* row;
   const uint8_t* mask;  // null: no candidate mask
   int mask_block;
   bool vec;
   // Keys of a thread's kTopkPer positions j0.. of a chunk ending at `end` (load_score_keys).
-  __device__ void keys(int64_t j0, int64_t end, uint32_t (&key)[kTopkPer]) const {
+  __device__ __forceinline__ void keys(int64_t j0, int64_t end, uint32_t (&key)[kTopkPer]) const {
     load_score_keys(row, mask, mask_block, j0, end, vec, key);
   }
   // The loads of a chunk tail's position j (tail_key makes its key).
@@ -798,18 +798,16 @@ __device__ __forceinline__ void topk_cta(const IndexerTopkParams& p, const Args&
     __syncthreads();  // hloc zeroed
     const Chunk<kTopkPer> ch = make_chunk<kTopkPer>(c, a.cluster, rank, a.rounds_cap);
     const bool tail = kTails && takes_tail(ch, c, a.cluster);
-    const float* row = p.scores + t * p.score_stride;
     const uint8_t* mrow = p.candidate_mask != nullptr ? p.candidate_mask + t * p.mask_stride : nullptr;
-    const auto load = [&](int q, uint32_t (&key)[kTopkPer]) {  // the same positions with or without a tail
-      load_score_keys(row, mrow, p.mask_block, ch.first(q), ch.end, a.vec, key);
-    };
+    const ScoreRow sr{p.scores + t * p.score_stride, mrow, p.mask_block, a.vec};
+    const auto load = [&](int q, uint32_t (&key)[kTopkPer]) { sr.keys(ch.first(q), ch.end, key); };
     const int32_t* table = p.comp_slot_table + static_cast<int64_t>(req) * p.comp_table_stride;
     const int64_t out_stride = p.out_stride;
     if (a.compact && mrow != nullptr && ch.resident) {
       int32_t* first_pos = reinterpret_cast<int32_t*>(keys_sm + int64_t{a.rounds_cap} * Chunk<kTopkPer>::kRound);
       uint32_t n_keys = 0;
       if constexpr (kTails) {
-        if (tail) n_keys = topk_tail_compact(ch, ScoreRow{row, mrow, p.mask_block, a.vec}, a.cluster, a.rounds_cap);
+        if (tail) n_keys = topk_tail_compact(ch, sr, a.cluster, a.rounds_cap);
       }
       if (!tail) n_keys = kTopkPer * compact_groups(ch, load, TailLoad{}, keys_sm, first_pos, sm);
       Chunk<kCompactPer> cc;  // flat indices into the kept groups' keys
@@ -853,7 +851,7 @@ __device__ __forceinline__ void topk_cta(const IndexerTopkParams& p, const Args&
       // does) measured slower in the cycle (docs/perf.md session 18, run 9).
       const SlotEmit emit{table, out, out_stride};
       if constexpr (kTails) {
-        if (tail) n_out = topk_tail_walk(ch, ScoreRow{row, mrow, p.mask_block, a.vec}, a.cluster, rank, k, emit, st);
+        if (tail) n_out = topk_tail_walk(ch, sr, a.cluster, rank, k, emit, st);
       }
       if (!tail) {
         const Selection s = cluster_select(ch, load, k, sm, recv, keys_sm, a.cluster, rank, st);

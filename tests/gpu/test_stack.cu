@@ -709,6 +709,9 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
     // Likewise the fused Q chain (its QA GEMM widens every block with cvt, as v3's default mask).
     EXPECT_TRUE(kernels::qchain_fused_supported(buckets_rows(go, kind), cfg.dim, cfg.q_lora_rank, cfg.n_heads));
     EXPECT_TRUE(kernels::qchain_fused_supported(buckets_rows(go, kind), cfg.dim, cfg.q_lora_rank, cfg.n_heads, -1, true));
+    // And the index layers' wq_b GEMM at four m64 tiles per warpgroup (qb_side_mtiles 4).
+    EXPECT_TRUE(kernels::gemm_v2_four_tiles_supported(buckets_rows(go, kind), static_cast<int64_t>(cfg.n_heads) * 512,
+                                                      cfg.q_lora_rank));
     // And the wq_b GEMM that normalises its input itself.
     EXPECT_TRUE(kernels::gemm_v2_qnorm_supported(buckets_rows(go, kind), static_cast<int64_t>(cfg.n_heads) * 512,
                                                  cfg.q_lora_rank));
