@@ -14,10 +14,10 @@
 //  0. before the PDL wait: barriers, the QA weight slice (tile c % tiles, split c / tiles, v3's
 //     K ranges) by TMA; the QA weight scales into shared memory; the operands zeroed (rows >= T
 //     stay zero); then, once those loads have landed, the first wq_b ring stages by TMA (behind a
-//     bulk stream small loads took ~8 us; session 10), paced (kRingPaceNs). The other constants
-//     (wq_b scales, q_norm weights, the step's RoPE rows) are loaded by the helpers in phase 1,
-//     while the consumers run the QA loop (session 16: they had kept late-starting CTAs ~4.5 us
-//     from their PDL wait).
+//     bulk stream small loads took ~8 us; session 10), paced (kRingPaceNs). Each worker's q_norm
+//     weights (its one chunk's 8) into registers, first used in phase 2. The other constants (wq_b
+//     scales, the step's RoPE rows) are loaded by the helpers in phase 1, while the consumers run
+//     the QA loop (session 16: they had kept late-starting CTAs ~4.5 us from their PDL wait).
 //  1. QA units (c < tiles * S): the CTA's K range of x act-quantised (numerics.h, as
 //     run_act_quant_fp8) straight into the wgmma operand layout (f16), the block sums (two chained
 //     m64nNPk16 wgmmas per 32-wide block, v2's K permutation) folded as v2 / v3 do; the fp32
@@ -107,11 +107,12 @@ enum Counter : int { kQDone = 0, kKvDone = 1, kExits = 2, kQParts = 3, kTile0 = 
 constexpr int kCounterBytes = 256;         // kTile0 + up to 60 tiles
 
 struct SmemLayout {
-  uint32_t ring = 0, xf = 0, sw_b = 0, sa_b = 0, sw_a = 0, sa_a = 0, qn = 0, rope = 0, bar = 0, flag = 0, total = 0;
+  uint32_t ring = 0, xf = 0, sw_b = 0, sa_b = 0, sw_a = 0, sa_a = 0, rope = 0, bar = 0, flag = 0, total = 0;
 };
 // ring slots, then the f16 operand of the whole wq_b K (the QA operand aliases its start: the QA
-// GEMM is done before q_norm writes it), scales, q_norm weights, barriers.
-__host__ __device__ constexpr SmemLayout smem_layout(int np, int ring, int qb_blocks, int qa_blocks, int q_rank) {
+// GEMM is done before q_norm writes it), scales, barriers. (The q_norm weights are in the workers'
+// registers, not here: see the kernel.)
+__host__ __device__ constexpr SmemLayout smem_layout(int np, int ring, int qb_blocks, int qa_blocks) {
   SmemLayout l;
   uint32_t off = 0;
   l.ring = off;
@@ -126,8 +127,6 @@ __host__ __device__ constexpr SmemLayout smem_layout(int np, int ring, int qb_bl
   off += static_cast<uint32_t>((kQaBn / 32) * qa_blocks * 4);
   l.sa_a = off;
   off += static_cast<uint32_t>(qa_blocks * np * 4);
-  l.qn = off;
-  off += static_cast<uint32_t>(q_rank * 4);
   l.rope = off;  // [NP][64] table rows, NP row flags, [kQChainMaxRows] rstd
   off += static_cast<uint32_t>(np * num::kRopeDim * 4 + np * 4 + kQChainMaxRows * 4);
   off = (off + 7u) & ~7u;
@@ -339,12 +338,11 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
   const int ST = p.ring;
   const int qb_blocks = p.q_rank / 32;
   const int qb_iters = qb_blocks / kBlocksPerStage;
-  const SmemLayout L = smem_layout(NP, ST, qb_blocks, p.qa_max_blocks, p.q_rank);
+  const SmemLayout L = smem_layout(NP, ST, qb_blocks, p.qa_max_blocks);
   float* sw_b = reinterpret_cast<float*>(smem + L.sw_b);  // [8][qb_blocks]
   float* sa_b = reinterpret_cast<float*>(smem + L.sa_b);  // [qb_blocks][NP]
   float* sw_a = reinterpret_cast<float*>(smem + L.sw_a);  // [4][qa_max_blocks]
   float* sa_a = reinterpret_cast<float*>(smem + L.sa_a);  // [qa_max_blocks][NP]
-  float* qn_w = reinterpret_cast<float*>(smem + L.qn);    // [q_rank]
   float* rope_tab = reinterpret_cast<float*>(smem + L.rope);  // [NP][64]
   int* rope_ok = reinterpret_cast<int*>(rope_tab + NP * num::kRopeDim);  // [NP]
   float* s_rstd = reinterpret_cast<float*>(rope_ok + NP);  // [kQChainMaxRows]
@@ -421,14 +419,14 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
   // The loads of the CTA's constants: every load of a group is issued before its first shared-memory
   // store (the compiler does not move a global load above a store it cannot tell apart, so a loop of
   // load -> store costs a round trip per iteration). Only the QA weight scales are needed before the
-  // QA loop; the rest (wq_b scales, q_norm weights, the step's RoPE rows: ~10 KB and, for the RoPE
-  // rows, two dependent round trips) is loaded by the helper warps while the consumers run the QA
+  // QA loop; the rest (wq_b scales and the step's RoPE rows: ~3.5 KB and, for the RoPE rows, two
+  // dependent round trips; the q_norm weights: see wv below) is loaded by the helper warps while the consumers run the QA
   // loop (load_late_constants below). In phase 0 they had put those round trips, behind the QA
   // slice's bulk stream, between a CTA's start and its PDL wait: ~4.5 us for the CTAs that start as
   // the previous launch ends (session 16 stamps), i.e. on every layer's critical path.
   const int n_swb = qb_unit ? (kQbBn / 32) * qb_blocks : 0;
   auto load_late_constants = [&](int t, int nt) {  // thread t of nt (the helpers: wtid of 96)
-    constexpr int kSwbPer = 4, kQnPer = 14, kRopePer = 6;  // V4.1 at NP 8: 320, 1280, 512 over 96 threads
+    constexpr int kSwbPer = 4, kRopePer = 6;  // V4.1 at NP 8: 320 and 512 over 96 threads
     const uint8_t* g_swb = p.qb_scale + static_cast<int64_t>(qb_row0 / 32) * qb_blocks;
     auto rope_pos = [&](int idx) -> int32_t { return idx / num::kRopeDim < p.T ? p.kv.pos[idx / num::kRopeDim] : -1; };
     auto rope_ok_at = [&](int32_t pos) { return pos >= 0 && pos < p.kv.max_pos; };
@@ -436,22 +434,17 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
       return rope_ok_at(pos) ? __ldg(p.kv.table + static_cast<int64_t>(pos) * num::kRopeDim + idx % num::kRopeDim) : 0.0f;
     };
     uint8_t swb[kSwbPer];
-    float qn[kQnPer], tab[kRopePer];
+    float tab[kRopePer];
     int32_t pos[kRopePer];
 #pragma unroll
     for (int i = 0; i < kRopePer; ++i) pos[i] = t + i * nt < NP * num::kRopeDim ? rope_pos(t + i * nt) : -1;
 #pragma unroll
     for (int i = 0; i < kSwbPer; ++i) swb[i] = t + i * nt < n_swb ? g_swb[t + i * nt] : uint8_t{0};
 #pragma unroll
-    for (int i = 0; i < kQnPer; ++i) qn[i] = t + i * nt < p.q_rank ? __ldg(p.q_norm + t + i * nt) : 0.0f;
-#pragma unroll
     for (int i = 0; i < kRopePer; ++i) tab[i] = rope_src(t + i * nt, pos[i]);
 #pragma unroll
     for (int i = 0; i < kSwbPer; ++i)
       if (t + i * nt < n_swb) sw_b[t + i * nt] = num::f32_from_ue8m0(swb[i]);
-#pragma unroll
-    for (int i = 0; i < kQnPer; ++i)
-      if (t + i * nt < p.q_rank) qn_w[t + i * nt] = qn[i];
     // The RoPE table rows of the step's positions (step metadata + constants), for the epilogue,
     // and each row's flag (position inside the table).
 #pragma unroll
@@ -462,7 +455,6 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
       if (idx % num::kRopeDim == 0) rope_ok[idx / num::kRopeDim] = rope_ok_at(pos[i]) ? 1 : 0;
     }
     for (int i = t + kSwbPer * nt; i < n_swb; i += nt) sw_b[i] = num::f32_from_ue8m0(g_swb[i]);
-    for (int i = t + kQnPer * nt; i < p.q_rank; i += nt) qn_w[i] = __ldg(p.q_norm + i);
     for (int idx = t + kRopePer * nt; idx < NP * num::kRopeDim; idx += nt) {
       const int32_t ps = rope_pos(idx);
       rope_tab[idx] = rope_src(idx, ps);
@@ -490,6 +482,15 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
   }
   named_barrier_sync(kBarWorkers, kWorkers);
   if (wtid == 0) mbar_arrive(bar_prologue);  // phase 0's loads have landed: the ring fill may start
+  // The q_norm weights of the one chunk this worker normalises in phase 2 (q_norm's (b): chunk
+  // wtid % (q_rank / 8) of every row it takes), into registers: constants, loaded here and first
+  // used there, so the loads stay in flight through phase 1. In shared memory (5 KB, the helpers
+  // storing all q_rank of them while the consumers ran the QA loop) the fused chain was 0.2-0.4 us
+  // slower per launch (bench_qchain) and the cycles 0.65-1.0 % (perf.md session 22 run 10).
+  const int qn_ch = wtid % (p.q_rank / 8);
+  float wv[detail::kChunk];
+#pragma unroll
+  for (int k = 0; k < detail::kChunk; ++k) wv[k] = __ldg(p.q_norm + qn_ch * 8 + k);
 
   dev::pdl_wait();  // x is the predecessor's output
   if (wtid == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kQChain, 1);
@@ -608,8 +609,7 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
   }
 
   // The helpers' late constants (above): during the QA loop in QA units; visible to every worker
-  // after phase 2's first barrier (the wq_b scales and RoPE rows are read in phase 3, the q_norm
-  // weights in q_norm's row passes).
+  // after phase 2's first barrier (the wq_b scales and RoPE rows are read in phase 3).
   if (!consumer) load_late_constants(wtid, kHelpers);
 
   // ---- phase 2: q_norm of every row into the wq_b operand -------------------------------------------
@@ -621,7 +621,7 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
   named_barrier_sync(kBarWorkers, kWorkers);  // also: the QA operand (aliased) is no longer read
   {
     const int row_chunks = p.q_rank / 8;
-    const int ch = wtid % row_chunks, b = ch >> 2;
+    const int ch = qn_ch, b = ch >> 2;
     // Where q_norm reads qkv_a's q columns: the reducers' global rows, or (kDirect) this CTA's own
     // sums of the partials staged in the QA weight slots ([T][q_rank] bf16).
     bf16_t* const stage = reinterpret_cast<bf16_t*>(smem + L.ring + static_cast<uint32_t>(p.qa_slot0 * kQbSlot));
@@ -687,9 +687,6 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
     if (wtid == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kQChain, 48);
     // (b) Worker w normalises and quantises chunk w % row_chunks of rows w / row_chunks + k *
     //     rows_per_pass (4 consecutive lanes = one 32-block).
-    float wv[detail::kChunk];
-#pragma unroll
-    for (int k = 0; k < detail::kChunk; ++k) wv[k] = qn_w[ch * 8 + k];
     uint8_t* xf_blk = smem + L.xf + (b >> 2) * 2 * NP * kStageK;
     rows.passes(first, [&](int r, bool act, float (&v)[detail::kChunk]) {
       detail::rmsnorm_apply_chunk(v, act ? s_rstd[r] : 1.0f, wv);
@@ -860,13 +857,13 @@ QcPlan make_plan(int T, int64_t dim, int64_t q_rank, int H, int sm_count) {
   const int qb_blocks = static_cast<int>(q_rank / 32);
   const int qa_stage_bytes = ((pl.qa_max_blocks + 3) / 4) * kQaSlot;
   const int qa_slots = (qa_stage_bytes + kQbSlot - 1) / kQbSlot;
-  const SmemLayout fixed = smem_layout(pl.np, 0, qb_blocks, pl.qa_max_blocks, static_cast<int>(q_rank));
+  const SmemLayout fixed = smem_layout(pl.np, 0, qb_blocks, pl.qa_max_blocks);
   const int fixed_bytes = static_cast<int>(fixed.total) + kSmemAlign + 2 * kMaxRing * 8;
   pl.ring = std::min(kMaxRing, (kSmemLimit - fixed_bytes) / kQbSlot);
   pl.ring = std::min(pl.ring, qb_blocks / kBlocksPerStage);
   if (pl.ring < qa_slots + 1) return no("shared memory holds too few ring slots beside the QA weights");
   pl.qa_slot0 = pl.ring - qa_slots;
-  pl.smem = smem_layout(pl.np, pl.ring, qb_blocks, pl.qa_max_blocks, static_cast<int>(q_rank)).total + kSmemAlign;
+  pl.smem = smem_layout(pl.np, pl.ring, qb_blocks, pl.qa_max_blocks).total + kSmemAlign;
   pl.direct_ok = static_cast<int64_t>(T) * q_rank * 2 <= static_cast<int64_t>(qa_slots) * kQbSlot;
   pl.ok = true;
   return pl;

@@ -101,7 +101,12 @@ GraphCache::Entry& GraphCache::get_or_capture(StepKind kind, int bucket, cudaStr
     throw_cuda_error(err, "cudaStreamEndCapture (a side stream not joined back, or an API call illegal during capture)",
                      __FILE__, __LINE__);
   }
-  err = cudaGraphInstantiate(&e.exec, e.graph, 0ULL);
+  // Node priorities honoured: a kernel node carries its stream's priority (launch_kernel passes it
+  // explicitly), but a graph instantiated without this flag runs every node at the priority of the
+  // stream it is launched into, so that GpuStackOptions::side_priority had no effect on graph
+  // replays (perf.md session 22 run 7: with the flag, side lanes at -1 measured +1.3 .. +2.6 %;
+  // with every priority at the default the flag changes nothing).
+  err = cudaGraphInstantiate(&e.exec, e.graph, cudaGraphInstantiateFlagUseNodePriority);
   if (err != cudaSuccess) {
     destroy(e);
     throw_cuda_error(err, "cudaGraphInstantiate", __FILE__, __LINE__);

@@ -202,7 +202,9 @@ struct GpuStackOptions {
   int scores_mask_tile = 0;
   // CUDA stream priority of the side lanes S and K (lower = higher; 0 = default; clamped into
   // the device's range). Experiment knob: side-lane CTAs are scheduled before main-lane CTAs that
-  // wait for the same SMs (e.g. GEMM CTAs launched early under PDL).
+  // wait for the same SMs (e.g. GEMM CTAs launched early under PDL). In graph replays too since
+  // session 22 (the graphs honour node priorities; before, replays ignored it): -1 measured +1.3 to
+  // +2.6 % at every shape tried (docs/perf.md session 22 run 7), so 0 stays.
   int side_priority = 0;
   // Indexer top-k and candidate-mask kernels: 3 = one thread-block cluster per row (v3, no
   // workspace), 2 = chunk CTAs + merge through the workspace (v2).
