@@ -26,7 +26,7 @@
 // 6 rows (decode bs 1 / 4 -4.1 / -3.7 % against session 9's binary; decode bs 6 -1.8 %, verify bs 1
 // -1.7 % against --fuse-qchain off), even at 8 and slower at 12 and 16 (it holds every SM while the index layers' side lanes want some):
 // GpuStackOptions::fuse_qchain runs it by default up to kQChainAutoRows (8 rows in sessions 10-13,
-// 12 since session 16; Fusion::kAuto), and fuse_qchain_index in the reindex layers up to
+// 12 in 16-21, all 16 since session 22; Fusion::kAuto), and fuse_qchain_index in the reindex layers up to
 // kQChainIndexAutoRows (4 in sessions 17-19, 8 since session 20). Session 16
 // (bench_qchain, same run): 20.0 us at 1 row, 22.1 at 6, 22.8 at 8 (fewer instructions in its
 // exact elementwise steps; only the QA scales before the PDL wait; a staged RoPE store; the QA

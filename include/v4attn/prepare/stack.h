@@ -102,8 +102,10 @@ enum class Fusion : uint8_t { kOff, kAuto, kOn };
 // -1.4 / -1.6 %, verify bs 1 (6 rows) -2.6 / -2.4 %. Session 16 (the fused chain ~3 us per layer
 // faster; same binary, two repetitions, --fuse-qchain on against auto = the unfused chain with the
 // fused RoPE store): decode bs 8 -4.3 %, decode bs 10 -4.1 %, verify bs 2 (12 rows) -1.8 %, decode
-// bs 12 -1.6 %, decode bs 16 +1.3 %; 13-15 rows not measured.
-constexpr int kQChainAutoRows = 12;
+// bs 12 -1.6 %, decode bs 16 +1.3 %; 13-15 rows not measured. Session 22 (after the chain's q_norm
+// weights moved to registers; same binary, two repetitions): decode bs 16 -0.9 % (1675.1 / 1675.2 ->
+// 1658.9 / 1660.5), so the limit is the kernel's 16 rows; verify bs 2 (12 rows) stays on it.
+constexpr int kQChainAutoRows = 16;
 // fuse_qchain_index's kAuto row limit (docs/perf.md session 17, three-lane, same binary, two
 // repetitions: decode bs 1 -1.8 %, bs 2 -0.8 %, bs 3 -0.4 %, bs 4 -0.9 %; decode bs 6 +0.1 %,
 // verify bs 1 (6 rows) -0.2 % over three runs, decode bs 8 +0.2 %, verify bs 2 (12 rows) +1.3 %).
@@ -276,7 +278,7 @@ struct GpuStackOptions {
   // chain's bytes (tested at the kernel and over whole cycles; with another v3_int_mask the bytes
   // may differ by 1 bf16 ulp in rare elements, spec section 6). kAuto by default since session 9
   // (kQChainAutoRows: where it measured; 4 rows in session 9, 8 in sessions 10-13, 7 in 14-15,
-  // 12 since 16).
+  // 12 in 16-21, 16 since 22).
   Fusion fuse_qchain = Fusion::kAuto;
   // When a reindex layer (an index source without a compressor: 24, 28, 32, 36 in V4.1) runs its
   // Q chain as the fused Q chain on main (it writes qr and its codes, which the indexer reads):
