@@ -420,8 +420,8 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
   // store (the compiler does not move a global load above a store it cannot tell apart, so a loop of
   // load -> store costs a round trip per iteration). Only the QA weight scales are needed before the
   // QA loop; the rest (wq_b scales and the step's RoPE rows: ~3.5 KB and, for the RoPE rows, two
-  // dependent round trips; the q_norm weights: see wv below) is loaded by the helper warps while the consumers run the QA
-  // loop (load_late_constants below). In phase 0 they had put those round trips, behind the QA
+  // dependent round trips; the q_norm weights: wv below) is loaded by the helper warps while the
+  // consumers run the QA loop (load_late_constants below). In phase 0 they had put those round trips, behind the QA
   // slice's bulk stream, between a CTA's start and its PDL wait: ~4.5 us for the CTAs that start as
   // the previous launch ends (session 16 stamps), i.e. on every layer's critical path.
   const int n_swb = qb_unit ? (kQbBn / 32) * qb_blocks : 0;
