@@ -18,7 +18,9 @@ for each launch after the first, when its CTAs entered (phase 14 where stamped, 
 returned from their PDL wait, relative to the end of the launch before it (its latest stamp).
 --intervals KIND (v2 files) gives, over every CTA of KIND's launches, the time between consecutive
 phases (p10 / median / p90 / max) and each phase's time after the previous launch's end: where a
-layer's time goes, phase by phase (session 16's view of the fused chain). The selection kinds
+layer's time goes, phase by phase (session 16's view of the fused chain); --followed-by KIND /
+--not-followed-by KIND keep only the launches whose next launch is / is not of KIND (session 22: the
+reindex layers' fused chains, followed by their top-k, apart from the plain layers'). The selection kinds
 topk_v3 / mask_v3 (session 18) follow their own path: 0 entry, 1 wait, 2 keys compacted, per radix
 pass p 4+4p histogram, 5+4p the cluster's histograms received, 6+4p digit chosen, 20 output written,
 21 end. bench_indexer writes such a file too (V4ATTN_STAMPS_OUT=st bench_indexer --only topk:v3 ...).
@@ -109,19 +111,29 @@ def quantile(v, f):
     return v[min(len(v) - 1, int(f * len(v)))]
 
 
-def print_intervals(launches, kind_name):
+def print_intervals(launches, kind_name, followed_by=None, not_followed_by=None):
     """Per CTA of every launch of one kind: the time between consecutive phases (in the kind's phase
     order), as p10 / median / p90 / max over all those CTAs; then, for the launches after the
     cycle's first, each phase's time after the previous launch's end (its latest stamp) -- which
     phases sit on a layer's critical path. Session 16 found the fused chain's q_norm passes and its
-    phase 0 this way."""
+    phase 0 this way. followed_by / not_followed_by: only the launches whose next launch (in time
+    order; none after the last) is / is not of that kind -- e.g. the fused chains of the reindex
+    layers (followed by their top-k) apart from the plain layers' (session 22)."""
     kinds = {v: k for k, v in KINDS.items()}
-    if kind_name not in kinds:
-        raise SystemExit("--intervals: unknown kind %r (one of %s)" % (kind_name, ", ".join(sorted(kinds))))
+    for name in (kind_name, followed_by, not_followed_by):
+        if name is not None and name not in kinds:
+            raise SystemExit("--intervals: unknown kind %r (one of %s)" % (name, ", ".join(sorted(kinds))))
     kind = kinds[kind_name]
-    ours = [(i, g) for i, (_, k, g) in enumerate(launches) if k == kind]
+
+    def next_kind(i):
+        return launches[i + 1][1] if i + 1 < len(launches) else None
+
+    ours = [(i, g) for i, (_, k, g) in enumerate(launches) if k == kind and
+            (followed_by is None or next_kind(i) == kinds[followed_by]) and
+            (not_followed_by is None or next_kind(i) != kinds[not_followed_by])]
     if not ours:
-        raise SystemExit("--intervals: no %s launch in the file" % kind_name)
+        raise SystemExit("--intervals: no %s launch in the file%s" % (
+            kind_name, " with that next launch" if followed_by or not_followed_by else ""))
     present = {p for _, g in ours for c in g for p in c}
     paths = phase_paths(kind, present)
     order = []
@@ -202,10 +214,17 @@ def main():
     ap.add_argument("--intervals", metavar="KIND",
                     help="instead: per-CTA intervals between consecutive phases of the launches of KIND (qchain, v2, "
                          "v3, ...), and each phase after the previous launch's end (needs a v2 file)")
+    ap.add_argument("--followed-by", metavar="KIND",
+                    help="with --intervals: only the launches whose next launch is of KIND (e.g. topk_v3: the "
+                         "reindex layers' fused chains)")
+    ap.add_argument("--not-followed-by", metavar="KIND",
+                    help="with --intervals: only the launches whose next launch is not of KIND")
     ap.add_argument("--handoff", action="store_true",
                     help="instead: per launch, its CTAs' entry and PDL-wait times after the previous launch's end "
                          "(needs a v2 file)")
     a = ap.parse_args()
+    if (a.followed_by or a.not_followed_by) and not a.intervals:
+        raise SystemExit("--followed-by / --not-followed-by go with --intervals")
     entries, v2 = load(a.stamps)
     if not entries:
         raise SystemExit("no stamps in " + a.stamps)
@@ -227,7 +246,7 @@ def main():
     if v2:
         launches = launches_by_gridid(entries)
         if a.intervals:
-            print_intervals(launches, a.intervals)
+            print_intervals(launches, a.intervals, a.followed_by, a.not_followed_by)
             return
         if a.stages:
             print_stages(launches, t0)

@@ -93,6 +93,28 @@ if(V4ATTN_PYTHON3)
                    "${CMAKE_SOURCE_DIR}/tests/data/stamps_select.txt" --intervals topk_v3)
   set_tests_properties(scripts.phase_stamps_intervals_select PROPERTIES PASS_REGULAR_EXPRESSION
     "topk_v3: 2 launches, 8 CTAs\n.*\n +1 -> +4 +8 +1\\.98 +2\\.02 +2\\.02 +2\\.02\n.*\n +13 -> +14 +4 +0\\.64 +0\\.67 +0\\.67 +0\\.67\n +14 -> +20 +4 +1\\.63 +1\\.66 +1\\.70 +1\\.70\n +20 -> +21 +8 .*\n +10 -> +20 +4 +1\\.57 +1\\.63 +1\\.73 +1\\.73\n")
+  # --followed-by / --not-followed-by: the fused chains followed by a top-k (a reindex layer's: the
+  # third, 1 -> 11 27 us, 11 at 30 us after the previous end) apart from the others (three launches,
+  # the last one after the top-k: 0 at 1 us after its end); both refused without --intervals or
+  # with an unknown kind.
+  add_test(NAME scripts.phase_stamps_intervals_followed_by
+           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/phase_stamps.py"
+                   "${CMAKE_SOURCE_DIR}/tests/data/stamps_followed.txt" --intervals qchain --followed-by topk_v3)
+  set_tests_properties(scripts.phase_stamps_intervals_followed_by PROPERTIES PASS_REGULAR_EXPRESSION
+    "qchain: 1 launches, 1 CTAs\n.*\n +1 -> +11 +1 +27\.00 +27\.00 +27\.00 +27\.00\n.*\n +11 +1 +30\.00 +30\.00 +30\.00 +30\.00")
+  add_test(NAME scripts.phase_stamps_intervals_not_followed_by
+           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/phase_stamps.py"
+                   "${CMAKE_SOURCE_DIR}/tests/data/stamps_followed.txt" --intervals qchain --not-followed-by topk_v3)
+  set_tests_properties(scripts.phase_stamps_intervals_not_followed_by PROPERTIES PASS_REGULAR_EXPRESSION
+    "qchain: 3 launches, 3 CTAs\n.*\n +1 -> +11 +3 +17\.50 +18\.00 +19\.00 +19\.00\n.*\n +0 +2 +1\.00 +1\.00 +1\.00 +1\.00")
+  add_test(NAME scripts.phase_stamps_followed_by_needs_intervals
+           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/phase_stamps.py"
+                   "${CMAKE_SOURCE_DIR}/tests/data/stamps_followed.txt" --followed-by topk_v3)
+  set_tests_properties(scripts.phase_stamps_followed_by_needs_intervals PROPERTIES WILL_FAIL TRUE)
+  add_test(NAME scripts.phase_stamps_followed_by_unknown_kind
+           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/phase_stamps.py"
+                   "${CMAKE_SOURCE_DIR}/tests/data/stamps_followed.txt" --intervals qchain --followed-by gemm9)
+  set_tests_properties(scripts.phase_stamps_followed_by_unknown_kind PROPERTIES WILL_FAIL TRUE)
   add_test(NAME scripts.phase_stamps_intervals_unknown_kind
            COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/phase_stamps.py"
                    "${CMAKE_SOURCE_DIR}/tests/data/stamps_v2.txt" --intervals gemm9)
