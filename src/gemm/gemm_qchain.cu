@@ -899,6 +899,11 @@ int qchain_fused_grid(int T, int64_t dim, int64_t q_rank, int H, int sm_count) {
   return pl.ok ? pl.grid : 0;
 }
 
+int qchain_fused_ring(int T, int64_t dim, int64_t q_rank, int H, int sm_count) {
+  const QcPlan pl = make_plan(T, dim, q_rank, H, sm_count);
+  return pl.ok ? pl.ring : 0;
+}
+
 size_t qchain_fused_workspace_bytes(int T_max, int64_t dim, int64_t q_rank) {
   if (T_max < 1 || T_max > kQChainMaxRows || dim <= 0 || q_rank <= 0) return 0;
   // v3's split count depends on (n, k) only; take it at T_max.

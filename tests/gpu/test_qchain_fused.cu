@@ -285,6 +285,11 @@ TEST(GpuQChainHost, ShapeRuleAndWorkspace) {
   EXPECT_FALSE(qchain_fused_direct_fits(13, 512, kQRank, kHeads, 132));
   EXPECT_FALSE(qchain_fused_direct_fits(6, kDim, kQRank, kHeads, 127));  // no plan at all
   EXPECT_THROW(init_qchain_workspace(nullptr, 1024, nullptr), std::invalid_argument);
+  // The wq_b ring at V4.1: 6 slots at 1-8 rows (3 of them free before q_norm beside the 80 KB QA
+  // slice), 5 at 9-16 (the f16 operand of 16 rows takes 20 KB more); 0 without a plan.
+  for (int T : {1, 6, 8}) EXPECT_EQ(qchain_fused_ring(T, kDim, kQRank, kHeads, 132), 6) << T;
+  for (int T : {9, 16}) EXPECT_EQ(qchain_fused_ring(T, kDim, kQRank, kHeads, 132), 5) << T;
+  EXPECT_EQ(qchain_fused_ring(6, kDim, kQRank, kHeads, 127), 0);
 }
 
 // The CTAs spin on each other: under an MPS share of the GPU smaller than the grid the chain must

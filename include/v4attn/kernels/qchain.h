@@ -103,6 +103,11 @@ bool qchain_fused_supported(int T, int64_t dim, int64_t q_rank, int H, int devic
 // The same rule for a device of `sm_count` SMs, without asking the driver (host only; what the
 // CPU tests pin). The grid it needs: max(wq_b tiles, QA tiles x splits, 3 T); 0 when unsupported.
 int qchain_fused_grid(int T, int64_t dim, int64_t q_rank, int H, int sm_count);
+// The wq_b ring slots (32 KB each) the plan gives every CTA: what is left of shared memory after the
+// fixed parts, at most one per wq_b stage (0 when unsupported; host only). The slots not holding the
+// QA weights are what each CTA streams before q_norm, so a fixed part that grows can cost a slot
+// and ~4 MB of that stream: CI pins V4.1's counts.
+int qchain_fused_ring(int T, int64_t dim, int64_t q_rank, int H, int sm_count);
 // The same for the direct q hand-off: whether the shape is supported and its T staged q rows
 // (T x q_rank bf16) fit in the QA weight slots (host only).
 bool qchain_fused_direct_fits(int T, int64_t dim, int64_t q_rank, int H, int sm_count);
