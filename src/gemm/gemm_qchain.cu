@@ -421,9 +421,10 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
   // load -> store costs a round trip per iteration). Only the QA weight scales are needed before the
   // QA loop; the rest (wq_b scales and the step's RoPE rows: ~3.5 KB and, for the RoPE rows, two
   // dependent round trips; the q_norm weights: wv below) is loaded by the helper warps while the
-  // consumers run the QA loop (load_late_constants below). In phase 0 they had put those round trips, behind the QA
-  // slice's bulk stream, between a CTA's start and its PDL wait: ~4.5 us for the CTAs that start as
-  // the previous launch ends (session 16 stamps), i.e. on every layer's critical path.
+  // consumers run the QA loop (load_late_constants below). In phase 0 they had put those round
+  // trips, behind the QA slice's bulk stream, between a CTA's start and its PDL wait: ~4.5 us for
+  // the CTAs that start as the previous launch ends (session 16 stamps), i.e. on every layer's
+  // critical path.
   const int n_swb = qb_unit ? (kQbBn / 32) * qb_blocks : 0;
   auto load_late_constants = [&](int t, int nt) {  // thread t of nt (the helpers: wtid of 96)
     constexpr int kSwbPer = 4, kRopePer = 6;  // V4.1 at NP 8: 320 and 512 over 96 threads
@@ -889,19 +890,15 @@ bool qchain_fused_supported(int T, int64_t dim, int64_t q_rank, int H, int devic
   return pl.ok && (!q_direct || pl.direct_ok);
 }
 
-bool qchain_fused_direct_fits(int T, int64_t dim, int64_t q_rank, int H, int sm_count) {
+QChainFusedShape qchain_fused_shape(int T, int64_t dim, int64_t q_rank, int H, int sm_count) {
   const QcPlan pl = make_plan(T, dim, q_rank, H, sm_count);
-  return pl.ok && pl.direct_ok;
-}
-
-int qchain_fused_grid(int T, int64_t dim, int64_t q_rank, int H, int sm_count) {
-  const QcPlan pl = make_plan(T, dim, q_rank, H, sm_count);
-  return pl.ok ? pl.grid : 0;
-}
-
-int qchain_fused_ring(int T, int64_t dim, int64_t q_rank, int H, int sm_count) {
-  const QcPlan pl = make_plan(T, dim, q_rank, H, sm_count);
-  return pl.ok ? pl.ring : 0;
+  QChainFusedShape sh;
+  if (pl.ok) {
+    sh.grid = pl.grid;
+    sh.ring = pl.ring;
+    sh.direct_ok = pl.direct_ok;
+  }
+  return sh;
 }
 
 size_t qchain_fused_workspace_bytes(int T_max, int64_t dim, int64_t q_rank) {

@@ -264,32 +264,32 @@ TEST(GpuQChainFused, GraphReplaysMatch) {
 // wq_b at v2's one-m64-tile plan) and shapes off the tiling are refused. The workspace: counters
 // plus the partials of 8 splits.
 TEST(GpuQChainHost, ShapeRuleAndWorkspace) {
-  for (int T : {1, 6, 8, 9, 16}) EXPECT_EQ(qchain_fused_grid(T, kDim, kQRank, kHeads, 132), 128) << T;
-  EXPECT_EQ(qchain_fused_grid(6, kDim, kQRank, kHeads, 128), 128);
-  EXPECT_EQ(qchain_fused_grid(6, kDim, kQRank, kHeads, 127), 0);
-  EXPECT_EQ(qchain_fused_grid(0, kDim, kQRank, kHeads, 132), 0);
-  EXPECT_EQ(qchain_fused_grid(kQChainMaxRows + 1, kDim, kQRank, kHeads, 132), 0);
-  EXPECT_EQ(qchain_fused_grid(6, kDim, kQRank, 16, 132), 0);           // TP4
-  EXPECT_EQ(qchain_fused_grid(6, kDim + 32, kQRank, kHeads, 132), 0);  // dim % 128
-  EXPECT_EQ(qchain_fused_grid(6, kDim, kQRank + 128, kHeads, 132), 0); // q_rank % 256
-  EXPECT_EQ(qchain_fused_grid(6, kDim, kQRank, 0, 132), 0);
+  for (int T : {1, 6, 8, 9, 16}) EXPECT_EQ(qchain_fused_shape(T, kDim, kQRank, kHeads, 132).grid, 128) << T;
+  EXPECT_EQ(qchain_fused_shape(6, kDim, kQRank, kHeads, 128).grid, 128);
+  EXPECT_EQ(qchain_fused_shape(6, kDim, kQRank, kHeads, 127).grid, 0);
+  EXPECT_EQ(qchain_fused_shape(0, kDim, kQRank, kHeads, 132).grid, 0);
+  EXPECT_EQ(qchain_fused_shape(kQChainMaxRows + 1, kDim, kQRank, kHeads, 132).grid, 0);
+  EXPECT_EQ(qchain_fused_shape(6, kDim, kQRank, 16, 132).grid, 0);           // TP4
+  EXPECT_EQ(qchain_fused_shape(6, kDim + 32, kQRank, kHeads, 132).grid, 0);  // dim % 128
+  EXPECT_EQ(qchain_fused_shape(6, kDim, kQRank + 128, kHeads, 132).grid, 0); // q_rank % 256
+  EXPECT_EQ(qchain_fused_shape(6, kDim, kQRank, 0, 132).grid, 0);
   EXPECT_EQ(qchain_fused_workspace_bytes(kQChainMaxRows, kDim, kQRank),
             256u + 8u * kQChainMaxRows * static_cast<size_t>(kQa) * sizeof(float));
   EXPECT_EQ(qchain_fused_workspace_bytes(0, kDim, kQRank), 0u);
   // The direct q hand-off stages T x q_rank bf16 in the QA weight slots: V4.1's 80 KB QA slice
   // (three 32 KB slots) holds 16 rows; at dim 512 the slice is one slot, which holds 12 rows of
   // 1280 (30 KB) but not 13 (32.5 KB).
-  for (int T : {1, 6, 16}) EXPECT_TRUE(qchain_fused_direct_fits(T, kDim, kQRank, kHeads, 132)) << T;
-  ASSERT_EQ(qchain_fused_grid(16, 512, kQRank, kHeads, 132), 128);
-  EXPECT_TRUE(qchain_fused_direct_fits(12, 512, kQRank, kHeads, 132));
-  EXPECT_FALSE(qchain_fused_direct_fits(13, 512, kQRank, kHeads, 132));
-  EXPECT_FALSE(qchain_fused_direct_fits(6, kDim, kQRank, kHeads, 127));  // no plan at all
+  for (int T : {1, 6, 16}) EXPECT_TRUE(qchain_fused_shape(T, kDim, kQRank, kHeads, 132).direct_ok) << T;
+  ASSERT_EQ(qchain_fused_shape(16, 512, kQRank, kHeads, 132).grid, 128);
+  EXPECT_TRUE(qchain_fused_shape(12, 512, kQRank, kHeads, 132).direct_ok);
+  EXPECT_FALSE(qchain_fused_shape(13, 512, kQRank, kHeads, 132).direct_ok);
+  EXPECT_FALSE(qchain_fused_shape(6, kDim, kQRank, kHeads, 127).direct_ok);  // no plan at all
   EXPECT_THROW(init_qchain_workspace(nullptr, 1024, nullptr), std::invalid_argument);
   // The wq_b ring at V4.1: 6 slots at 1-8 rows (3 of them free before q_norm beside the 80 KB QA
   // slice), 5 at 9-16 (the f16 operand of 16 rows takes 20 KB more); 0 without a plan.
-  for (int T : {1, 6, 8}) EXPECT_EQ(qchain_fused_ring(T, kDim, kQRank, kHeads, 132), 6) << T;
-  for (int T : {9, 16}) EXPECT_EQ(qchain_fused_ring(T, kDim, kQRank, kHeads, 132), 5) << T;
-  EXPECT_EQ(qchain_fused_ring(6, kDim, kQRank, kHeads, 127), 0);
+  for (int T : {1, 6, 8}) EXPECT_EQ(qchain_fused_shape(T, kDim, kQRank, kHeads, 132).ring, 6) << T;
+  for (int T : {9, 16}) EXPECT_EQ(qchain_fused_shape(T, kDim, kQRank, kHeads, 132).ring, 5) << T;
+  EXPECT_EQ(qchain_fused_shape(6, kDim, kQRank, kHeads, 127).ring, 0);
 }
 
 // The CTAs spin on each other: under an MPS share of the GPU smaller than the grid the chain must

@@ -100,17 +100,20 @@ struct QChainFusedParams {
 // most the device's SM count.
 // With q_direct: also whether the direct q hand-off takes it (the T staged q rows fit in shared memory).
 bool qchain_fused_supported(int T, int64_t dim, int64_t q_rank, int H, int device = -1, bool q_direct = false);
-// The same rule for a device of `sm_count` SMs, without asking the driver (host only; what the
-// CPU tests pin). The grid it needs: max(wq_b tiles, QA tiles x splits, 3 T); 0 when unsupported.
-int qchain_fused_grid(int T, int64_t dim, int64_t q_rank, int H, int sm_count);
-// The wq_b ring slots (32 KB each) the plan gives every CTA: what is left of shared memory after the
-// fixed parts, at most one per wq_b stage (0 when unsupported; host only). The slots not holding the
-// QA weights are what each CTA streams before q_norm, so a fixed part that grows can cost a slot
-// and ~4 MB of that stream: CI pins V4.1's counts.
-int qchain_fused_ring(int T, int64_t dim, int64_t q_rank, int H, int sm_count);
-// The same for the direct q hand-off: whether the shape is supported and its T staged q rows
-// (T x q_rank bf16) fit in the QA weight slots (host only).
-bool qchain_fused_direct_fits(int T, int64_t dim, int64_t q_rank, int H, int sm_count);
+// The same plan for a device of `sm_count` SMs, without asking the driver (host only; what the CPU
+// tests pin), every field 0 / false when unsupported:
+//  - grid: the CTAs it needs, max(wq_b tiles, QA tiles x splits, 3 T);
+//  - ring: the wq_b ring slots (32 KB each) every CTA gets, what shared memory holds after the fixed
+//    parts, at most one per wq_b stage. The slots not holding the QA weights are what a CTA streams
+//    before q_norm, so a fixed part that grows can cost a slot and ~4 MB of that stream;
+//  - direct_ok: the direct q hand-off takes it (the T staged q rows, T x q_rank bf16, fit in the QA
+//    weight slots): qchain_fused_supported(..., q_direct = true) on such a device.
+struct QChainFusedShape {
+  int grid = 0;
+  int ring = 0;
+  bool direct_ok = false;
+};
+QChainFusedShape qchain_fused_shape(int T, int64_t dim, int64_t q_rank, int H, int sm_count);
 size_t qchain_fused_workspace_bytes(int T_max, int64_t dim, int64_t q_rank);
 void init_qchain_workspace(void* workspace, size_t bytes, cudaStream_t stream);
 // Validates everything (std::invalid_argument, nothing launched) and launches one kernel.
