@@ -28,10 +28,11 @@
 //    (group_rows 1); verify shapes add "g6" and "g6-wide" (group_rows 6: the 6 rows of a request
 //    in one CTA, one read of their K).
 //  - top-k and candidate mask "v1" (one CTA per row), "v2" (many CTAs per row, workspace) and
-//    "v3" (one thread-block cluster per row, automatic cluster size), "v3-c8" / "v3-c16" (8 / 16
-//    CTAs per row).
+//    "v3" (one thread-block cluster per row, automatic cluster size), "v3-c1" .. "v3-c16" (1, 2,
+//    4, 8, 16 CTAs per row).
 //  - top-k "v3-masked" / "v3-masked-nc" (a later index source: the mask of 2048 random kept
-//    blocks fused, the kept groups compacted / every position walked).
+//    blocks fused, the kept groups compacted / every position walked), "v3-masked-c1" / "-c2" /
+//    "-c4" (compacted, 1 / 2 / 4 CTAs per row).
 //  - pair "v3" (the candidate source's top-k and mask in one launch, run_indexer_select_pair_v3)
 //    and "serial" (the v3 mask then the v3 top-k, two launches).
 //  - q pack "v2" (one thread per pair of values).
@@ -261,7 +262,8 @@ struct SelVersion {
   int cluster;     // v3_cluster (0 = automatic)
 };
 constexpr SelVersion kSelVersions[] = {
-    {"v1", 0, false, 0}, {"v2", 0, true, 0}, {"v3", 3, false, 0}, {"v3-c8", 3, false, 8}, {"v3-c16", 3, false, 16}};
+    {"v1", 0, false, 0},      {"v2", 0, true, 0},       {"v3", 3, false, 0},      {"v3-c1", 3, false, 1},
+    {"v3-c2", 3, false, 2},   {"v3-c4", 3, false, 4},   {"v3-c8", 3, false, 8},   {"v3-c16", 3, false, 16}};
 constexpr SelVersion kChainV2 = kSelVersions[1];
 constexpr SelVersion kChainV3 = kSelVersions[2];
 
@@ -614,10 +616,16 @@ int main(int argc, char** argv) {
           // Top-k v3 of a later index source (the candidate mask fused: 2048 random kept blocks per
           // row, the same mask for both rows), compacted (default) and walking every position;
           // checked against the reference's apply_candidate_mask + topk_to_slots of the GPU scores.
-          const HostMask fused_mask = want("topk", "v3-masked") || want("topk", "v3-masked-nc") ? make_mask(pb, false)
+          const HostMask fused_mask = want("topk", "v3-masked") || want("topk", "v3-masked-nc") ||
+                                              want("topk", "v3-masked-c1") || want("topk", "v3-masked-c2") ||
+                                              want("topk", "v3-masked-c4")
+                                          ? make_mask(pb, false)
                                                                                                  : HostMask{};
-          for (const bool compact : {true, false}) {
-            const char* name = compact ? "v3-masked" : "v3-masked-nc";
+          for (const int variant : {0, 1, 2, 3, 4}) {  // compacted (automatic cluster, 1, 2, 4 CTAs), walking
+            const bool compact = variant != 4;
+            const int cluster = compact ? (variant == 0 ? 0 : 1 << (variant - 1)) : 0;
+            const std::string name_s = !compact ? "v3-masked-nc" : cluster == 0 ? "v3-masked" : "v3-masked-c" + std::to_string(cluster);
+            const char* name = name_s.c_str();
             if (!want("topk", name)) continue;
             const HostMask& mask = fused_mask;
             kn::run_indexer_scores(scores_params(pb, 0), stream, false);
@@ -626,6 +634,7 @@ int main(int argc, char** argv) {
             tp.mask_stride = pb.mask_stride;
             tp.mask_block = kMaskBlock;
             tp.v3_compact = compact;
+            tp.v3_cluster = cluster;
             pb.d_out.fill_bytes(0xAB, stream);
             kn::run_indexer_topk(tp, stream, false);
             V4_CUDA_CHECK(cudaStreamSynchronize(stream));
