@@ -19,7 +19,8 @@
 // Rows per shape and m:
 //   fp8:  act_quant (bf16 x -> codes + scales), v0, v1, v2, v3 (GEMM on quantized x; v3 once per
 //         --v3-masks entry: "v3" = the default widening mask (0, all cvt), "v3 int<mask>" otherwise, e.g.
-//         "v3 int0" = all cvt, "v3 int15" = all integer), v1+quant / v2+quant / v3+quant
+//         "v3 int0" = all cvt, "v3 int15" = all integer), "v6" (gemv, m <= 8, gemm_gemv_supported),
+//         v1+quant / v2+quant / v3+quant
 //         (act_quant then the GEMM; with PDL in the event and gpdl columns), "v3 fused-quant"
 //         (run_gemm_fp8_fused_quant: the act quant inside v3, where gemm_v3_fused_quant_supported;
 //         valid when byte-identical to act_quant + v3; compare with "v3+quant"), the peer
@@ -336,6 +337,9 @@ std::string plan_note(kn::GemmVersion v, int m, int64_t n, int64_t k, int groups
   } else if (v == kn::GemmVersion::kWgmma) {
     const kn::GemmPlan p = kn::plan_gemm_wgmma(m, n, k, groups, env.force_splits, env.force_mtiles, env.force_stages);
     std::snprintf(note, sizeof(note), "MT %d S %d ST %d smem %zu", p.warp_mtiles, p.splits, p.stages, p.smem_bytes);
+  } else if (v == kn::GemmVersion::kGemv) {
+    const kn::GemmPlan p = kn::plan_gemm_gemv(m, n, k);
+    std::snprintf(note, sizeof(note), "rows %d S %d (warps)", p.block_n, p.splits);
   } else if (v == kn::GemmVersion::kSkinny) {
     const kn::GemmPlan p = kn::plan_gemm_skinny(m, n, k, groups, false, env.force_splits, env.force_mtiles);
     std::snprintf(note, sizeof(note), "rows %d S %d (cluster) ST %d smem %zu", p.block_n, p.splits, p.stages, p.smem_bytes);
@@ -447,10 +451,11 @@ void bench_fp8(const Shape& sh, const std::vector<int>& ms, Env& env, std::vecto
       rows.push_back(r);
     }
     bool version_valid[4] = {false, false, false, false};
-    // (version, v3 mask) per row: v0, v1, v2, then v3 once per --v3-masks entry.
+    // (version, v3 mask) per row: v0, v1, v2, then v3 once per --v3-masks entry, then v6 where it runs.
     std::vector<std::pair<kn::GemmVersion, int>> variants = {
         {kn::GemmVersion::kSimple, -1}, {kn::GemmVersion::kTensorCore, -1}, {kn::GemmVersion::kWgmma, -1}};
     for (int mask : env.v3_masks) variants.emplace_back(kn::GemmVersion::kWgmmaPipelined, mask);
+    if (kn::gemm_gemv_supported(m, n, k)) variants.emplace_back(kn::GemmVersion::kGemv, -1);
     for (const auto& [v, v3_mask] : variants) {
       if (v == kn::GemmVersion::kSimple && !env.run_v0) continue;
       out.fill_bytes(0xAB, env.stream);
@@ -462,11 +467,12 @@ void bench_fp8(const Shape& sh, const std::vector<int>& ms, Env& env, std::vecto
       const std::string name = v == kn::GemmVersion::kSimple       ? "v0"
                                : v == kn::GemmVersion::kTensorCore ? "v1"
                                : v == kn::GemmVersion::kWgmma      ? "v2"
+                               : v == kn::GemmVersion::kGemv       ? "v6"
                                : v3_mask < 0                       ? "v3"
                                                                    : "v3 int" + std::to_string(v3_mask);
       Row r = make_row(sh, name.c_str(), m, gemm_bytes);
       r.valid = quant_ok && (v == kn::GemmVersion::kSimple ? differ == 0 : ulps <= 1);
-      if (v3_mask < 0) version_valid[static_cast<int>(v)] = r.valid;
+      if (v3_mask < 0 && static_cast<int>(v) < 4) version_valid[static_cast<int>(v)] = r.valid;
       if (v != kn::GemmVersion::kSimple) {
         char pct[48];
         std::snprintf(pct, sizeof(pct), "%.3f%% differ; ", 100.0 * static_cast<double>(differ) / static_cast<double>(want.size()));

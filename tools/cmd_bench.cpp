@@ -260,6 +260,7 @@ struct BenchCliOptions {
   std::string fuse_qchain = "auto";
   std::string fuse_qchain_index = "auto";
   std::string qchain_q_direct = "auto";
+  std::string idx_gemv = "auto";
   uint64_t seed = 1;
   std::string json_path;
   std::string trace_path;
@@ -414,6 +415,7 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
     j["fuse_qchain"] = to_string(c.knobs.fuse_qchain);
     j["fuse_qchain_index"] = to_string(c.knobs.fuse_qchain_index);
     j["qchain_q_direct"] = to_string(c.knobs.qchain_q_direct);
+    j["idx_gemv"] = to_string(c.knobs.idx_gemv);
     j["seed"] = c.knobs.seed;
     j["device_bytes"] = stack.device_bytes();
     j["weight_bytes"] = stack.weight_bytes();
@@ -567,6 +569,10 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
                   "The fused Q chain's q hand-off: every CTA adds the q columns' split-K partials itself (one "
                   "hand-off instead of the tile reducers' two): auto (steps of <= " +
                       std::to_string(prepare::kQChainDirectAutoRows) + " rows, where it measured faster), on or off; same bytes");
+  add_fusion_option(sub, "--idx-gemv", o->idx_gemv,
+                  "The indexer's wq_b GEMM as v6 (the registers-first gemv, m <= " + std::to_string(kernels::kGemvMaxRows) +
+                      ") instead of --gemm's choice: auto (steps of <= " + std::to_string(prepare::kIdxGemvAutoRows) +
+                      " rows with --gemm auto), on or off; another GEMM version (within the spec's allowance), not the same bytes");
   sub->add_flag("--idx-scores-main", o->idx_scores_main,
                 "Reindex layers: weights_proj, q pack and the indexer scores on main before the wq_b GEMM (experiment knob)");
   sub->add_flag("--qnorm-trigger-late", o->qnorm_trigger_late,
@@ -673,6 +679,7 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       c.knobs.fuse_qchain = fusion_from(o->fuse_qchain);
       c.knobs.fuse_qchain_index = fusion_from(o->fuse_qchain_index);
       c.knobs.qchain_q_direct = fusion_from(o->qchain_q_direct);
+      c.knobs.idx_gemv = fusion_from(o->idx_gemv);
       c.knobs.gemm_small = o->gemm_small == "tc"       ? kernels::GemmVersion::kTensorCore
                      : o->gemm_small == "skinny" ? kernels::GemmVersion::kSkinny
                                                  : kernels::GemmVersion::kAuto;

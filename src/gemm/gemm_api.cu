@@ -1,6 +1,6 @@
 // Public entry points of the GEMM family: validate once (std::invalid_argument, nothing launched),
 // then dispatch to v0 (gemm_simple.cu), v1 (gemm_tc.cu, gemm_f32.cu), v2 (gemm_wgmma.cu), v3
-// (gemm_wgmma_pipelined.cu) or v5 (gemm_skinny.cu, bf16 / fp32).
+// (gemm_wgmma_pipelined.cu), v5 (gemm_skinny.cu, bf16 / fp32) or v6 (gemm_gemv.cu, fp8).
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -60,6 +60,7 @@ const char* gemm_version_name(GemmVersion v) {
     case GemmVersion::kAuto: return "auto (fp8: v2/v3 by shape; bf16/fp32: v5/v1 by shape)";
     case GemmVersion::kWgmmaPipelined: return "v3 wgmma-pipelined";
     case GemmVersion::kSkinny: return "v5 skinny";
+    case GemmVersion::kGemv: return "v6 gemv";
   }
   return "?";
 }
@@ -89,6 +90,7 @@ GemmPlan plan_gemm(GemmVersion version, int m, int64_t n, int64_t k, int groups,
     case GemmVersion::kWgmmaPipelined: return plan_gemm_wgmma_pipelined(m, n, k, groups, force_splits, force_mtiles);
     case GemmVersion::kAuto: return plan_gemm(best_fp8_gemm_version(m, n, k), m, n, k, groups, force_splits, force_mtiles);
     case GemmVersion::kSkinny: return plan_gemm_skinny(m, n, k, groups, false, force_splits, force_mtiles);
+    case GemmVersion::kGemv: return plan_gemm_gemv(m, n, k);
   }
   throw std::invalid_argument("plan_gemm: unknown version");
 }
@@ -159,6 +161,16 @@ void run_gemm_fp8(const Fp8GemmParams& p, const GemmWorkspace& ws, GemmVersion v
     case GemmVersion::kAuto:
     case GemmVersion::kSkinny: break;  // resolved above
     case GemmVersion::kSimple: detail::launch_gemm_fp8_simple(p, stream, pdl); return;
+    case GemmVersion::kGemv: {
+      if (fused_quant || rope || qnorm) fail(who, "v6 gemv has no fused act quant, q_norm or RoPE store");
+      if (p.force_splits != 0 || p.force_mtiles != 0 || p.force_stages != 0) fail(who, "v6 gemv takes no plan overrides");
+      if (!gemm_gemv_supported(p.m, p.n, p.k, p.groups))
+        fail(who, "v6 gemv takes 1 <= m <= " + std::to_string(kGemvMaxRows) + ", groups == 1 and k <= " +
+                      std::to_string(kGemvMaxK) + " (got m " + std::to_string(p.m) + ", groups " +
+                      std::to_string(p.groups) + ", k " + std::to_string(p.k) + ")");
+      detail::launch_gemm_fp8_gemv(p, stream, pdl);
+      return;
+    }
     case GemmVersion::kTensorCore: {
       const GemmPlan plan = check_tc(who, version, p.m, p.n, p.k, p.groups, p.force_splits, p.force_mtiles, ws);
       detail::launch_gemm_fp8_tc(p, plan, ws, stream, pdl);
@@ -228,6 +240,7 @@ void run_gemm_bf16(const Bf16GemmParams& p, const GemmWorkspace& ws, GemmVersion
   if (!aligned_to(p.x, 16) || p.x_stride % 8 != 0 || p.x_group_stride % 8 != 0)
     fail(who, "x must be 16-byte aligned with x_stride and x_group_stride multiples of 8");
   if (!aligned_to(p.w, 16) || p.w_group_stride % 8 != 0) fail(who, "w must be 16-byte aligned with w_group_stride % 8 == 0");
+  if (version == GemmVersion::kGemv) version = GemmVersion::kAuto;  // v6 is fp8 only: the bf16 choice
   if (version == GemmVersion::kAuto)  // v1 plan overrides (tests, bench) keep v1
     version = p.groups == 1 && p.force_splits == 0 && p.force_mtiles == 0 && skinny_gemm_preferred(p.m, p.n, p.k)
                   ? GemmVersion::kSkinny
@@ -246,7 +259,8 @@ void run_gemm_bf16(const Bf16GemmParams& p, const GemmWorkspace& ws, GemmVersion
     case GemmVersion::kTensorCore:
     case GemmVersion::kWgmma:
     case GemmVersion::kWgmmaPipelined:
-    case GemmVersion::kAuto: {  // no v2 / v3 of the bf16 GEMM: v1 (kAuto: resolved above)
+    case GemmVersion::kGemv:
+    case GemmVersion::kAuto: {  // no v2 / v3 of the bf16 GEMM: v1 (kAuto, kGemv: resolved above)
       const GemmPlan plan =
           check_tc(who, GemmVersion::kTensorCore, p.m, p.n, p.k, p.groups, p.force_splits, p.force_mtiles, ws);
       detail::launch_gemm_bf16_tc(p, plan, ws, stream, pdl);
@@ -274,6 +288,7 @@ void run_gemm_f32(const F32GemmParams& p, GemmVersion version, cudaStream_t stre
     fail(who, "v5_path must be 0, 1 (m <= " + std::to_string(kF32DirectMaxRows) + ") or 2 (got " +
                   std::to_string(p.v5_path) + " at m " + std::to_string(p.m) + ")");
   // kAuto: v5 (tensor cores) where f32_skinny_preferred and its requirements hold, else v1.
+  if (version == GemmVersion::kGemv) version = GemmVersion::kAuto;  // v6 is fp8 only
   if (version == GemmVersion::kAuto)
     version = f32_skinny_preferred(p.m, p.n, p.k) && aligned_to(p.x, 16) && p.x_stride % 8 == 0 ? GemmVersion::kSkinny
                                                                                                 : GemmVersion::kTensorCore;
@@ -291,6 +306,7 @@ void run_gemm_f32(const F32GemmParams& p, GemmVersion version, cudaStream_t stre
     case GemmVersion::kTensorCore:
     case GemmVersion::kWgmma:
     case GemmVersion::kWgmmaPipelined:
+    case GemmVersion::kGemv:
     case GemmVersion::kAuto: detail::launch_gemm_f32_warp(p, stream, pdl); return;  // no v2 / v3: v1 (kAuto: resolved above)
   }
   fail(who, "unknown version");

@@ -32,6 +32,8 @@ void launch_gemm_fp8_wgmma(const Fp8GemmParams& p, const GemmPlan& plan, const G
 // v3: pipelined wgmma + TMA, split-K in a cluster (gemm_wgmma_pipelined.cu); `plan` comes from
 // plan_gemm_wgmma_pipelined with the params' overrides. No workspace.
 void launch_gemm_fp8_wgmma_pipelined(const Fp8GemmParams& p, const GemmPlan& plan, cudaStream_t stream, bool pdl);
+// v6: registers-first gemv for m <= kGemvMaxRows (gemm_gemv.cu); the plan is plan_gemm_gemv's.
+void launch_gemm_fp8_gemv(const Fp8GemmParams& p, cudaStream_t stream, bool pdl);
 
 // The tiling and split-K choice v2 and v3 share (gemm_wgmma.cu): two m64 tiles per consumer
 // warpgroup (256 rows per CTA) when that still gives ~one CTA per SM without split-K, otherwise 128

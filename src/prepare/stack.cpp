@@ -1113,7 +1113,10 @@ void GpuPrepareStack::Impl::issue_idx_gemms(int L, int T, cudaStream_t s) {
     g.n = static_cast<int64_t>(Hi) * kIdxHd;
     g.k = q_rank;
     g.v3_int_mask = o.v3_int_mask;
-    kn::run_gemm_fp8(g, wsp, o.gemm, s, pdl_rest());
+    // GpuStackOptions::idx_gemv: v6 (kAuto only where the GEMMs are the automatic choice too).
+    const int gemv_auto = o.gemm == kn::GemmVersion::kAuto ? kIdxGemvAutoRows : 0;
+    const bool gemv = fusion_applies(o.idx_gemv, T, 1, gemv_auto) && kn::gemm_gemv_supported(T, g.n, g.k);
+    kn::run_gemm_fp8(g, wsp, gemv ? kn::GemmVersion::kGemv : o.gemm, s, pdl_rest());
   }
 }
 
@@ -1312,6 +1315,7 @@ void GpuPrepareStack::set_fuse_qchain_index(Fusion f) {
   impl_->set_option(&GpuStackOptions::fuse_qchain_index, f);
 }
 void GpuPrepareStack::set_qchain_q_direct(Fusion f) { impl_->set_option(&GpuStackOptions::qchain_q_direct, f); }
+void GpuPrepareStack::set_idx_gemv(Fusion f) { impl_->set_option(&GpuStackOptions::idx_gemv, f); }
 void GpuPrepareStack::set_qb_side_mtiles(int mtiles) {
   check_qb_side_mtiles(mtiles);
   impl_->set_option(&GpuStackOptions::qb_side_mtiles, mtiles);

@@ -970,6 +970,141 @@ TEST(GpuGemm, Fp8SubnormalCodesExact) {
     }
 }
 
+// ---- v6 (kGemv): registers-first gemv for m <= 8 ---------------------------------------------------
+// Exact data: byte-identical to the reference on every shape (one and several K splits, uneven
+// ranges, n not a multiple of 64, the real indexer wq_b and wq_a|wkv at K = kGemvMaxK), every m it
+// takes, subnormal codes on either side, PDL on / off; realistic data: within 1 ulp, with v3's
+// statistics. The output buffer is poisoned before each run (check_bf16 checks the pad too).
+TEST(GpuGemmGemv, ExactDataMatchesReferenceBytes) {
+  V4_REQUIRE_GPU();
+  use_all_cores();
+  const Fp8Case cases[] = {{32, 32},    {64, 320},    {96, 352},   {160, 640},  {32, 3200},
+                           {256, 1056}, {4096, 1280}, {1792, 5120}, {480, 4768}};
+  uint64_t seed = 2300;
+  for (const Fp8Case& cs : cases) {
+    ASSERT_TRUE(gemm_gemv_supported(1, cs.n, cs.k)) << fp8_name(cs, 1);
+    for (Data d : {Data::kExact, Data::kSubnormalW, Data::kSubnormalA}) {
+      if (d != Data::kExact && cs.n * cs.k > (1 << 22)) continue;
+      const Fp8Weights w = make_fp8_weights(cs, d, ++seed);
+      for (int m = 1; m <= kGemvMaxRows; ++m) {
+        if (d != Data::kExact && m != 1 && m != kGemvMaxRows) continue;
+        const Fp8Acts a = make_fp8_acts(cs, m, d, ++seed);
+        const auto want = ref_fp8(w, a);
+        const OutLayout l = make_layout(m, cs.n);
+        const std::string name = fp8_name(cs, m) + " v6" + (d == Data::kExact ? "" : d == Data::kSubnormalW ? " subnormal w" : " subnormal a");
+        const DiffStats st = check_bf16(run_fp8(w, a, l, GemmVersion::kGemv, m % 2 == 0), l, dense_want(want, cs.n), 0, name);
+        EXPECT_EQ(st.differ, 0) << name;
+      }
+    }
+  }
+}
+
+TEST(GpuGemmGemv, RealShapesRealisticWithinOneUlp) {
+  V4_REQUIRE_GPU();
+  use_all_cores();
+  uint64_t seed = 2400;
+  for (const RealFp8Shape& sh : kRealFp8) {
+    if (!gemm_gemv_supported(1, sh.n, sh.k) || sh.big) continue;
+    const Fp8Case cs{sh.n, sh.k};
+    const Fp8Weights w = make_fp8_weights(cs, Data::kRealistic, ++seed);
+    DiffStats agg;
+    for (int m : {1, 2, 5, 6, 8}) {
+      const Fp8Acts a = make_fp8_acts(cs, m, Data::kRealistic, ++seed);
+      const auto want = ref_fp8(w, a);
+      const OutLayout l = make_layout(m, cs.n);
+      const std::string name = std::string(sh.name) + " " + fp8_name(cs, m) + " v6";
+      const std::vector<bf16_t> got = run_fp8(w, a, l, GemmVersion::kGemv);
+      const DiffStats st = check_bf16(got, l, dense_want(want, cs.n), 1, name, true);
+      expect_realistic_stats(st, name);
+      agg.add(st);
+      // Deterministic, and PDL does not change a byte.
+      EXPECT_TRUE(run_fp8(w, a, l, GemmVersion::kGemv, true) == got) << name << ": PDL changed the output";
+      EXPECT_TRUE(run_fp8(w, a, l, GemmVersion::kGemv) == got) << name << ": a second run differs";
+    }
+    expect_realistic_stats(agg, std::string(sh.name) + " all m v6");
+  }
+}
+
+// A token's output does not depend on the batch it is in: row r of an m-row call equals the
+// one-row call on row r alone (the plan depends on (n, k) only).
+TEST(GpuGemmGemv, RowsDoNotDependOnTheBatch) {
+  V4_REQUIRE_GPU();
+  const Fp8Case cs{4096, 1280};
+  const Fp8Weights w = make_fp8_weights(cs, Data::kRealistic, 2500);
+  const int m = kGemvMaxRows;
+  const Fp8Acts a = make_fp8_acts(cs, m, Data::kRealistic, 2501);
+  const OutLayout l = make_layout(m, cs.n);
+  const std::vector<bf16_t> all = run_fp8(w, a, l, GemmVersion::kGemv);
+  const OutLayout l1 = make_layout(1, cs.n);
+  for (int r : {0, 3, m - 1}) {
+    Fp8GemmParams p = fp8_params(w, a, nullptr, l1);
+    p.a_q = a.d_aq.get() + r * a.a_stride;
+    p.a_scale = a.d_as.get() + r * a.a_scale_stride;
+    p.m = 1;
+    DeviceBuffer<bf16_t> out(l1.elems());
+    out.fill_bytes(kPoisonByte);
+    p.out = out.get();
+    run_gemm_fp8(p, GemmWorkspace{}, GemmVersion::kGemv, nullptr, false);
+    V4_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<bf16_t> one = to_host(out);
+    int bad = 0;
+    for (int64_t c = 0; c < cs.n; ++c)
+      if (one[static_cast<size_t>(c)] != all[static_cast<size_t>(r * l.stride + c)] && bad++ < 3)
+        ADD_FAILURE() << "row " << r << " col " << c << " differs alone and in the batch of " << m;
+  }
+}
+
+// What v6 refuses: nothing launched, the output untouched; the support predicate and plan.
+TEST(GpuGemmGemv, SupportPlanAndRefusals) {
+  V4_REQUIRE_GPU();
+  EXPECT_STREQ(gemm_version_name(GemmVersion::kGemv), "v6 gemv");
+  EXPECT_TRUE(gemm_gemv_supported(1, 4096, 1280));
+  EXPECT_TRUE(gemm_gemv_supported(kGemvMaxRows, 1792, kGemvMaxK));
+  EXPECT_FALSE(gemm_gemv_supported(kGemvMaxRows + 1, 4096, 1280));
+  EXPECT_FALSE(gemm_gemv_supported(0, 4096, 1280));
+  EXPECT_FALSE(gemm_gemv_supported(1, 4096, kGemvMaxK + 32));
+  EXPECT_FALSE(gemm_gemv_supported(1, 4096, 1280, 2));
+  EXPECT_FALSE(gemm_gemv_supported(1, 4096 + 16, 1280));
+  {
+    const GemmPlan a = plan_gemm_gemv(1, 4096, 1280), b = plan_gemm(GemmVersion::kGemv, 7, 4096, 1280, 1);
+    EXPECT_EQ(a.tiles_n, 256);
+    EXPECT_EQ(a.block_n, 16);
+    EXPECT_EQ(a.splits, 4);
+    EXPECT_EQ(b.splits, a.splits);
+    EXPECT_EQ(plan_gemm_gemv(1, 1792, 5120).splits, 16);
+  }
+  const Fp8Case cs{64, 320};
+  const Fp8Weights w = make_fp8_weights(cs, Data::kExact, 2600);
+  const Fp8Acts a = make_fp8_acts(cs, kGemvMaxRows + 1, Data::kExact, 2601);
+  const OutLayout l = make_layout(kGemvMaxRows + 1, cs.n);
+  DeviceBuffer<bf16_t> out(l.elems());
+  out.fill_bytes(kPoisonByte);
+  const auto refuse = [&](const char* what, const std::function<void(Fp8GemmParams&)>& edit) {
+    Fp8GemmParams p = fp8_params(w, a, out.get(), l);
+    p.m = 1;
+    edit(p);
+    EXPECT_THROW(run_gemm_fp8(p, GemmWorkspace{}, GemmVersion::kGemv, nullptr, false), std::invalid_argument) << what;
+  };
+  refuse("m 9", [](Fp8GemmParams& p) { p.m = kGemvMaxRows + 1; });
+  refuse("groups 2", [](Fp8GemmParams& p) { p.groups = 2; });
+  refuse("force_splits", [](Fp8GemmParams& p) { p.force_splits = 2; });
+  refuse("force_mtiles", [](Fp8GemmParams& p) { p.force_mtiles = 1; });
+  refuse("force_stages", [](Fp8GemmParams& p) { p.force_stages = 1; });
+  refuse("rope", [](Fp8GemmParams& p) { p.rope_pos = reinterpret_cast<const int32_t*>(p.a_q); });
+  V4_CUDA_CHECK(cudaDeviceSynchronize());
+  const std::vector<bf16_t> h = to_host(out);
+  for (const bf16_t v : h) ASSERT_EQ(v, static_cast<bf16_t>(kPoisonByte * 0x101)) << "a refused call wrote the output";
+  {  // k beyond kGemvMaxK (a valid GEMM otherwise)
+    const Fp8Case big{32, kGemvMaxK + 32};
+    const Fp8Weights wb = make_fp8_weights(big, Data::kExact, 2602);
+    const Fp8Acts ab = make_fp8_acts(big, 1, Data::kExact, 2603);
+    const OutLayout lb = make_layout(1, big.n);
+    DeviceBuffer<bf16_t> ob(lb.elems());
+    EXPECT_THROW(run_gemm_fp8(fp8_params(wb, ab, ob.get(), lb), GemmWorkspace{}, GemmVersion::kGemv, nullptr, false),
+                 std::invalid_argument);
+  }
+}
+
 // Split-K results do not depend on timing, on PDL, or on a reused workspace (v1, v2 and v3 (v3
 // does not use it); the versions also share one workspace, as an engine's lanes do when the
 // version is switched).
@@ -1024,10 +1159,12 @@ TEST(GpuGemm, WgmmaVersionRunsV1ForBf16AndF32) {
   EXPECT_TRUE(run_bf16(cs, m, dx, x_stride, dw, l, GemmVersion::kWgmma) == run_bf16(cs, m, dx, x_stride, dw, l, GemmVersion::kTensorCore));
   EXPECT_TRUE(run_bf16(cs, m, dx, x_stride, dw, l, GemmVersion::kWgmmaPipelined) ==
               run_bf16(cs, m, dx, x_stride, dw, l, GemmVersion::kTensorCore));
+  // v6 is fp8 only: a bf16 call given it runs the bf16 kAuto choice.
+  EXPECT_TRUE(run_bf16(cs, m, dx, x_stride, dw, l, GemmVersion::kGemv) == run_bf16(cs, m, dx, x_stride, dw, l, GemmVersion::kAuto));
   const ref::F32Matrix wf = make_f32_weight(64, 260, Data::kRealistic, 1236);
   const DeviceBuffer<float> dwf = to_device(wf.w);
-  std::vector<float> outs[3];
-  for (int i = 0; i < 3; ++i) {
+  std::vector<float> outs[4];
+  for (int i = 0; i < 4; ++i) {
     DeviceBuffer<float> out(static_cast<size_t>(m * 64));
     out.fill_bytes(kPoisonByte);
     F32GemmParams p;
@@ -1039,13 +1176,18 @@ TEST(GpuGemm, WgmmaVersionRunsV1ForBf16AndF32) {
     p.m = m;
     p.n = 64;
     p.k = 260;
-    run_gemm_f32(p, i == 0 ? GemmVersion::kWgmma : i == 1 ? GemmVersion::kTensorCore : GemmVersion::kWgmmaPipelined, nullptr,
-                 false);
+    run_gemm_f32(p,
+                 i == 0   ? GemmVersion::kWgmma
+                 : i == 1 ? GemmVersion::kTensorCore
+                 : i == 2 ? GemmVersion::kWgmmaPipelined
+                          : GemmVersion::kGemv,  // v6 is fp8 only: kAuto's choice (v1 at m 7)
+                 nullptr, false);
     V4_CUDA_CHECK(cudaDeviceSynchronize());
     outs[i] = to_host(out);
   }
   EXPECT_EQ(0, std::memcmp(outs[0].data(), outs[1].data(), outs[0].size() * sizeof(float)));
   EXPECT_EQ(0, std::memcmp(outs[2].data(), outs[1].data(), outs[0].size() * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(outs[3].data(), outs[1].data(), outs[0].size() * sizeof(float)));
 }
 
 TEST(GpuGemm, Bf16RealShapes) {

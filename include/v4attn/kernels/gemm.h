@@ -58,6 +58,12 @@
 //    distributed shared memory): no workspace, no second kernel. fp8 calls given kSkinny run
 //    kAuto's fp8 choice. Numerics below.
 //
+//  - kGemv (v6, fp8 only; m <= kGemvMaxRows = 8, groups == 1; src/gemm/gemm_gemv.cu): latency first
+//    for few rows against small weights (the indexer's wq_b): one 16-row weight tile per CTA, the
+//    K range split over the CTA's warps, every lane's weight fragments loaded from global memory
+//    straight into registers before the PDL wait (no ring, no producer, no cluster), mma.sync
+//    m16n8k16 with v1's fragment mapping, the warps' partials added in warp order in shared memory.
+//
 // Numerics of v1 (what differs from the reference, and why it stays within the spec's allowance):
 //  - fp8: per 32-wide K block b, the tensor core forms blocksum(b) of the 32 exact products
 //    (two chained k16 mmas starting from C = 0); then acc = fma(blocksum, sa * sw, acc) on the
@@ -109,6 +115,12 @@
 //    weights spread over 2^-40..2^8). Exact whenever every partial sum is representable (small
 //    integers). kAuto takes it from m = 16 (f32_skinny_preferred); v1 below.
 //
+//  - v6 (kGemv): v1's fp8 numerics (block sum by two chained mmas from zero, one fma per block with
+//    the exact scale product, blocks in order from +0 within each of S contiguous K ranges, the S
+//    partials added in order ((P0 + P1) + P2) + ...), S = ceil(k / 320) from k only (so a token's
+//    output does not depend on its batch). Another split structure than v1 / v3: within 1 bf16 ulp
+//    of them in rare elements.
+//
 // Conventions: params structs passed by value; all pointers are device pointers; strides and
 // group strides are in elements. Host launchers validate everything and throw
 // std::invalid_argument (nothing launched) on bad input; m == 0 launches nothing. `pdl`: launch
@@ -130,12 +142,26 @@ using num::bf16_t;
 constexpr int kGemmBlock = 32;    // K block of the fp8 GEMM / act quant; N block of weight scales
 constexpr int kGemmMaxRows = 64;  // M limit of the tensor-core versions
 constexpr int kF32DirectMaxRows = 32;  // fp32 v5: the direct data path (registers, no rings) up to this m
+constexpr int kGemvMaxRows = 8;          // fp8 v6: rows (one n8 tile of tokens)
+constexpr int kGemvMaxBlocksPerWarp = 10;  // fp8 v6: K blocks per warp (registers)
+constexpr int kGemvMaxWarps = 16;          // fp8 v6: warps (K splits) per CTA, 512 threads
+constexpr int64_t kGemvMaxK = int64_t{kGemvMaxWarps} * kGemvMaxBlocksPerWarp * kGemmBlock;  // 5120
 
 // kAuto: fp8 GEMMs take best_fp8_gemm_version(m, n, k); bf16 / fp32 GEMMs take kSkinny where
 // skinny_gemm_preferred(m, n, k) says so (bf16: only single-group calls without v1 plan overrides;
 // both: only when the arguments meet kSkinny's requirements), kTensorCore otherwise.
 // kSkinny (v5): bf16 / fp32 only; fp8 calls given it run kAuto's fp8 choice.
-enum class GemmVersion : int { kSimple = 0, kTensorCore = 1, kWgmma = 2, kWgmmaPipelined = 3, kAuto = 4, kSkinny = 5 };
+// kGemv (v6): fp8 only, m <= kGemvMaxRows, groups == 1 (gemm_gemv_supported); bf16 / fp32 calls
+// given it run their kAuto choice.
+enum class GemmVersion : int {
+  kSimple = 0,
+  kTensorCore = 1,
+  kWgmma = 2,
+  kWgmmaPipelined = 3,
+  kAuto = 4,
+  kSkinny = 5,
+  kGemv = 6
+};
 const char* gemm_version_name(GemmVersion v);
 // Whether kAuto runs a bf16 / fp32 GEMM of m rows against an [n, k] weight with kSkinny (v5):
 // 1 <= m <= 64 and the small projections of the prepare path (n <= 1024, k a multiple of 32,
@@ -222,6 +248,10 @@ GemmPlan plan_gemm_skinny(int m, int64_t n, int64_t k, int groups, bool f32, int
                           int force_mtiles = 0);
 // The plan `version` uses (kSimple: no split, no workspace; kSkinny: the bf16 plan_gemm_skinny --
 // fp8 calls given kSkinny run kAuto's fp8 version, whose workspace gemm_workspace_bytes covers).
+// v6: 16 weight rows per CTA (tiles_n = n / 16), splits = warps per CTA = ceil(k / 32 / kGemvMaxBlocksPerWarp).
+GemmPlan plan_gemm_gemv(int m, int64_t n, int64_t k);
+// Whether v6 takes the call: 1 <= m <= kGemvMaxRows, groups == 1, n and k multiples of 32, k <= kGemvMaxK.
+bool gemm_gemv_supported(int m, int64_t n, int64_t k, int groups = 1);
 GemmPlan plan_gemm(GemmVersion version, int m, int64_t n, int64_t k, int groups, int force_splits = 0,
                    int force_mtiles = 0);
 // Workspace bytes for any m <= m_max with the automatic plan of ANY version (what an engine

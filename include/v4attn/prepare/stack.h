@@ -89,8 +89,9 @@ class RefStack;
 namespace prepare {
 
 enum class WeightSource : uint8_t { kReference, kDeviceRandom };
-// A fusion knob of GpuStackOptions (fuse_qchain, fuse_qchain_index, fuse_x_quant, fuse_rope_store, fuse_qnorm): never, by the measured rule of
-// the field (kAuto), or wherever the fused form takes the shape.
+// A fusion knob of GpuStackOptions (fuse_qchain, fuse_qchain_index, fuse_x_quant, fuse_rope_store, fuse_qnorm,
+// idx_gemv): never, by the measured rule of the field (kAuto), or wherever the fused form (the
+// kernel version) takes the shape.
 enum class Fusion : uint8_t { kOff, kAuto, kOn };
 // kAuto's row limit. Measured (docs/perf.md, session 10, three-lane, fused vs unfused, two
 // repetitions): decode bs 6 -1.8 %, verify bs 1 (6 rows) -1.7 %, decode bs 8 even, verify bs 2 (12
@@ -121,6 +122,9 @@ constexpr int kQChainDirectAutoRows = 1;
 // fuse_x_quant's kAuto row limit (docs/perf.md, session 9, three-lane, three repetitions: verify
 // bs 1 (6 rows) -0.5 %, decode bs 8 -0.8 %, decode bs 2 even, verify bs 2 (12 rows) +1.0 %).
 constexpr int kXQuantAutoRows = 8;
+// idx_gemv's kAuto row limit: the indexer's wq_b GEMM as v6 (kernels::GemmVersion::kGemv) up to
+// this many rows (docs/perf.md session 23).
+constexpr int kIdxGemvAutoRows = 8;
 // fuse_rope_store's kAuto rows: steps of kRopeStoreAutoMinRows..kRopeStoreAutoMaxRows rows (docs/perf.md,
 // three-lane, two repetitions, fused vs the q_rope_store kernel). Session 11 (the epilogue staged,
 // its table loaded before the PDL wait): verify bs 2 (12 rows) -2.0 %, decode bs 16 -2.4 %, verify
@@ -297,6 +301,13 @@ struct GpuStackOptions {
   // per row and CTA) at most kQChainDirectAutoRows rows; kOn: the direct form wherever it fits.
   // Same bytes (QChainFusedParams::q_direct).
   Fusion qchain_q_direct = Fusion::kAuto;
+  // The indexer's wq_b GEMM (every index source) as v6, the registers-first gemv
+  // (kernels::GemmVersion::kGemv: no ring, no cluster, one latency for its weight slice), instead
+  // of `gemm`'s choice (v3). Not a byte-neutral knob: another GEMM version, within the spec's
+  // allowance of the reference like every version; every schedule and fusion of a step uses the
+  // same one. kOff: never; kAuto: at most kIdxGemvAutoRows rows, with `gemm` kAuto; kOn: wherever
+  // v6 takes the shape (gemm_gemv_supported).
+  Fusion idx_gemv = Fusion::kAuto;
   // Reindex layers on the fused Q chain (fuse_qchain_index), three-lane / sources-side schedules:
   // true: lane S runs only weights_proj (forked after the chain, beside the indexer's GEMM: session
   // 21, verify bs 1 -0.35 %, decode bs 2 / 4 -0.5 %, against the fork at the layer's start, where
@@ -382,6 +393,7 @@ class GpuPrepareStack {
   void set_fuse_qchain(Fusion f);     // GpuStackOptions::fuse_qchain
   void set_fuse_qchain_index(Fusion f);  // GpuStackOptions::fuse_qchain_index
   void set_qchain_q_direct(Fusion f);    // GpuStackOptions::qchain_q_direct
+  void set_idx_gemv(Fusion f);           // GpuStackOptions::idx_gemv
   void set_qb_side_mtiles(int mtiles);   // GpuStackOptions::qb_side_mtiles (validated as at construction)
   void set_fused_index_on_main(bool on); // GpuStackOptions::fused_index_on_main
   void set_fuse_x_quant(Fusion f);    // GpuStackOptions::fuse_x_quant
