@@ -48,14 +48,6 @@ __device__ __forceinline__ uint2 ldg_stream_u2(const void* p, uint64_t policy) {
   return v;
 }
 
-__device__ __forceinline__ void mma_f16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1,
-                                              const float (&c)[4]) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%10,%11,%12,%13};\n"
-      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
-}
-
 // The low / high e4m3 pair of a 32-bit word (bytes 0-1 / 2-3) as f16x2.
 __device__ __forceinline__ uint32_t lo_f16x2(uint32_t w) { return hopper::e4m3x2_lo_to_f16x2(w); }
 __device__ __forceinline__ uint32_t hi_f16x2(uint32_t w) { return hopper::e4m3x2_hi_to_f16x2(w); }
@@ -111,8 +103,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32) gemm_fp8_gemv_kernel(const __g
       const uint32_t a_first[4] = {lo_f16x2(wa[j].x), lo_f16x2(wb[j].x), hi_f16x2(wa[j].x), hi_f16x2(wb[j].x)};
       const uint32_t a_second[4] = {lo_f16x2(wa[j].y), lo_f16x2(wb[j].y), hi_f16x2(wa[j].y), hi_f16x2(wb[j].y)};
       float d[4];
-      mma_f16_16816(d, a_first, lo_f16x2(xa[j].x), hi_f16x2(xa[j].x), zero4);  // bytes 8t .. 8t + 3
-      mma_f16_16816(d, a_second, lo_f16x2(xa[j].y), hi_f16x2(xa[j].y), d);     // bytes 8t + 4 .. 8t + 7
+      hopper::mma_m16n8k16<true>(d, a_first, lo_f16x2(xa[j].x), hi_f16x2(xa[j].x), zero4);  // bytes 8t .. 8t + 3
+      hopper::mma_m16n8k16<true>(d, a_second, lo_f16x2(xa[j].y), hi_f16x2(xa[j].y), d);     // bytes 8t + 4 .. 8t + 7
       // sa * sw is a power of two: exact; so is blocksum * (sa * sw). One rounding.
       const float c0 = num::mul_rn(sa0[j], swv[j]), c1 = num::mul_rn(sa1[j], swv[j]);
       acc[0] = __fmaf_rn(d[0], c0, acc[0]);  // (row g, token 2t)

@@ -108,14 +108,6 @@ __device__ __forceinline__ float ld_cluster_f32(uint32_t cluster_addr) {
   asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(cluster_addr) : "memory");
   return v;
 }
-// d = A * B + c, m16n8k16, bf16 inputs, fp32 accumulate.
-__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1,
-                                               const float (&c)[4]) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%10,%11,%12,%13};\n"
-      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
-}
 
 // The K part of this warp: blocks [begin, begin + count) of the row (count may be 0).
 struct WarpPart {
@@ -284,8 +276,8 @@ __global__ void __launch_bounds__(kThreads) gemm_bf16_skinny_kernel(const __grid
       for (int mt = 0; mt < R; ++mt) {
         if (!live[mt]) continue;
         float d[4];
-        mma_bf16_16816(d, af[mt][0], q.x, q.y, zero4);  // elements 8t + 0..3 of the block
-        mma_bf16_16816(d, af[mt][1], q.z, q.w, d);      // elements 8t + 4..7: d = block sum
+        hopper::mma_m16n8k16<false>(d, af[mt][0], q.x, q.y, zero4);  // elements 8t + 0..3 of the block
+        hopper::mma_m16n8k16<false>(d, af[mt][1], q.z, q.w, d);      // elements 8t + 4..7: d = block sum
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[mt][nt][i] = num::add_rn(acc[mt][nt][i], d[i]);
       }
@@ -364,12 +356,12 @@ __device__ __forceinline__ void f32_block_mma(const float4 (&w)[2][2][2], const 
     for (int mt = 0; mt < 2; ++mt) {
       // Block sum from zero, smallest parts first: every product (bf16 x bf16) is exact in fp32.
       float d[4];
-      mma_bf16_16816(d, af[2][mt][0], b[nt].x, b[nt].y, zero4);
-      mma_bf16_16816(d, af[1][mt][0], b[nt].x, b[nt].y, d);
-      mma_bf16_16816(d, af[0][mt][0], b[nt].x, b[nt].y, d);
-      mma_bf16_16816(d, af[2][mt][1], b[nt].z, b[nt].w, d);
-      mma_bf16_16816(d, af[1][mt][1], b[nt].z, b[nt].w, d);
-      mma_bf16_16816(d, af[0][mt][1], b[nt].z, b[nt].w, d);
+      hopper::mma_m16n8k16<false>(d, af[2][mt][0], b[nt].x, b[nt].y, zero4);
+      hopper::mma_m16n8k16<false>(d, af[1][mt][0], b[nt].x, b[nt].y, d);
+      hopper::mma_m16n8k16<false>(d, af[0][mt][0], b[nt].x, b[nt].y, d);
+      hopper::mma_m16n8k16<false>(d, af[2][mt][1], b[nt].z, b[nt].w, d);
+      hopper::mma_m16n8k16<false>(d, af[1][mt][1], b[nt].z, b[nt].w, d);
+      hopper::mma_m16n8k16<false>(d, af[0][mt][1], b[nt].z, b[nt].w, d);
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[mt][nt][i] = num::add_rn(acc[mt][nt][i], d[i]);
     }

@@ -38,6 +38,7 @@
 #include <string>
 
 #include "gemm/gemm_internal.h"
+#include "gemm/hopper_ptx.cuh"
 #include "kernels/device_common.cuh"
 #include "runtime/launch.h"
 
@@ -92,22 +93,6 @@ __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two_codes) {
   uint32_t r;
   asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(r) : "h"(h));
   return r;
-}
-// d = A * B + c, m16n8k16, fp32 accumulate. f16 (fp8 path) or bf16 inputs.
-template <bool kF16>
-__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1,
-                                          const float (&c)[4]) {
-  if constexpr (kF16) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%10,%11,%12,%13};\n"
-        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
-  } else {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%10,%11,%12,%13};\n"
-        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
-  }
 }
 
 // Physical 16-byte chunk of logical chunk `ch` (0..7) in row r of a stage.
@@ -306,8 +291,8 @@ __global__ void __launch_bounds__(kThreads) gemm_tc_kernel(const __grid_constant
         for (int mt = 0; mt < MT; ++mt) {
           if (!live[mt]) continue;
           float d[4];
-          mma_16816<kFp8>(d, af[mt][0], b[0][0], b[0][1], zero4);  // elements 8t + 0..3 of the block
-          mma_16816<kFp8>(d, af[mt][1], b[1][0], b[1][1], d);      // elements 8t + 4..7: d = block sum
+          hopper::mma_m16n8k16<kFp8>(d, af[mt][0], b[0][0], b[0][1], zero4);  // elements 8t + 0..3 of the block
+          hopper::mma_m16n8k16<kFp8>(d, af[mt][1], b[1][0], b[1][1], d);      // elements 8t + 4..7: d = block sum
           if constexpr (kFp8) {
             // sa * sw is a power of two: exact; so is blocksum * (sa * sw). One rounding, like the
             // reference's acc + ((blocksum * sa) * sw).
