@@ -5,13 +5,14 @@
 //
 // Grid (n / 16), block 32 S (S warps). One CTA owns 16 weight rows (one m16 tile, inside one
 // 32-row weight-scale group) and every token; warp w owns the contiguous K blocks
-// [w kb / S, (w + 1) kb / S) (at most kGemvMaxBlocksPerWarp; S = ceil(kb / 10) <= 16 by the host,
-// a function of k only). Each lane loads its fragments straight from global memory into registers,
-// all of them BEFORE dev::pdl_wait() (weights and their scales are constants): no shared-memory
-// ring, no producer, one latency for the whole weight slice.
+// [w kb / S, (w + 1) kb / S) (at most kGemvMaxBlocksPerWarp; S = ceil(kb / 10) by the host, a
+// function of k only: <= 16, and <= 8 with two token tiles). Each lane loads its fragments straight
+// from global memory into registers, all of them BEFORE dev::pdl_wait() (weights and their scales are
+// constants): no shared-memory ring, no producer, one latency for the whole weight slice; after the
+// wait its tokens' codes and scales (NT = 1 or 2 n8 tiles, m <= 8 NT) into registers too.
 //
-// mma.sync m16n8k16 (f16 x f16 -> f32), the weight as the 16-row A operand, the tokens as the
-// 8-column B operand (tokens >= m are zeros), exactly v1's fragment mapping (gemm_tc.cu): lane
+// mma.sync m16n8k16 (f16 x f16 -> f32), the weight as the 16-row A operand, each n8 tile of tokens
+// as the B operand (tokens >= m are zeros), exactly v1's fragment mapping (gemm_tc.cu): lane
 // (g = lane / 4, t = lane % 4) holds, per 32-wide K block, the bytes [8t, 8t + 8) of weight rows g
 // and g + 8 and of token g's codes; the first mma takes bytes 8t .. 8t + 3, the second 8t + 4 ..
 // 8t + 7 (a bijection of the block's 32 k onto the two mmas' logical k, the same for A and B),
@@ -52,9 +53,15 @@ __device__ __forceinline__ uint2 ldg_stream_u2(const void* p, uint64_t policy) {
 __device__ __forceinline__ uint32_t lo_f16x2(uint32_t w) { return hopper::e4m3x2_lo_to_f16x2(w); }
 __device__ __forceinline__ uint32_t hi_f16x2(uint32_t w) { return hopper::e4m3x2_hi_to_f16x2(w); }
 
-__global__ void __launch_bounds__(kMaxWarps * 32) gemm_fp8_gemv_kernel(const __grid_constant__ Fp8GemmParams p) {
+// NT n8 tiles of tokens (m <= 8 NT): token nt * 8 + g's codes and the scales of tokens
+// nt * 8 + 2t, + 1 per tile, all in registers. Two tiles take at most kMaxWarps2 warps (so up to
+// 255 registers per thread: their codes and scales double).
+constexpr int kMaxWarps2 = 8;
+template <int NT>
+__global__ void __launch_bounds__((NT == 1 ? kMaxWarps : kMaxWarps2) * 32)
+    gemm_fp8_gemv_kernel(const __grid_constant__ Fp8GemmParams p) {
   constexpr int MB = kGemvMaxBlocksPerWarp;
-  __shared__ float red[kMaxWarps][32][4];
+  __shared__ float red[NT == 1 ? kMaxWarps : kMaxWarps2][32][4 * NT];
   const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
   const int S = static_cast<int>(blockDim.x) >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -78,23 +85,29 @@ __global__ void __launch_bounds__(kMaxWarps * 32) gemm_fp8_gemv_kernel(const __g
 
   dev::pdl_wait();  // the activation codes and scales come from the predecessor
 
-  // ---- the tokens' codes (token g) and scales (tokens 2t, 2t + 1: this lane's C columns) ----
-  uint2 xa[MB];
-  float sa0[MB], sa1[MB];
-  const bool tok_g = g < p.m, tok0 = 2 * t < p.m, tok1 = 2 * t + 1 < p.m;
-  const uint8_t* xg = p.a_q + static_cast<int64_t>(tok_g ? g : 0) * p.a_stride + b0 * kGemmBlock + 8 * t;
-  const uint8_t* s0 = p.a_scale + static_cast<int64_t>(tok0 ? 2 * t : 0) * p.a_scale_stride + b0;
-  const uint8_t* s1 = p.a_scale + static_cast<int64_t>(tok1 ? 2 * t + 1 : 0) * p.a_scale_stride + b0;
+  // ---- the tokens' codes (token nt * 8 + g) and scales (tokens nt * 8 + 2t, + 1: this lane's C columns) ----
+  uint2 xa[NT][MB];
+  float sa0[NT][MB], sa1[NT][MB];
 #pragma unroll
-  for (int j = 0; j < MB; ++j)
-    if (j < nb) {
-      xa[j] = tok_g ? *reinterpret_cast<const uint2*>(xg + j * kGemmBlock) : make_uint2(0u, 0u);
-      sa0[j] = tok0 ? num::f32_from_ue8m0(s0[j]) : 0.0f;
-      sa1[j] = tok1 ? num::f32_from_ue8m0(s1[j]) : 0.0f;
-    }
+  for (int nt = 0; nt < NT; ++nt) {
+    const int tg = nt * 8 + g, t0 = nt * 8 + 2 * t, t1 = t0 + 1;
+    const bool tok_g = tg < p.m, tok0 = t0 < p.m, tok1 = t1 < p.m;
+    const uint8_t* xg = p.a_q + static_cast<int64_t>(tok_g ? tg : 0) * p.a_stride + b0 * kGemmBlock + 8 * t;
+    const uint8_t* s0 = p.a_scale + static_cast<int64_t>(tok0 ? t0 : 0) * p.a_scale_stride + b0;
+    const uint8_t* s1 = p.a_scale + static_cast<int64_t>(tok1 ? t1 : 0) * p.a_scale_stride + b0;
+#pragma unroll
+    for (int j = 0; j < MB; ++j)
+      if (j < nb) {
+        xa[nt][j] = tok_g ? *reinterpret_cast<const uint2*>(xg + j * kGemmBlock) : make_uint2(0u, 0u);
+        sa0[nt][j] = tok0 ? num::f32_from_ue8m0(s0[j]) : 0.0f;
+        sa1[nt][j] = tok1 ? num::f32_from_ue8m0(s1[j]) : 0.0f;
+      }
+  }
 
   // ---- block sums by the tensor core, folded in block order ----
-  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  float acc[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
   const float zero4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
   for (int j = 0; j < MB; ++j)
@@ -102,41 +115,50 @@ __global__ void __launch_bounds__(kMaxWarps * 32) gemm_fp8_gemv_kernel(const __g
       // A: a0 = (row g, k 2t..), a1 = (row g + 8, k 2t..), a2 = (row g, k 2t + 8..), a3 = (row g + 8, ..)
       const uint32_t a_first[4] = {lo_f16x2(wa[j].x), lo_f16x2(wb[j].x), hi_f16x2(wa[j].x), hi_f16x2(wb[j].x)};
       const uint32_t a_second[4] = {lo_f16x2(wa[j].y), lo_f16x2(wb[j].y), hi_f16x2(wa[j].y), hi_f16x2(wb[j].y)};
-      float d[4];
-      hopper::mma_m16n8k16<true>(d, a_first, lo_f16x2(xa[j].x), hi_f16x2(xa[j].x), zero4);  // bytes 8t .. 8t + 3
-      hopper::mma_m16n8k16<true>(d, a_second, lo_f16x2(xa[j].y), hi_f16x2(xa[j].y), d);     // bytes 8t + 4 .. 8t + 7
-      // sa * sw is a power of two: exact; so is blocksum * (sa * sw). One rounding.
-      const float c0 = num::mul_rn(sa0[j], swv[j]), c1 = num::mul_rn(sa1[j], swv[j]);
-      acc[0] = __fmaf_rn(d[0], c0, acc[0]);  // (row g, token 2t)
-      acc[1] = __fmaf_rn(d[1], c1, acc[1]);  // (row g, token 2t + 1)
-      acc[2] = __fmaf_rn(d[2], c0, acc[2]);  // (row g + 8, token 2t)
-      acc[3] = __fmaf_rn(d[3], c1, acc[3]);  // (row g + 8, token 2t + 1)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        float d[4];
+        hopper::mma_m16n8k16<true>(d, a_first, lo_f16x2(xa[nt][j].x), hi_f16x2(xa[nt][j].x), zero4);  // bytes 8t .. 8t + 3
+        hopper::mma_m16n8k16<true>(d, a_second, lo_f16x2(xa[nt][j].y), hi_f16x2(xa[nt][j].y), d);     // bytes 8t + 4 .. 8t + 7
+        // sa * sw is a power of two: exact; so is blocksum * (sa * sw). One rounding.
+        const float c0 = num::mul_rn(sa0[nt][j], swv[j]), c1 = num::mul_rn(sa1[nt][j], swv[j]);
+        acc[nt][0] = __fmaf_rn(d[0], c0, acc[nt][0]);  // (row g, token 2t)
+        acc[nt][1] = __fmaf_rn(d[1], c1, acc[nt][1]);  // (row g, token 2t + 1)
+        acc[nt][2] = __fmaf_rn(d[2], c0, acc[nt][2]);  // (row g + 8, token 2t)
+        acc[nt][3] = __fmaf_rn(d[3], c1, acc[nt][3]);  // (row g + 8, token 2t + 1)
+      }
     }
   dev::pdl_launch_dependents();
 
   // ---- the warps' partials in warp order, then bf16 ----
   if (S > 1) {
-    *reinterpret_cast<float4*>(red[warp][lane]) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+      *reinterpret_cast<float4*>(&red[warp][lane][4 * nt]) = make_float4(acc[nt][0], acc[nt][1], acc[nt][2], acc[nt][3]);
     __syncthreads();
     if (warp != 0) return;
+    for (int w = 1; w < S; ++w)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) acc[i] = red[0][lane][i];
-    for (int w = 1; w < S; ++w) {
-      const float4 v = *reinterpret_cast<const float4*>(red[w][lane]);
-      acc[0] = num::add_rn(acc[0], v.x);
-      acc[1] = num::add_rn(acc[1], v.y);
-      acc[2] = num::add_rn(acc[2], v.z);
-      acc[3] = num::add_rn(acc[3], v.w);
-    }
+      for (int nt = 0; nt < NT; ++nt) {
+        const float4 v = *reinterpret_cast<const float4*>(&red[w][lane][4 * nt]);
+        acc[nt][0] = num::add_rn(acc[nt][0], v.x);
+        acc[nt][1] = num::add_rn(acc[nt][1], v.y);
+        acc[nt][2] = num::add_rn(acc[nt][2], v.z);
+        acc[nt][3] = num::add_rn(acc[nt][3], v.w);
+      }
   }
   const int64_t r_lo = row0 + g, r_hi = row0 + g + 8;
-  if (tok0) {
-    p.out[static_cast<int64_t>(2 * t) * p.out_stride + r_lo] = num::bf16_from_f32(acc[0]);
-    p.out[static_cast<int64_t>(2 * t) * p.out_stride + r_hi] = num::bf16_from_f32(acc[2]);
-  }
-  if (tok1) {
-    p.out[static_cast<int64_t>(2 * t + 1) * p.out_stride + r_lo] = num::bf16_from_f32(acc[1]);
-    p.out[static_cast<int64_t>(2 * t + 1) * p.out_stride + r_hi] = num::bf16_from_f32(acc[3]);
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int t0 = nt * 8 + 2 * t, t1 = t0 + 1;
+    if (t0 < p.m) {
+      p.out[static_cast<int64_t>(t0) * p.out_stride + r_lo] = num::bf16_from_f32(acc[nt][0]);
+      p.out[static_cast<int64_t>(t0) * p.out_stride + r_hi] = num::bf16_from_f32(acc[nt][2]);
+    }
+    if (t1 < p.m) {
+      p.out[static_cast<int64_t>(t1) * p.out_stride + r_lo] = num::bf16_from_f32(acc[nt][1]);
+      p.out[static_cast<int64_t>(t1) * p.out_stride + r_hi] = num::bf16_from_f32(acc[nt][3]);
+    }
   }
 }
 
@@ -157,7 +179,7 @@ bool gemm_gemv_supported(int m, int64_t n, int64_t k, int groups) {
   if (m < 1 || m > kGemvMaxRows || groups != 1) return false;
   if (n <= 0 || n % kGemmBlock != 0 || k <= 0 || k % kGemmBlock != 0) return false;
   if (n / kTileRows > 0x7fffffff) return false;
-  return plan_gemm_gemv(m, n, k).splits <= kMaxWarps;
+  return plan_gemm_gemv(m, n, k).splits <= (m <= 8 ? kMaxWarps : kMaxWarps2);  // two tiles: k <= 2560
 }
 
 namespace detail {
@@ -169,7 +191,8 @@ void launch_gemm_fp8_gemv(const Fp8GemmParams& p, cudaStream_t stream, bool pdl)
   cfg.block = dim3(static_cast<unsigned>(32 * plan.splits), 1, 1);
   cfg.stream = stream;
   cfg.pdl = pdl;
-  launch_kernel("gemm_fp8_gemv", gemm_fp8_gemv_kernel, cfg, p);
+  if (p.m <= 8) launch_kernel("gemm_fp8_gemv", gemm_fp8_gemv_kernel<1>, cfg, p);
+  else launch_kernel("gemm_fp8_gemv", gemm_fp8_gemv_kernel<2>, cfg, p);
 }
 
 }  // namespace detail

@@ -970,11 +970,12 @@ TEST(GpuGemm, Fp8SubnormalCodesExact) {
     }
 }
 
-// ---- v6 (kGemv): registers-first gemv for m <= 8 ---------------------------------------------------
+// ---- v6 (kGemv): registers-first gemv for m <= 16 ---------------------------------------------------
 // Exact data: byte-identical to the reference on every shape (one and several K splits, uneven
 // ranges, n not a multiple of 64, the real indexer wq_b and wq_a|wkv at K = kGemvMaxK), every m it
-// takes, subnormal codes on either side, PDL on / off; realistic data: within 1 ulp, with v3's
-// statistics. The output buffer is poisoned before each run (check_bf16 checks the pad too).
+// takes (one and two n8 tiles of tokens), subnormal codes on either side, PDL on / off; realistic
+// data: within 1 ulp, with v3's statistics. The output buffer is poisoned before each run
+// (check_bf16 checks the pad too).
 TEST(GpuGemmGemv, ExactDataMatchesReferenceBytes) {
   V4_REQUIRE_GPU();
   use_all_cores();
@@ -987,7 +988,8 @@ TEST(GpuGemmGemv, ExactDataMatchesReferenceBytes) {
       if (d != Data::kExact && cs.n * cs.k > (1 << 22)) continue;
       const Fp8Weights w = make_fp8_weights(cs, d, ++seed);
       for (int m = 1; m <= kGemvMaxRows; ++m) {
-        if (d != Data::kExact && m != 1 && m != kGemvMaxRows) continue;
+        if (!gemm_gemv_supported(m, cs.n, cs.k)) continue;  // two tiles: k <= 2560
+        if (d != Data::kExact && m != 1 && m != 9 && m != kGemvMaxRows) continue;
         const Fp8Acts a = make_fp8_acts(cs, m, d, ++seed);
         const auto want = ref_fp8(w, a);
         const OutLayout l = make_layout(m, cs.n);
@@ -1008,7 +1010,8 @@ TEST(GpuGemmGemv, RealShapesRealisticWithinOneUlp) {
     const Fp8Case cs{sh.n, sh.k};
     const Fp8Weights w = make_fp8_weights(cs, Data::kRealistic, ++seed);
     DiffStats agg;
-    for (int m : {1, 2, 5, 6, 8}) {
+    for (int m : {1, 2, 5, 6, 8, 9, 12, 16}) {
+      if (!gemm_gemv_supported(m, cs.n, cs.k)) continue;
       const Fp8Acts a = make_fp8_acts(cs, m, Data::kRealistic, ++seed);
       const auto want = ref_fp8(w, a);
       const OutLayout l = make_layout(m, cs.n);
@@ -1025,8 +1028,8 @@ TEST(GpuGemmGemv, RealShapesRealisticWithinOneUlp) {
   }
 }
 
-// A token's output does not depend on the batch it is in: row r of an m-row call equals the
-// one-row call on row r alone (the plan depends on (n, k) only).
+// A token's output does not depend on the batch it is in: row r of a 16-row call (two n8 tiles of
+// tokens) equals the one-row call on row r alone (the plan depends on (n, k) only).
 TEST(GpuGemmGemv, RowsDoNotDependOnTheBatch) {
   V4_REQUIRE_GPU();
   const Fp8Case cs{4096, 1280};
@@ -1036,7 +1039,7 @@ TEST(GpuGemmGemv, RowsDoNotDependOnTheBatch) {
   const OutLayout l = make_layout(m, cs.n);
   const std::vector<bf16_t> all = run_fp8(w, a, l, GemmVersion::kGemv);
   const OutLayout l1 = make_layout(1, cs.n);
-  for (int r : {0, 3, m - 1}) {
+  for (int r : {0, 3, 8, 11, m - 1}) {  // rows of the first and the second n8 tile
     Fp8GemmParams p = fp8_params(w, a, nullptr, l1);
     p.a_q = a.d_aq.get() + r * a.a_stride;
     p.a_scale = a.d_as.get() + r * a.a_scale_stride;
@@ -1059,7 +1062,11 @@ TEST(GpuGemmGemv, SupportPlanAndRefusals) {
   V4_REQUIRE_GPU();
   EXPECT_STREQ(gemm_version_name(GemmVersion::kGemv), "v6 gemv");
   EXPECT_TRUE(gemm_gemv_supported(1, 4096, 1280));
-  EXPECT_TRUE(gemm_gemv_supported(kGemvMaxRows, 1792, kGemvMaxK));
+  EXPECT_TRUE(gemm_gemv_supported(kGemvMaxRows, 4096, 1280));
+  EXPECT_TRUE(gemm_gemv_supported(8, 1792, kGemvMaxK));
+  EXPECT_FALSE(gemm_gemv_supported(9, 1792, kGemvMaxK));  // two token tiles: at most 8 warps, k <= 2560
+  EXPECT_TRUE(gemm_gemv_supported(9, 1792, 2560));
+  EXPECT_FALSE(gemm_gemv_supported(9, 1792, 2592));
   EXPECT_FALSE(gemm_gemv_supported(kGemvMaxRows + 1, 4096, 1280));
   EXPECT_FALSE(gemm_gemv_supported(0, 4096, 1280));
   EXPECT_FALSE(gemm_gemv_supported(1, 4096, kGemvMaxK + 32));
@@ -1085,7 +1092,7 @@ TEST(GpuGemmGemv, SupportPlanAndRefusals) {
     edit(p);
     EXPECT_THROW(run_gemm_fp8(p, GemmWorkspace{}, GemmVersion::kGemv, nullptr, false), std::invalid_argument) << what;
   };
-  refuse("m 9", [](Fp8GemmParams& p) { p.m = kGemvMaxRows + 1; });
+  refuse("m 17", [](Fp8GemmParams& p) { p.m = kGemvMaxRows + 1; });
   refuse("groups 2", [](Fp8GemmParams& p) { p.groups = 2; });
   refuse("force_splits", [](Fp8GemmParams& p) { p.force_splits = 2; });
   refuse("force_mtiles", [](Fp8GemmParams& p) { p.force_mtiles = 1; });

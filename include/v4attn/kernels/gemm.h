@@ -58,11 +58,12 @@
 //    distributed shared memory): no workspace, no second kernel. fp8 calls given kSkinny run
 //    kAuto's fp8 choice. Numerics below.
 //
-//  - kGemv (v6, fp8 only; m <= kGemvMaxRows = 8, groups == 1; src/gemm/gemm_gemv.cu): latency first
-//    for few rows against small weights (the indexer's wq_b): one 16-row weight tile per CTA, the
-//    K range split over the CTA's warps, every lane's weight fragments loaded from global memory
-//    straight into registers before the PDL wait (no ring, no producer, no cluster), mma.sync
-//    m16n8k16 with v1's fragment mapping, the warps' partials added in warp order in shared memory.
+//  - kGemv (v6, fp8 only; m <= kGemvMaxRows = 16, groups == 1; src/gemm/gemm_gemv.cu): latency
+//    first for few rows against small weights (the indexer's wq_b): one 16-row weight tile per CTA,
+//    the K range split over the CTA's warps, every lane's weight fragments loaded from global memory
+//    straight into registers before the PDL wait (no ring, no producer, no cluster), the tokens' codes
+//    (one or two n8 tiles) in registers after it, mma.sync m16n8k16 with v1's fragment mapping, the
+//    warps' partials added in warp order in shared memory.
 //
 // Numerics of v1 (what differs from the reference, and why it stays within the spec's allowance):
 //  - fp8: per 32-wide K block b, the tensor core forms blocksum(b) of the 32 exact products
@@ -142,7 +143,7 @@ using num::bf16_t;
 constexpr int kGemmBlock = 32;    // K block of the fp8 GEMM / act quant; N block of weight scales
 constexpr int kGemmMaxRows = 64;  // M limit of the tensor-core versions
 constexpr int kF32DirectMaxRows = 32;  // fp32 v5: the direct data path (registers, no rings) up to this m
-constexpr int kGemvMaxRows = 8;          // fp8 v6: rows (one n8 tile of tokens)
+constexpr int kGemvMaxRows = 16;         // fp8 v6: rows (one or two n8 tiles of tokens)
 constexpr int kGemvMaxBlocksPerWarp = 10;  // fp8 v6: K blocks per warp (registers)
 constexpr int kGemvMaxWarps = 16;          // fp8 v6: warps (K splits) per CTA, 512 threads
 constexpr int64_t kGemvMaxK = int64_t{kGemvMaxWarps} * kGemvMaxBlocksPerWarp * kGemmBlock;  // 5120
@@ -250,7 +251,8 @@ GemmPlan plan_gemm_skinny(int m, int64_t n, int64_t k, int groups, bool f32, int
 // fp8 calls given kSkinny run kAuto's fp8 version, whose workspace gemm_workspace_bytes covers).
 // v6: 16 weight rows per CTA (tiles_n = n / 16), splits = warps per CTA = ceil(k / 32 / kGemvMaxBlocksPerWarp).
 GemmPlan plan_gemm_gemv(int m, int64_t n, int64_t k);
-// Whether v6 takes the call: 1 <= m <= kGemvMaxRows, groups == 1, n and k multiples of 32, k <= kGemvMaxK.
+// Whether v6 takes the call: 1 <= m <= kGemvMaxRows, groups == 1, n and k multiples of 32, k <= kGemvMaxK
+// (k <= kGemvMaxK / 2 above 8 rows: two token tiles run at most 8 warps).
 bool gemm_gemv_supported(int m, int64_t n, int64_t k, int groups = 1);
 GemmPlan plan_gemm(GemmVersion version, int m, int64_t n, int64_t k, int groups, int force_splits = 0,
                    int force_mtiles = 0);

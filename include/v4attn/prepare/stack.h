@@ -123,8 +123,11 @@ constexpr int kQChainDirectAutoRows = 1;
 // bs 1 (6 rows) -0.5 %, decode bs 8 -0.8 %, decode bs 2 even, verify bs 2 (12 rows) +1.0 %).
 constexpr int kXQuantAutoRows = 8;
 // idx_gemv's kAuto row limit: the indexer's wq_b GEMM as v6 (kernels::GemmVersion::kGemv) up to
-// this many rows (docs/perf.md session 23).
-constexpr int kIdxGemvAutoRows = 8;
+// this many rows, all v6 takes (docs/perf.md session 23, three-lane, same binary, off -> on, two
+// repetitions: decode bs 1 -1.0 %, verify bs 1 (6 rows) -0.5 %, decode bs 2 / 4 / 8 -0.9 / -0.6 /
+// -0.6 %; with two token tiles: decode bs 10 -0.6 %, verify bs 2 (12 rows) -0.1 %, decode bs 12 -0.5 %,
+// decode bs 16 -0.7 %).
+constexpr int kIdxGemvAutoRows = 16;
 // fuse_rope_store's kAuto rows: steps of kRopeStoreAutoMinRows..kRopeStoreAutoMaxRows rows (docs/perf.md,
 // three-lane, two repetitions, fused vs the q_rope_store kernel). Session 11 (the epilogue staged,
 // its table loaded before the PDL wait): verify bs 2 (12 rows) -2.0 %, decode bs 16 -2.4 %, verify
