@@ -166,8 +166,8 @@ void run_gemm_fp8(const Fp8GemmParams& p, const GemmWorkspace& ws, GemmVersion v
       if (p.force_splits != 0 || p.force_mtiles != 0 || p.force_stages != 0) fail(who, "v6 gemv takes no plan overrides");
       if (!gemm_gemv_supported(p.m, p.n, p.k, p.groups))
         fail(who, "v6 gemv takes 1 <= m <= " + std::to_string(kGemvMaxRows) + ", groups == 1 and k <= " +
-                      std::to_string(kGemvMaxK) + " (got m " + std::to_string(p.m) + ", groups " +
-                      std::to_string(p.groups) + ", k " + std::to_string(p.k) + ")");
+                      std::to_string(kGemvMaxK) + " (<= " + std::to_string(kGemvMaxK / 2) + " above 8 rows) (got m " +
+                      std::to_string(p.m) + ", groups " + std::to_string(p.groups) + ", k " + std::to_string(p.k) + ")");
       detail::launch_gemm_fp8_gemv(p, stream, pdl);
       return;
     }

@@ -56,7 +56,7 @@ __device__ __forceinline__ uint32_t hi_f16x2(uint32_t w) { return hopper::e4m3x2
 // NT n8 tiles of tokens (m <= 8 NT): token nt * 8 + g's codes and the scales of tokens
 // nt * 8 + 2t, + 1 per tile, all in registers. Two tiles take at most kMaxWarps2 warps (so up to
 // 255 registers per thread: their codes and scales double).
-constexpr int kMaxWarps2 = 8;
+constexpr int kMaxWarps2 = kGemvMaxWarps / 2;  // so k <= kGemvMaxK / 2
 template <int NT>
 __global__ void __launch_bounds__((NT == 1 ? kMaxWarps : kMaxWarps2) * 32)
     gemm_fp8_gemv_kernel(const __grid_constant__ Fp8GemmParams p) {
