@@ -261,6 +261,7 @@ struct BenchCliOptions {
   std::string fuse_qchain_index = "auto";
   std::string qchain_q_direct = "auto";
   std::string idx_gemv = "auto";
+  std::string qa_gemv = "auto";
   uint64_t seed = 1;
   std::string json_path;
   std::string trace_path;
@@ -416,6 +417,7 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
     j["fuse_qchain_index"] = to_string(c.knobs.fuse_qchain_index);
     j["qchain_q_direct"] = to_string(c.knobs.qchain_q_direct);
     j["idx_gemv"] = to_string(c.knobs.idx_gemv);
+    j["qa_gemv"] = to_string(c.knobs.qa_gemv);
     j["seed"] = c.knobs.seed;
     j["device_bytes"] = stack.device_bytes();
     j["weight_bytes"] = stack.weight_bytes();
@@ -573,6 +575,11 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
                   "The indexer's wq_b GEMM as v6 (the registers-first gemv, m <= " + std::to_string(kernels::kGemvMaxRows) +
                       ") instead of --gemm's choice: auto (steps of <= " + std::to_string(prepare::kIdxGemvAutoRows) +
                       " rows with --gemm auto), on or off; another GEMM version (within the spec's allowance), not the same bytes");
+  add_fusion_option(sub, "--qa-gemv", o->qa_gemv,
+                  "The wq_a|wkv GEMM of the layers with a compressor as v6 after the act quant kernel, instead of "
+                  "--gemm's choice (v3 with its fused act quant): auto (steps of <= " +
+                      std::to_string(prepare::kQaGemvAutoRows) +
+                      " rows with --gemm auto), on or off; another GEMM version (within the spec's allowance), not the same bytes");
   sub->add_flag("--idx-scores-main", o->idx_scores_main,
                 "Reindex layers: weights_proj, q pack and the indexer scores on main before the wq_b GEMM (experiment knob)");
   sub->add_flag("--qnorm-trigger-late", o->qnorm_trigger_late,
@@ -680,6 +687,7 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       c.knobs.fuse_qchain_index = fusion_from(o->fuse_qchain_index);
       c.knobs.qchain_q_direct = fusion_from(o->qchain_q_direct);
       c.knobs.idx_gemv = fusion_from(o->idx_gemv);
+      c.knobs.qa_gemv = fusion_from(o->qa_gemv);
       c.knobs.gemm_small = o->gemm_small == "tc"       ? kernels::GemmVersion::kTensorCore
                      : o->gemm_small == "skinny" ? kernels::GemmVersion::kSkinny
                                                  : kernels::GemmVersion::kAuto;

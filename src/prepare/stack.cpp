@@ -818,7 +818,12 @@ void GpuPrepareStack::Impl::issue_qa(int L, int T, cudaStream_t s) {
   // itself (the same bytes as act quant + v3), which takes the act-quant launch off the main lane.
   const bool fuse_x = fusion_applies(o.fuse_x_quant, T, 1, kXQuantAutoRows);
   g.v3_int_mask = o.v3_int_mask;
-  if (fuse_x && fp8_version(T, qkv_w, dim) == kn::GemmVersion::kWgmmaPipelined &&
+  // GpuStackOptions::qa_gemv: v6 after the act quant kernel in the layers with a compressor (kAuto
+  // only where the GEMMs are the automatic choice too); v6 has no fused act quant.
+  const int gemv_auto = o.gemm == kn::GemmVersion::kAuto ? kQaGemvAutoRows : 0;
+  const bool gemv = (lp(L).work & kWorkCMP) != 0 && fusion_applies(o.qa_gemv, T, 1, gemv_auto) &&
+                    kn::gemm_gemv_supported(T, qkv_w, dim);
+  if (!gemv && fuse_x && fp8_version(T, qkv_w, dim) == kn::GemmVersion::kWgmmaPipelined &&
       kn::gemm_v3_fused_quant_supported(T, qkv_w, dim)) {
     g.a_bf16 = x(L);
     g.a_bf16_stride = dim;
@@ -846,7 +851,7 @@ void GpuPrepareStack::Impl::issue_qa(int L, int T, cudaStream_t s) {
   g.m = T;
   g.n = qkv_w;
   g.k = dim;
-  kn::run_gemm_fp8(g, ws_for(s), o.gemm, s, pdl_rest());
+  kn::run_gemm_fp8(g, ws_for(s), gemv ? kn::GemmVersion::kGemv : o.gemm, s, pdl_rest());
 }
 
 bool GpuPrepareStack::Impl::qnorm_fused_layer(int L, int T) const {
@@ -1316,6 +1321,7 @@ void GpuPrepareStack::set_fuse_qchain_index(Fusion f) {
 }
 void GpuPrepareStack::set_qchain_q_direct(Fusion f) { impl_->set_option(&GpuStackOptions::qchain_q_direct, f); }
 void GpuPrepareStack::set_idx_gemv(Fusion f) { impl_->set_option(&GpuStackOptions::idx_gemv, f); }
+void GpuPrepareStack::set_qa_gemv(Fusion f) { impl_->set_option(&GpuStackOptions::qa_gemv, f); }
 void GpuPrepareStack::set_qb_side_mtiles(int mtiles) {
   check_qb_side_mtiles(mtiles);
   impl_->set_option(&GpuStackOptions::qb_side_mtiles, mtiles);

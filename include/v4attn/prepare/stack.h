@@ -90,7 +90,7 @@ namespace prepare {
 
 enum class WeightSource : uint8_t { kReference, kDeviceRandom };
 // A fusion knob of GpuStackOptions (fuse_qchain, fuse_qchain_index, fuse_x_quant, fuse_rope_store, fuse_qnorm,
-// idx_gemv): never, by the measured rule of the field (kAuto), or wherever the fused form (the
+// idx_gemv, qa_gemv): never, by the measured rule of the field (kAuto), or wherever the fused form (the
 // kernel version) takes the shape.
 enum class Fusion : uint8_t { kOff, kAuto, kOn };
 // kAuto's row limit. Measured (docs/perf.md, session 10, three-lane, fused vs unfused, two
@@ -128,6 +128,10 @@ constexpr int kXQuantAutoRows = 8;
 // -0.6 %; with two token tiles: decode bs 10 -0.6 %, verify bs 2 (12 rows) -0.1 %, decode bs 12 -0.5 %,
 // decode bs 16 -0.7 %).
 constexpr int kIdxGemvAutoRows = 16;
+// qa_gemv's kAuto row limit (docs/perf.md session 23 run 17, three-lane, same binary, v3 with its fused
+// act quant -> act quant + v6, two repetitions: decode bs 1 -0.2 %, verify bs 1 (6 rows) -0.5 %,
+// decode bs 4 +0.1 %, decode bs 8 -0.3 %); v6 takes wq_a|wkv (k 5120) at one n8 tile only.
+constexpr int kQaGemvAutoRows = 8;
 // fuse_rope_store's kAuto rows: steps of kRopeStoreAutoMinRows..kRopeStoreAutoMaxRows rows (docs/perf.md,
 // three-lane, two repetitions, fused vs the q_rope_store kernel). Session 11 (the epilogue staged,
 // its table loaded before the PDL wait): verify bs 2 (12 rows) -2.0 %, decode bs 16 -2.4 %, verify
@@ -311,6 +315,12 @@ struct GpuStackOptions {
   // same one. kOff: never; kAuto: at most kIdxGemvAutoRows rows, with `gemm` kAuto; kOn: wherever
   // v6 takes the shape (gemm_gemv_supported).
   Fusion idx_gemv = Fusion::kAuto;
+  // The wq_a|wkv GEMM of the layers with a compressor (the kv sources: 2, 8, 14, 20 in V4.1; they
+  // never run the fused Q chain, so every configuration of a step runs their QA GEMM the same way)
+  // as v6 after the act quant kernel (v6 has no fused act quant; fuse_x_quant does not apply there),
+  // instead of `gemm`'s choice (v3 with its fused act quant). Another GEMM version, like idx_gemv.
+  // kOff: never; kAuto: at most kQaGemvAutoRows rows, with `gemm` kAuto; kOn: wherever v6 takes it.
+  Fusion qa_gemv = Fusion::kAuto;
   // Reindex layers on the fused Q chain (fuse_qchain_index), three-lane / sources-side schedules:
   // true: lane S runs only weights_proj (forked after the chain, beside the indexer's GEMM: session
   // 21, verify bs 1 -0.35 %, decode bs 2 / 4 -0.5 %, against the fork at the layer's start, where
@@ -397,6 +407,7 @@ class GpuPrepareStack {
   void set_fuse_qchain_index(Fusion f);  // GpuStackOptions::fuse_qchain_index
   void set_qchain_q_direct(Fusion f);    // GpuStackOptions::qchain_q_direct
   void set_idx_gemv(Fusion f);           // GpuStackOptions::idx_gemv
+  void set_qa_gemv(Fusion f);            // GpuStackOptions::qa_gemv
   void set_qb_side_mtiles(int mtiles);   // GpuStackOptions::qb_side_mtiles (validated as at construction)
   void set_fused_index_on_main(bool on); // GpuStackOptions::fused_index_on_main
   void set_fuse_x_quant(Fusion f);    // GpuStackOptions::fuse_x_quant
