@@ -571,15 +571,21 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
                   "The fused Q chain's q hand-off: every CTA adds the q columns' split-K partials itself (one "
                   "hand-off instead of the tile reducers' two): auto (steps of <= " +
                       std::to_string(prepare::kQChainDirectAutoRows) + " rows, where it measured faster), on or off; same bytes");
-  add_fusion_option(sub, "--idx-gemv", o->idx_gemv,
+  // The v6 (registers-first gemv) version knobs: another GEMM version, not a byte-neutral fusion.
+  const auto add_gemv_option = [&](const char* name, std::string& field, const std::string& what, int auto_rows) {
+    add_fusion_option(sub, name, field,
+                      what + ": auto (steps of <= " + std::to_string(auto_rows) +
+                          " rows with --gemm auto), on or off; another GEMM version (within the spec's allowance), "
+                          "not the same bytes");
+  };
+  add_gemv_option("--idx-gemv", o->idx_gemv,
                   "The indexer's wq_b GEMM as v6 (the registers-first gemv, m <= " + std::to_string(kernels::kGemvMaxRows) +
-                      ") instead of --gemm's choice: auto (steps of <= " + std::to_string(prepare::kIdxGemvAutoRows) +
-                      " rows with --gemm auto), on or off; another GEMM version (within the spec's allowance), not the same bytes");
-  add_fusion_option(sub, "--qa-gemv", o->qa_gemv,
+                      ") instead of --gemm's choice",
+                  prepare::kIdxGemvAutoRows);
+  add_gemv_option("--qa-gemv", o->qa_gemv,
                   "The wq_a|wkv GEMM of the layers with a compressor as v6 after the act quant kernel, instead of "
-                  "--gemm's choice (v3 with its fused act quant): auto (steps of <= " +
-                      std::to_string(prepare::kQaGemvAutoRows) +
-                      " rows with --gemm auto), on or off; another GEMM version (within the spec's allowance), not the same bytes");
+                  "--gemm's choice (v3 with its fused act quant)",
+                  prepare::kQaGemvAutoRows);
   sub->add_flag("--idx-scores-main", o->idx_scores_main,
                 "Reindex layers: weights_proj, q pack and the indexer scores on main before the wq_b GEMM (experiment knob)");
   sub->add_flag("--qnorm-trigger-late", o->qnorm_trigger_late,
