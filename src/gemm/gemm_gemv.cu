@@ -40,6 +40,8 @@ namespace v4attn::kernels {
 namespace {
 
 constexpr int kTileRows = 16;      // weight rows per CTA (one m16 tile)
+constexpr int kTileTokens = 8;     // tokens per n8 tile (B operand columns); one or two tiles
+static_assert(kGemvMaxRows == 2 * kTileTokens, "the kernels take one or two n8 tiles of tokens");
 constexpr int kMaxWarps = kGemvMaxWarps;  // K splits per CTA (512 threads: up to 128 registers each)
 
 // Weight bytes: read once per cycle (L2 evict-first, like every streamed weight byte).
@@ -179,7 +181,7 @@ bool gemm_gemv_supported(int m, int64_t n, int64_t k, int groups) {
   if (m < 1 || m > kGemvMaxRows || groups != 1) return false;
   if (n <= 0 || n % kGemmBlock != 0 || k <= 0 || k % kGemmBlock != 0) return false;
   if (n / kTileRows > 0x7fffffff) return false;
-  return plan_gemm_gemv(m, n, k).splits <= (m <= 8 ? kMaxWarps : kMaxWarps2);  // two tiles: k <= 2560
+  return plan_gemm_gemv(m, n, k).splits <= (m <= kTileTokens ? kMaxWarps : kMaxWarps2);  // two tiles: k <= 2560
 }
 
 namespace detail {
@@ -191,7 +193,7 @@ void launch_gemm_fp8_gemv(const Fp8GemmParams& p, cudaStream_t stream, bool pdl)
   cfg.block = dim3(static_cast<unsigned>(32 * plan.splits), 1, 1);
   cfg.stream = stream;
   cfg.pdl = pdl;
-  if (p.m <= 8) launch_kernel("gemm_fp8_gemv", gemm_fp8_gemv_kernel<1>, cfg, p);
+  if (p.m <= kTileTokens) launch_kernel("gemm_fp8_gemv", gemm_fp8_gemv_kernel<1>, cfg, p);
   else launch_kernel("gemm_fp8_gemv", gemm_fp8_gemv_kernel<2>, cfg, p);
 }
 

@@ -381,6 +381,9 @@ struct GpuPrepareStack::Impl {
   bool qchain_fused_index_layer(int L, int T) const;
   // The row rule both share: the knob f (kAuto up to auto_rows) and rows the kernel was built for.
   bool qchain_fused_rows(Fusion f, int auto_rows, int T) const;
+  // GpuStackOptions::idx_gemv / qa_gemv: whether an m = T x n x k fp8 GEMM runs v6 under the knob f
+  // (kAuto up to auto_rows, and only with `gemm` kAuto) where v6 takes the shape.
+  bool gemv_applies(Fusion f, int auto_rows, int T, int64_t n, int64_t k) const;
   void issue_qchain_fused(int L, int T, cudaStream_t s);
   void issue_kv(int L, int T, cudaStream_t s);
   kn::WindowKStoreParams window_k_params(int L, int T) const;
@@ -818,11 +821,9 @@ void GpuPrepareStack::Impl::issue_qa(int L, int T, cudaStream_t s) {
   // itself (the same bytes as act quant + v3), which takes the act-quant launch off the main lane.
   const bool fuse_x = fusion_applies(o.fuse_x_quant, T, 1, kXQuantAutoRows);
   g.v3_int_mask = o.v3_int_mask;
-  // GpuStackOptions::qa_gemv: v6 after the act quant kernel in the layers with a compressor (kAuto
-  // only where the GEMMs are the automatic choice too); v6 has no fused act quant.
-  const int gemv_auto = o.gemm == kn::GemmVersion::kAuto ? kQaGemvAutoRows : 0;
-  const bool gemv = (lp(L).work & kWorkCMP) != 0 && fusion_applies(o.qa_gemv, T, 1, gemv_auto) &&
-                    kn::gemm_gemv_supported(T, qkv_w, dim);
+  // GpuStackOptions::qa_gemv: v6 after the act quant kernel in the layers with a compressor (v6 has
+  // no fused act quant).
+  const bool gemv = (lp(L).work & kWorkCMP) != 0 && gemv_applies(o.qa_gemv, kQaGemvAutoRows, T, qkv_w, dim);
   if (!gemv && fuse_x && fp8_version(T, qkv_w, dim) == kn::GemmVersion::kWgmmaPipelined &&
       kn::gemm_v3_fused_quant_supported(T, qkv_w, dim)) {
     g.a_bf16 = x(L);
@@ -952,6 +953,12 @@ bool GpuPrepareStack::Impl::qchain_fused_rows(Fusion f, int auto_rows, int T) co
   const int auto_max = o.gemm == kn::GemmVersion::kAuto ? auto_rows : 0;
   // fusion_applies holds only at T <= kQChainMaxRows (both row limits are), which guards the shift.
   return fusion_applies(f, T, 1, auto_max, kn::kQChainMaxRows) && (qchain_rows_ok >> T & 1u) != 0;
+}
+
+bool GpuPrepareStack::Impl::gemv_applies(Fusion f, int auto_rows, int T, int64_t n, int64_t k) const {
+  // kAuto only where the GEMMs are the automatic choice too (a forced version keeps its GEMMs).
+  const int auto_max = o.gemm == kn::GemmVersion::kAuto ? auto_rows : 0;
+  return fusion_applies(f, T, 1, auto_max) && kn::gemm_gemv_supported(T, n, k);
 }
 
 bool GpuPrepareStack::Impl::qchain_fused_layer(int L, int T) const {
@@ -1118,9 +1125,7 @@ void GpuPrepareStack::Impl::issue_idx_gemms(int L, int T, cudaStream_t s) {
     g.n = static_cast<int64_t>(Hi) * kIdxHd;
     g.k = q_rank;
     g.v3_int_mask = o.v3_int_mask;
-    // GpuStackOptions::idx_gemv: v6 (kAuto only where the GEMMs are the automatic choice too).
-    const int gemv_auto = o.gemm == kn::GemmVersion::kAuto ? kIdxGemvAutoRows : 0;
-    const bool gemv = fusion_applies(o.idx_gemv, T, 1, gemv_auto) && kn::gemm_gemv_supported(T, g.n, g.k);
+    const bool gemv = gemv_applies(o.idx_gemv, kIdxGemvAutoRows, T, g.n, g.k);  // GpuStackOptions::idx_gemv
     kn::run_gemm_fp8(g, wsp, gemv ? kn::GemmVersion::kGemv : o.gemm, s, pdl_rest());
   }
 }

@@ -717,6 +717,12 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
                                                  cfg.q_lora_rank));
     // And the QA GEMM that quantises x itself.
     EXPECT_TRUE(kernels::gemm_v3_fused_quant_supported(buckets_rows(go, kind), cfg.q_lora_rank + 512, cfg.dim));
+    // And v6 for the indexer's wq_b (idx_gemv's default), and, at its rows, for the wq_a|wkv GEMM of
+    // the layers with a compressor (qa_gemv's default): the GEMM version every config here runs.
+    EXPECT_TRUE(kernels::gemm_gemv_supported(buckets_rows(go, kind), static_cast<int64_t>(cfg.index_n_heads) * cfg.index_head_dim,
+                                             cfg.q_lora_rank));
+    if (buckets_rows(go, kind) <= prepare::kQaGemvAutoRows)
+      EXPECT_TRUE(kernels::gemm_gemv_supported(buckets_rows(go, kind), cfg.q_lora_rank + 512, cfg.dim));
   }
   std::vector<Snapshot> first;
   const int rows = bs * v;

@@ -128,9 +128,9 @@ constexpr int kXQuantAutoRows = 8;
 // -0.6 %; with two token tiles: decode bs 10 -0.6 %, verify bs 2 (12 rows) -0.1 %, decode bs 12 -0.5 %,
 // decode bs 16 -0.7 %).
 constexpr int kIdxGemvAutoRows = 16;
-// qa_gemv's kAuto row limit (docs/perf.md session 23 run 17, three-lane, same binary, v3 with its fused
-// act quant -> act quant + v6, two repetitions: decode bs 1 -0.2 %, verify bs 1 (6 rows) -0.5 %,
-// decode bs 4 +0.1 %, decode bs 8 -0.3 %); v6 takes wq_a|wkv (k 5120) at one n8 tile only.
+// qa_gemv's kAuto row limit (docs/perf.md session 23 runs 17-18, three-lane, same binary, v3 with its
+// fused act quant -> act quant + v6: decode bs 1 -0.2 %, verify bs 1 (6 rows) -0.4 %, decode bs 4
+// +0.1 %, decode bs 8 -0.3 %); v6 takes wq_a|wkv (k 5120) at one n8 tile only.
 constexpr int kQaGemvAutoRows = 8;
 // fuse_rope_store's kAuto rows: steps of kRopeStoreAutoMinRows..kRopeStoreAutoMaxRows rows (docs/perf.md,
 // three-lane, two repetitions, fused vs the q_rope_store kernel). Session 11 (the epilogue staged,
