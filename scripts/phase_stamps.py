@@ -32,7 +32,7 @@ import gzip
 import statistics
 
 KINDS = {1: "v2", 2: "v3", 3: "rmsnorm", 4: "act_quant", 5: "q_rope_store", 6: "qchain",
-         7: "topk_v3", 8: "mask_v3"}
+         7: "topk_v3", 8: "mask_v3", 9: "gemv", 10: "q_pack", 11: "scores"}
 # The fused Q chain (gemm_qchain.cu): start, wait, act quant, QA weights, QA loop, partial counted,
 # tile reduced, q tiles all counted, q_norm done, first wq_b stage, wq_b loop, end, kv counted, window-K.
 # Phase 14 (v2 files): the CTA's first instruction; 48 / 49: q_norm's sums / row passes done.

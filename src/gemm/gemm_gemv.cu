@@ -34,8 +34,11 @@
 #include "gemm/hopper_ptx.cuh"
 #include "kernels/device_common.cuh"
 #include "runtime/launch.h"
+#include "runtime/phase_stamps.cuh"
 
 namespace v4attn::kernels {
+
+V4ATTN_STAMP_UNIT();
 
 namespace {
 
@@ -72,6 +75,8 @@ __global__ void __launch_bounds__((NT == 1 ? kMaxWarps : kMaxWarps2) * 32)
   const int64_t b0 = warp * kb / S, nb = (warp + 1) * kb / S - b0;  // this warp's K blocks
 
   // ---- before the PDL wait: the warp's weight fragments and their scales (constants) ----
+  [[maybe_unused]] unsigned int stamp_rec = 0u;
+  if (threadIdx.x == 0) V4ATTN_STAMP_BEGIN(stamp_rec, stamps::kGemv, 0);
   const uint64_t policy = dev::l2_policy_stream();
   const uint8_t* wg = p.w + (row0 + g) * p.k + b0 * kGemmBlock + 8 * t;  // row g; row g + 8 at + 8 k
   const uint8_t* sw_row = p.w_scale + (row0 / kGemmBlock) * kb + b0;
@@ -86,6 +91,7 @@ __global__ void __launch_bounds__((NT == 1 ? kMaxWarps : kMaxWarps2) * 32)
     }
 
   dev::pdl_wait();  // the activation codes and scales come from the predecessor
+  if (threadIdx.x == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kGemv, 1);
 
   // ---- the tokens' codes (token nt * 8 + g) and scales (tokens nt * 8 + 2t, + 1: this lane's C columns) ----
   uint2 xa[NT][MB];
@@ -162,6 +168,7 @@ __global__ void __launch_bounds__((NT == 1 ? kMaxWarps : kMaxWarps2) * 32)
       p.out[static_cast<int64_t>(t1) * p.out_stride + r_hi] = num::bf16_from_f32(acc[nt][3]);
     }
   }
+  if (threadIdx.x == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kGemv, 4);
 }
 
 }  // namespace

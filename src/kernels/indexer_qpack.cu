@@ -23,8 +23,11 @@
 
 #include "kernels/device_common.cuh"
 #include "runtime/launch.h"
+#include "runtime/phase_stamps.cuh"
 
 namespace v4attn::kernels {
+
+V4ATTN_STAMP_UNIT();
 
 namespace {
 
@@ -39,6 +42,8 @@ __global__ void __launch_bounds__(kThreads) indexer_q_pack_kernel(const __grid_c
   const int64_t t = blockIdx.x;
   const int h = static_cast<int>(blockIdx.y) * kHeadsPerCta + static_cast<int>(threadIdx.x) / kPairsPerHead;
   const int m = static_cast<int>(threadIdx.x) % kPairsPerHead;  // pair m: dims 2m, 2m+1
+  [[maybe_unused]] unsigned int stamp_rec = 0u;
+  if (threadIdx.x == 0) V4ATTN_STAMP_BEGIN(stamp_rec, stamps::kQPack, 0);
   const int32_t pos = p.pos[t];
   const bool pos_ok = pos >= 0 && pos < p.max_pos;
   if (!pos_ok && blockIdx.y == 0 && threadIdx.x == 0) dev::count_error(p.err_count);  // reference refuses it
@@ -52,6 +57,7 @@ __global__ void __launch_bounds__(kThreads) indexer_q_pack_kernel(const __grid_c
   }
 
   dev::pdl_wait();  // qi and wproj_out are the predecessor GEMMs' outputs
+  if (threadIdx.x == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kQPack, 1);
 
   // Both GEMM outputs are loaded before the first store: the compiler must assume that a store
   // to weights may alias qi, so a qi load placed after it would wait for the wproj round trip
@@ -84,6 +90,7 @@ __global__ void __launch_bounds__(kThreads) indexer_q_pack_kernel(const __grid_c
     if (m % kPairsPerBlock == 0) p.q_scales[head_row * kIndexerScaleBytes + m / kPairsPerBlock] = num::ue8m0_from_exp(e);
   }
 
+  if (threadIdx.x == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kQPack, 4);
   dev::pdl_launch_dependents();  // after this thread's last store
 }
 

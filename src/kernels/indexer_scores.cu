@@ -70,8 +70,11 @@
 
 #include "kernels/device_common.cuh"
 #include "runtime/launch.h"
+#include "runtime/phase_stamps.cuh"
 
 namespace v4attn::kernels {
+
+V4ATTN_STAMP_UNIT();
 
 namespace {
 
@@ -666,6 +669,8 @@ __global__ void __launch_bounds__(kThreads * RS, RS == 1 ? MB : 1)
   RowMeta* meta = reinterpret_cast<RowMeta*>(smem + L.meta);
   uint32_t* list = reinterpret_cast<uint32_t*>(smem + L.list) + warp * TBLK;
 
+  [[maybe_unused]] unsigned int stamp_rec = 0u;
+  if (threadIdx.x == 0) V4ATTN_STAMP_BEGIN(stamp_rec, stamps::kScores, 0);
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * group_rows;
   const int n_rows = static_cast<int>(min(static_cast<int64_t>(group_rows), p.T - row0));
   const int64_t tile_span = kMasked ? 8 * TBLK : static_cast<int64_t>(kWarps) * kStepPositions * span_steps;
@@ -699,6 +704,7 @@ __global__ void __launch_bounds__(kThreads * RS, RS == 1 ? MB : 1)
   // q, weights, slot table and index K are written by predecessors
   if (p.trigger_at_wait) dev::pdl_wait();
   else dev::pdl_wait_no_trigger();
+  if (threadIdx.x == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kScores, 1);
 
   // ---- q of the group's rows, when some row sees a position of this tile (CTA-uniform) ----
   // B fragments (n = head, 4 n-tiles of 8 heads, 4 k-steps of 32), head and k permuted so that
@@ -795,6 +801,7 @@ __global__ void __launch_bounds__(kThreads * RS, RS == 1 ? MB : 1)
     run = issue_run<S, kMasked>(p, pg, run.r1, e, tile_base, tile_end, meta, kd_warp, ks_warp, list, nsel);
   }
 
+  if (threadIdx.x == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kScores, 4);
   dev::pdl_launch_dependents();  // after this thread's last store
 }
 

@@ -381,6 +381,7 @@ struct GpuPrepareStack::Impl {
   bool qchain_fused_index_layer(int L, int T) const;
   // The row rule both share: the knob f (kAuto up to auto_rows) and rows the kernel was built for.
   bool qchain_fused_rows(Fusion f, int auto_rows, int T) const;
+  bool src_idx_main_layer(int L, int T) const;  // GpuStackOptions::src_idx_main applies to layer L
   // GpuStackOptions::idx_gemv / qa_gemv: whether an m = T x n x k fp8 GEMM runs v6 under the knob f
   // (kAuto up to auto_rows, and only with `gemm` kAuto) where v6 takes the shape.
   bool gemv_applies(Fusion f, int auto_rows, int T, int64_t n, int64_t k) const;
@@ -748,6 +749,24 @@ void GpuPrepareStack::Impl::issue_cycle(int T) {
       issue_layer(lanes, o.schedule, li);
       continue;
     }
+    if (src_idx_main_layer(L, T)) {
+      // GpuStackOptions::src_idx_main: an index source with a compressor, its indexer on main.
+      lanes.fork(Lane::kS).defer([this, L, T](cudaStream_t s) { issue_cmp(L, T, s); });    // after x
+      lanes.fork(Lane::kK).defer([this, L, T](cudaStream_t s) { issue_idx_x(L, T, s); });  // after x
+      lanes.on_main([this, L, T](cudaStream_t s) { issue_qa(L, T, s); });
+      lanes.fork(Lane::kK).defer([this, L, T](cudaStream_t s) { issue_kv(L, T, s); });  // after QA
+      lanes.on_main([this, L, T](cudaStream_t s) {
+        issue_q_norm(L, T, s);
+        issue_idx_gemms(L, T, s);
+      });
+      lanes.join(Lane::kK);  // weights_proj (the q pack reads it)
+      lanes.join(Lane::kS);  // this step's index K (the scores read it)
+      lanes.on_main([this, L, T](cudaStream_t s) { issue_idx_score(L, T, s); });
+      lanes.fork(Lane::kK).defer([this, L, T](cudaStream_t s) { issue_qb(L, T, s); });  // after qr
+      lanes.on_main([this, L, T](cudaStream_t s) { issue_idx_select(L, T, s); });
+      lanes.join(Lane::kK);
+      continue;
+    }
     LayerIssue li;
     li.work = lp(L).work;
     li.s_fork = o.s_fork;
@@ -965,6 +984,12 @@ bool GpuPrepareStack::Impl::qchain_fused_layer(int L, int T) const {
   static_assert(kn::kQChainMaxRows < 32 && kQChainAutoRows <= kn::kQChainMaxRows,
                 "qchain_rows_ok holds one bit per row count, and kAuto stays within it");
   return qchain_fused_rows(o.fuse_qchain, kQChainAutoRows, T) && lp(L).work == (kWorkQA | kWorkQB | kWorkKV);
+}
+
+bool GpuPrepareStack::Impl::src_idx_main_layer(int L, int T) const {
+  const uint32_t work = lp(L).work;
+  return o.schedule == Schedule::kThreeLane && (work & kWorkCMP) && (work & kWorkIDX) &&
+         fusion_applies(o.src_idx_main, T, 1, kSrcIdxMainAutoRows);
 }
 
 bool GpuPrepareStack::Impl::qchain_fused_index_layer(int L, int T) const {
@@ -1327,6 +1352,7 @@ void GpuPrepareStack::set_fuse_qchain_index(Fusion f) {
 void GpuPrepareStack::set_qchain_q_direct(Fusion f) { impl_->set_option(&GpuStackOptions::qchain_q_direct, f); }
 void GpuPrepareStack::set_idx_gemv(Fusion f) { impl_->set_option(&GpuStackOptions::idx_gemv, f); }
 void GpuPrepareStack::set_qa_gemv(Fusion f) { impl_->set_option(&GpuStackOptions::qa_gemv, f); }
+void GpuPrepareStack::set_src_idx_main(Fusion f) { impl_->set_option(&GpuStackOptions::src_idx_main, f); }
 void GpuPrepareStack::set_qb_side_mtiles(int mtiles) {
   check_qb_side_mtiles(mtiles);
   impl_->set_option(&GpuStackOptions::qb_side_mtiles, mtiles);

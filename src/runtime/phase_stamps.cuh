@@ -14,7 +14,7 @@
 namespace v4attn::stamps {
 
 enum Kind : uint32_t { kGemmV2 = 1, kGemmV3 = 2, kRmsNorm = 3, kActQuant = 4, kQRopeStore = 5, kQChain = 6,
-                    kSelectTopk = 7, kSelectMask = 8 };
+                    kSelectTopk = 7, kSelectMask = 8, kGemv = 9, kQPack = 10, kScores = 11 };
 
 #ifdef V4ATTN_PHASE_STAMPS
 // A stamping thread takes a record of kPhases entries with one atomic (its first stamp, placed

@@ -668,6 +668,7 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
     Fusion qchain_q_direct = Fusion::kAuto;   // the fused chain's direct q hand-off (kernels/qchain.h)
     int qb_side_mtiles = 0;                   // the index layers' wq_b GEMM at 64 (4) / 128 (2) CTAs
     bool fused_index_on_main = true;          // fused reindex layers: the indexer on main after the chain
+    Fusion src_idx_main = Fusion::kAuto;      // three-lane: the compressor layers' indexer on main
   };
   const Config configs[] = {{Schedule::kSerial, false, false},
                             {Schedule::kThreeLane, true, true},
@@ -700,7 +701,11 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
                             {Schedule::kThreeLane, true, true, Fusion::kOff, Fusion::kAuto, Fusion::kAuto, Fusion::kAuto, Fusion::kAuto, Fusion::kAuto, 2},
                             // Fused reindex layers with the whole indexer on lane S (the default: on main).
                             {Schedule::kThreeLane, true, true, Fusion::kOff, Fusion::kOn, Fusion::kAuto, Fusion::kAuto, Fusion::kOn, Fusion::kAuto, 0, false},
-                            {Schedule::kSourcesSide, true, true, Fusion::kOff, Fusion::kOn, Fusion::kAuto, Fusion::kAuto, Fusion::kOn, Fusion::kAuto, 0, true}};
+                            {Schedule::kSourcesSide, true, true, Fusion::kOff, Fusion::kOn, Fusion::kAuto, Fusion::kAuto, Fusion::kOn, Fusion::kAuto, 0, true},
+                            // The compressor layers' indexer on main, the wq_b GEMM on lane K (and off).
+                            {Schedule::kThreeLane, true, true, Fusion::kOff, Fusion::kOn, Fusion::kAuto, Fusion::kAuto, Fusion::kOn, Fusion::kAuto, 0, true, Fusion::kOn},
+                            {Schedule::kThreeLane, false, true, Fusion::kOff, Fusion::kOff, Fusion::kAuto, Fusion::kAuto, Fusion::kOff, Fusion::kAuto, 0, true, Fusion::kOn},
+                            {Schedule::kThreeLane, true, true, Fusion::kOff, Fusion::kOn, Fusion::kAuto, Fusion::kAuto, Fusion::kOn, Fusion::kAuto, 0, true, Fusion::kOff}};
   // The fused form must really run here (wq_b at this config and bucket), or the configs above
   // that ask for it would silently compare the unfused path with itself.
   if (tp == 1) {
@@ -732,7 +737,8 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
                              " x-quant " + to_string(configs[c].fuse_x_quant) + " qnorm " + to_string(configs[c].fuse_qnorm) +
                              " qchain-index " + to_string(configs[c].fuse_qchain_index) + " q-direct " +
                              to_string(configs[c].qchain_q_direct) + " qb-side-mtiles " + std::to_string(configs[c].qb_side_mtiles) +
-                             (configs[c].fused_index_on_main ? "" : " fused-index-on-S");
+                             (configs[c].fused_index_on_main ? "" : " fused-index-on-S") + " src-idx-main " +
+                             to_string(configs[c].src_idx_main);
     SCOPED_TRACE(name);
     gpu.upload_caches(initial);
     gpu.set_schedule(configs[c].schedule);
@@ -745,6 +751,7 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
     gpu.set_qchain_q_direct(configs[c].qchain_q_direct);
     gpu.set_qb_side_mtiles(configs[c].qb_side_mtiles);
     gpu.set_fused_index_on_main(configs[c].fused_index_on_main);
+    gpu.set_src_idx_main(configs[c].src_idx_main);
     gpu.reset_error_count();
     for (int step = 0; step < 2; ++step) {
       gpu.poison_outputs(kPoison);

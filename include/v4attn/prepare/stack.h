@@ -132,6 +132,9 @@ constexpr int kIdxGemvAutoRows = 16;
 // fused act quant -> act quant + v6: decode bs 1 -0.2 %, verify bs 1 (6 rows) -0.4 %, decode bs 4
 // +0.1 %, decode bs 8 -0.3 %); v6 takes wq_a|wkv (k 5120) at one n8 tile only.
 constexpr int kQaGemvAutoRows = 8;
+// src_idx_main's kAuto row limit (docs/perf.md session 24 runs 9-10, three-lane, same binary, off ->
+// on: decode bs 1 -1.2 %; verify bs 1 (6 rows) +1.7 %, decode bs 4 even, decode bs 8 +0.4 %).
+constexpr int kSrcIdxMainAutoRows = 1;
 // fuse_rope_store's kAuto rows: steps of kRopeStoreAutoMinRows..kRopeStoreAutoMaxRows rows (docs/perf.md,
 // three-lane, two repetitions, fused vs the q_rope_store kernel). Session 11 (the epilogue staged,
 // its table loaded before the PDL wait): verify bs 2 (12 rows) -2.0 %, decode bs 16 -2.4 %, verify
@@ -321,6 +324,18 @@ struct GpuStackOptions {
   // instead of `gemm`'s choice (v3 with its fused act quant). Another GEMM version, like idx_gemv.
   // kOff: never; kAuto: at most kQaGemvAutoRows rows, with `gemm` kAuto; kOn: wherever v6 takes it.
   Fusion qa_gemv = Fusion::kAuto;
+  // The index sources with a compressor (2, 8, 14, 20 in V4.1), three-lane schedule: the indexer's
+  // q pack, scores and selection on main right after its wq_b GEMM (main first joins lane S, the
+  // compressor that writes this step's index K, and lane K, weights_proj and the window-K store),
+  // and the wq_b GEMM + q_rope_store forked to lane K beside the selection. Otherwise (kOff) the
+  // indexer runs on lane S beside the wq_b GEMM, whose weight stream slows its latency-bound
+  // kernels (the scores ~13 us in the cycle against ~4-5 alone at one row); here the scores run
+  // alone and the stream overlaps the selection instead. The selection is launched on main under
+  // PDL before the GEMM's CTAs can take its cluster's SMs (on lane S after the GEMM on main, its
+  // 16-CTA clusters waited for the GEMM's end: +4 %). Same bytes. kAuto: at most
+  // kSrcIdxMainAutoRows rows; kOn: every step. s_fork, idx_x_on_k and idx_gemm_on_main do not
+  // apply to the layers it takes.
+  Fusion src_idx_main = Fusion::kAuto;
   // Reindex layers on the fused Q chain (fuse_qchain_index), three-lane / sources-side schedules:
   // true: lane S runs only weights_proj (forked after the chain, beside the indexer's GEMM: session
   // 21, verify bs 1 -0.35 %, decode bs 2 / 4 -0.5 %, against the fork at the layer's start, where
@@ -408,6 +423,7 @@ class GpuPrepareStack {
   void set_qchain_q_direct(Fusion f);    // GpuStackOptions::qchain_q_direct
   void set_idx_gemv(Fusion f);           // GpuStackOptions::idx_gemv
   void set_qa_gemv(Fusion f);            // GpuStackOptions::qa_gemv
+  void set_src_idx_main(Fusion f);       // GpuStackOptions::src_idx_main
   void set_qb_side_mtiles(int mtiles);   // GpuStackOptions::qb_side_mtiles (validated as at construction)
   void set_fused_index_on_main(bool on); // GpuStackOptions::fused_index_on_main
   void set_fuse_x_quant(Fusion f);    // GpuStackOptions::fuse_x_quant
