@@ -132,8 +132,10 @@ constexpr int kIdxGemvAutoRows = 16;
 // fused act quant -> act quant + v6: decode bs 1 -0.2 %, verify bs 1 (6 rows) -0.4 %, decode bs 4
 // +0.1 %, decode bs 8 -0.3 %); v6 takes wq_a|wkv (k 5120) at one n8 tile only.
 constexpr int kQaGemvAutoRows = 8;
-// src_idx_main's kAuto row limit (docs/perf.md session 24 runs 9-10, three-lane, same binary, off ->
-// on: decode bs 1 -1.2 %; verify bs 1 (6 rows) +1.7 %, decode bs 4 even, decode bs 8 +0.4 %).
+// src_idx_main's kAuto row limit (docs/perf.md session 24 runs 9, 10, 12, three-lane, same binary,
+// off -> on, two repetitions each: decode bs 1 -1.2 / -0.75 / -0.75 %; decode bs 2 even, bs 3 +0.2 %,
+// bs 4 even, bs 8 +0.4 %, verify bs 1 (6 rows) +1.65 %: the wq_b GEMM, started only after the
+// scores, then ends after the selection).
 constexpr int kSrcIdxMainAutoRows = 1;
 // fuse_rope_store's kAuto rows: steps of kRopeStoreAutoMinRows..kRopeStoreAutoMaxRows rows (docs/perf.md,
 // three-lane, two repetitions, fused vs the q_rope_store kernel). Session 11 (the epilogue staged,
