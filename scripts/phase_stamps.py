@@ -24,6 +24,9 @@ reindex layers' fused chains, followed by their top-k, apart from the plain laye
 topk_v3 / mask_v3 (session 18) follow their own path: 0 entry, 1 wait, 2 keys compacted, per radix
 pass p 4+4p histogram, 5+4p the cluster's histograms received, 6+4p digit chosen, 20 output written,
 21 end. bench_indexer writes such a file too (V4ATTN_STAMPS_OUT=st bench_indexer --only topk:v3 ...).
+The index tail's other kernels (session 24) stamp 0 entry, 1 after the PDL wait, 4 end: gemv (GEMM v6,
+the indexer's wq_b at <= 16 rows), q_pack, scores -- with the selection's stamps, a reindex layer's
+whole tail after its fused chain, kernel by kernel (--handoff, --intervals gemv / q_pack / scores).
 """
 import argparse
 import bisect
