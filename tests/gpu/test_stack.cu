@@ -729,6 +729,11 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
     if (buckets_rows(go, kind) <= prepare::kQaGemvAutoRows)
       EXPECT_TRUE(kernels::gemm_gemv_supported(buckets_rows(go, kind), cfg.q_lora_rank + 512, cfg.dim));
   }
+  // And layers with both a compressor and an indexer, which src_idx_main reschedules: without one the
+  // src-idx-main configs would compare the default path with itself.
+  EXPECT_TRUE(std::any_of(plan.layers.begin(), plan.layers.end(), [](const auto& l) {
+    return (l.work & kWorkCMP) != 0 && (l.work & kWorkIDX) != 0;
+  }));
   std::vector<Snapshot> first;
   const int rows = bs * v;
   for (size_t c = 0; c < std::size(configs); ++c) {

@@ -334,7 +334,7 @@ struct GpuStackOptions {
   // kernels (the scores ~13 us in the cycle against ~4-5 alone at one row); here the scores run
   // alone and the stream overlaps the selection instead. The selection is launched on main under
   // PDL before the GEMM's CTAs can take its cluster's SMs (on lane S after the GEMM on main, its
-  // 16-CTA clusters waited for the GEMM's end: +4 %). Same bytes. kAuto: at most
+  // 16-CTA clusters waited for the GEMM's end: +1.0..3.9 %, perf.md session 24 run 8). Same bytes. kAuto: at most
   // kSrcIdxMainAutoRows rows; kOn: every step. s_fork, idx_x_on_k and idx_gemm_on_main do not
   // apply to the layers it takes.
   Fusion src_idx_main = Fusion::kAuto;
