@@ -7,7 +7,8 @@ and pass the written file (st.three-lane, optionally gzipped). Prints one line p
 the recorded cycle, in time order: the earliest / latest value over the launch's CTAs of each phase,
 in microseconds from the cycle's first stamp. Phases: 0 CTA start, 1 after griddepcontrol.wait,
 2 (GEMM v2) first stage ready for the consumers / (rmsnorm) sum of squares done, 5 (GEMM v3) scale
-tables in shared memory, 3 consumer loop done, 6 (v3) partials written (cluster barrier), 4 end.
+tables in shared memory, 3 consumer loop done, 6 (v3) partials written (cluster barrier), 4 end;
+10 / 11 (GEMM v2 with the distributed q_norm, session 25) the CTA's rows written / every row seen.
 Per-stage phases are recorded for CTAs 0 and 1 only (GEMM v2 / v3: 16+ consumer stage or iteration start,
 64+ converter stage done, 96+ stage data landed, 112+ its f16 slot free); --cta prints those records.
 

@@ -257,6 +257,7 @@ struct BenchCliOptions {
   bool idx_scores_main = false;
   std::string fuse_rope_store = "auto";
   std::string fuse_qnorm = "auto";
+  std::string qnorm_dist = "auto";
   std::string fuse_qchain = "auto";
   std::string fuse_qchain_index = "auto";
   std::string qchain_q_direct = "auto";
@@ -414,6 +415,7 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
     j["idx_scores_on_main"] = c.knobs.idx_scores_on_main;
     j["fuse_rope_store"] = to_string(c.knobs.fuse_rope_store);
     j["fuse_qnorm"] = to_string(c.knobs.fuse_qnorm);
+    j["qnorm_dist"] = to_string(c.knobs.qnorm_dist);
     j["fuse_qchain"] = to_string(c.knobs.fuse_qchain);
     j["fuse_qchain_index"] = to_string(c.knobs.fuse_qchain_index);
     j["qchain_q_direct"] = to_string(c.knobs.qchain_q_direct);
@@ -555,6 +557,11 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
                   "q_norm and its act quant inside the wq_b GEMM's prologue in the unfused chain's layers without an "
                   "indexer: on (wherever v2 takes it), or auto / off (the rmsnorm kernel: the fused form measured slower); "
                   "same bytes; experiment knob");
+  add_fusion_option(sub, "--qnorm-dist", o->qnorm_dist,
+                    "q_norm of the unfused chain's layers without an indexer done by the wq_b GEMM's first CTAs (one row "
+                    "each, into the q_norm kernel's buffers; the other CTAs wait for those rows): auto (" +
+                        std::to_string(prepare::kQNormDistAutoMinRows) + "-" + std::to_string(prepare::kQNormDistAutoMaxRows) +
+                        " rows, past the fused chain), on, off; same bytes");
   add_fusion_option(sub, "--fuse-rope-store", o->fuse_rope_store,
                   "q_rope_store fused into the wq_b GEMM's epilogue in the layers that run the unfused chain: auto "
                   "(steps of " + std::to_string(prepare::kRopeStoreAutoMinRows) + "-" +
@@ -696,6 +703,7 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       c.knobs.idx_scores_on_main = o->idx_scores_main && c.knobs.idx_gemm_on_main;
       c.knobs.fuse_rope_store = fusion_from(o->fuse_rope_store);
       c.knobs.fuse_qnorm = fusion_from(o->fuse_qnorm);
+      c.knobs.qnorm_dist = fusion_from(o->qnorm_dist);
       c.knobs.fuse_qchain = fusion_from(o->fuse_qchain);
       c.knobs.fuse_qchain_index = fusion_from(o->fuse_qchain_index);
       c.knobs.qchain_q_direct = fusion_from(o->qchain_q_direct);

@@ -131,7 +131,16 @@ void run_gemm_fp8(const Fp8GemmParams& p, const GemmWorkspace& ws, GemmVersion v
       fail(who, "a_bf16 must be 16-byte aligned with a_bf16_stride % 8 == 0");
   } else if (qnorm) {  // the GEMM normalises and quantises x itself
     if (!p.qnorm_x || !p.qnorm_w) fail(who, "the fused q_norm needs qnorm_x and qnorm_w");
-    if (p.a_q != nullptr || p.a_scale != nullptr) fail(who, "a_q and a_scale must be null when qnorm_x is set");
+    if (p.qnorm_dist_bar != nullptr) {  // the distributed form writes a_q / a_scale, then reads them by TMA
+      if (!p.a_q || !p.a_scale) fail(who, "the distributed q_norm writes a_q and a_scale: both must be set");
+      if (p.a_stride < p.k || p.a_scale_stride < p.k / kGemmBlock) fail(who, "a_stride < k or a_scale_stride < k/32");
+      if (!aligned_to(p.a_q, 16) || p.a_stride % 16 != 0) fail(who, "a_q must be 16-byte aligned with a_stride % 16 == 0");
+      if (!aligned_to(p.qnorm_dist_bar, 8)) fail(who, "qnorm_dist_bar must be 8-byte aligned");
+      if (p.qnorm_y != nullptr && (p.qnorm_y_stride < p.k || !aligned_to(p.qnorm_y, 16) || p.qnorm_y_stride % 8 != 0))
+        fail(who, "qnorm_y must be 16-byte aligned with qnorm_y_stride >= k and % 8 == 0");
+    } else if (p.a_q != nullptr || p.a_scale != nullptr) {
+      fail(who, "a_q and a_scale must be null when qnorm_x is set (unless qnorm_dist_bar is)");
+    }
     if (p.groups != 1 || p.force_splits != 0 || p.force_mtiles != 0)
       fail(who, "the fused q_norm takes groups == 1 and no plan overrides");
     if (p.qnorm_x_stride < p.k) fail(who, "qnorm_x_stride < k");
@@ -183,7 +192,11 @@ void run_gemm_fp8(const Fp8GemmParams& p, const GemmWorkspace& ws, GemmVersion v
       if (rope && (plan.splits != 1 || plan.warp_mtiles != 2))
         fail(who, "the fused RoPE store needs v2's plan with one split and two m64 tiles per warpgroup "
                   "(gemm_v2_rope_store_supported)");
-      if (qnorm && !gemm_v2_qnorm_supported(p.m, p.n, p.k))
+      if (qnorm && p.qnorm_dist_bar != nullptr) {
+        if (!gemm_v2_qnorm_dist_supported(p.m, p.n, p.k))
+          fail(who, "the distributed q_norm needs v2's plan with two m64 tiles per warpgroup, k <= 2048 and a grid the "
+                    "SMs hold at once (gemm_v2_qnorm_dist_supported)");
+      } else if (qnorm && !gemm_v2_qnorm_supported(p.m, p.n, p.k))
         fail(who, "the fused q_norm needs v2's plan with one split and two m64 tiles per warpgroup and its codes "
                   "in shared memory (gemm_v2_qnorm_supported)");
       detail::launch_gemm_fp8_wgmma(p, plan, ws, stream, pdl);

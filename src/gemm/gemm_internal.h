@@ -34,6 +34,9 @@ void launch_gemm_fp8_wgmma(const Fp8GemmParams& p, const GemmPlan& plan, const G
 void launch_gemm_fp8_wgmma_pipelined(const Fp8GemmParams& p, const GemmPlan& plan, cudaStream_t stream, bool pdl);
 // v6: registers-first gemv for m <= kGemvMaxRows (gemm_gemv.cu); the plan is plan_gemm_gemv's.
 void launch_gemm_fp8_gemv(const Fp8GemmParams& p, cudaStream_t stream, bool pdl);
+// The SMs this process can hold at once on `device` (-1: the current one), counted low: kernels
+// whose CTAs wait on each other size their grids with it (gemm_qchain.cu).
+int device_sm_count(int device);
 
 // The tiling and split-K choice v2 and v3 share (gemm_wgmma.cu): two m64 tiles per consumer
 // warpgroup (256 rows per CTA) when that still gives ~one CTA per SM without split-K, otherwise 128

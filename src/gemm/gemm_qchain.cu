@@ -792,6 +792,8 @@ struct QcPlan {
   bool direct_ok = false;
 };
 
+}  // namespace
+namespace detail {
 // The SMs this process can have at once on `device`: the device's count, limited by the current
 // context's execution affinity when it is the device's (an MPS client context created with an SM
 // limit) and by CUDA_MPS_ACTIVE_THREAD_PERCENTAGE. The fused chain's CTAs spin on each other, so a
@@ -824,6 +826,9 @@ int device_sm_count(int device) {
   }
   return sms;
 }
+}  // namespace detail
+using detail::device_sm_count;
+namespace {
 
 QcPlan make_plan(int T, int64_t dim, int64_t q_rank, int H, int sm_count) {
   QcPlan pl;

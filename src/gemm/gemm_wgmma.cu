@@ -178,6 +178,14 @@ struct WgmmaParams {
   int64_t qn_x_stride = 0;
   const float* qn_w = nullptr;   // [k]
   float qn_eps = 0.0f;
+  // kQDist (Fp8GemmParams::qnorm_dist_bar): CTA c < m's row of q_norm + act quant into global
+  // memory, every CTA waiting for the m rows; qn_x / qn_w / qn_eps as for kQNorm.
+  uint32_t* qd_bar = nullptr;      // [2]: rows written, CTAs past the wait (zero at rest)
+  uint8_t* qd_codes = nullptr;     // [m][k] e4m3 (the activation TMA's source)
+  uint8_t* qd_scales = nullptr;    // [m][k / 32] ue8m0 (a_scale)
+  int64_t qd_code_stride = 0, qd_scale_stride = 0;
+  bf16_t* qd_y = nullptr;          // optional [m][k] bf16
+  int64_t qd_y_stride = 0;
 };
 
 // The kQNorm prologue (after the PDL wait; see the kernel's comment): rstd per row, then the codes of
@@ -230,6 +238,76 @@ __device__ __forceinline__ void qnorm_quant_prologue(const WgmmaParams& p, uint8
   }
 }
 
+// kQDist: rows blockIdx.x, + gridDim.x, ... of q_norm + act quant, exactly rmsnorm_kernel's steps
+// (warp 0 the LaneSum of the row, thread c chunk c, the 4 chunks of a 32-block in 4 consecutive
+// lanes), into global memory. rstd_s: one float of shared memory.
+__device__ __forceinline__ void qnorm_dist_rows(const WgmmaParams& p, int k, float* rstd_s, int tid,
+                                                const float (&wv)[detail::kChunk]) {
+  using namespace detail;  // prepare_common.cuh: the chunk helpers of rmsnorm.cu
+  const int n_chunks = k / kChunk, lane = tid & 31;
+  const bool active = tid < n_chunks;
+  const bool in_warps = (tid >> 5) < (n_chunks + 31) / 32;  // whole warps run the 4-lane shuffles
+  if (blockIdx.y != 0 || blockIdx.z != 0) return;  // the rows are the first split's (uniform per CTA)
+  for (int row = static_cast<int>(blockIdx.x); row < p.m; row += static_cast<int>(gridDim.x)) {
+    const bf16_t* x = p.qn_x + static_cast<int64_t>(row) * p.qn_x_stride;
+    float v[kChunk];
+    if (active) load_bf16x8(x + tid * kChunk, v);
+    if (tid < 32) {
+      const float r = num::rmsnorm_rstd(warp_row_sum_squares_n<kQNormMaxChunksPerLane>(x, n_chunks, lane), k, p.qn_eps);
+      if (lane == 0) *rstd_s = r;
+    }
+    __syncthreads();
+    const float r = *rstd_s;
+    if (active) {
+      rmsnorm_apply_chunk(v, r, wv);
+      if (p.qd_y != nullptr) store_bf16x8(p.qd_y + static_cast<int64_t>(row) * p.qd_y_stride + tid * kChunk, v);
+    } else {
+#pragma unroll
+      for (int q = 0; q < kChunk; ++q) v[q] = 0.0f;
+    }
+    if (in_warps) {
+      int e = 0;
+      const uint2 codes = act_quant_chunk<4>(v, e);
+      if (active) {
+        *reinterpret_cast<uint2*>(p.qd_codes + static_cast<int64_t>(row) * p.qd_code_stride + tid * kChunk) = codes;
+        if ((lane & 3) == 0) p.qd_scales[static_cast<int64_t>(row) * p.qd_scale_stride + tid / 4] = num::ue8m0_from_exp(e);
+      }
+    }
+    __syncthreads();  // rstd_s is rewritten by the next row
+  }
+}
+
+// kQDist: the rows' hand-off. bar[0] counts the rows written (each row's CTA adds its rows after its
+// stores with a release add -- the barrier before it orders the CTA's stores first, and release is
+// cumulative -- behind a proxy fence, as TMA reads them back), and every CTA waits, one thread with
+// acquire loads, for all m (then a proxy fence on the reading side too); bar[1] then counts the CTAs past that
+// wait, and the last one rewinds both words for the next launch (no CTA of this launch reads them
+// after its own bar[1] arrival, and the next launch touches them only after its PDL wait, i.e. after
+// this grid). A CTA waits only for the rows' CTAs, not for every CTA of the grid.
+__device__ __forceinline__ void qnorm_dist_rows_handoff(uint32_t* bar, int m, int tid) {
+  __syncthreads();  // this CTA's rows are stored
+  if (tid == 0) {
+    const uint32_t total = gridDim.x * gridDim.y * gridDim.z;
+    const uint32_t cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    const uint32_t mine = cta < static_cast<uint32_t>(m)
+                              ? (static_cast<uint32_t>(m) - 1u - cta) / gridDim.x + 1u  // rows cta, cta + gridDim.x, ...
+                              : 0u;
+    if (blockIdx.y == 0 && blockIdx.z == 0 && mine > 0) {
+      asm volatile("fence.proxy.async.global;" ::: "memory");
+      asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(bar), "r"(mine) : "memory");
+    }
+    uint32_t done = 0;
+    do asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(done) : "l"(bar) : "memory");
+    while (done < static_cast<uint32_t>(m));
+    asm volatile("fence.proxy.async.global;" ::: "memory");  // the rows are read by TMA (async proxy)
+    if (atomicAdd(bar + 1, 1u) == total - 1) {
+      bar[0] = 0u;
+      bar[1] = 0u;
+    }
+  }
+  __syncthreads();
+}
+
 // kRope: the wq_b GEMM with q_rope_store fused into its epilogue (its own instantiation, so the
 // plain kernel is compiled exactly as without it). Output column n is dim n % 512 of head n / 512;
 // dims 448..511 are rotated at rope_pos[m] in (even, odd) pairs. The pair partner of the element a
@@ -247,8 +325,15 @@ __device__ __forceinline__ void qnorm_quant_prologue(const WgmmaParams& p, uint8
 // written for the plain GEMM to load. The codes of all K go to a shared buffer laid out like the TMA
 // slots (stage it at xc + it * NP * 128, 128B swizzle), rows >= m zero with scale 0 (the TMA's zero
 // fill and the scale loads' 0). One split only: every CTA needs the whole K of x anyway.
-template <int MT, int NP, bool kRope = false, bool kQNorm = false>
+//
+// kQDist: q_norm + act quant of row c by CTA c < m (qnorm_dist_rows) into global memory, every CTA
+// waiting for the m rows (qnorm_dist_rows_handoff), then the plain form's activation TMA (its own
+// instantiation too). The q_norm weights of a row CTA's chunk are loaded before the PDL wait
+// (constants); the rest of a first ring fill that prewait_stages held back goes out after the row,
+// before the wait for the others' rows.
+template <int MT, int NP, bool kRope = false, bool kQNorm = false, bool kQDist = false>
 __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __grid_constant__ WgmmaParams p) {
+  static_assert(!(kQNorm && kQDist), "one q_norm form");
   constexpr int BN = kConsumerWarpgroups * 64 * MT;  // weight rows per CTA
   constexpr int kBoxRows = BN < kMaxBoxRows ? BN : kMaxBoxRows;
   constexpr int R = NP / 2;                          // accumulator registers per m64 tile per thread
@@ -276,7 +361,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
   const int nkb = kb_end - kb_begin;  // 1..msb
   const int n_iter = (nkb + kBlocksPerStage - 1) / kBlocksPerStage;
   const int prologue = min(ST, n_iter);
-  const int early = min(prologue, p.prewait_stages);  // weight stages issued before the PDL wait
+  int early = min(prologue, p.prewait_stages);  // weight stages issued before the PDL wait
 
   // ---- setup: barriers, first ring fill of weights (constant data: before the PDL wait) --------
   if (tid == 0) {
@@ -354,8 +439,23 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
     }
   }
 
+  [[maybe_unused]] float qd_wv[detail::kChunk];  // kQDist: the q_norm weights of this thread's chunk (constants)
+  if constexpr (kQDist) {
+    if (static_cast<int>(blockIdx.x) < p.m && tid < p.k_blocks * kGemmBlock / detail::kChunk)
+      detail::ldg_f32x8(p.qn_w + tid * detail::kChunk, qd_wv);
+  }
+
   dev::pdl_wait();  // activation codes and scales are the predecessor's output
   if (tid == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kGemmV2, 1);
+  if constexpr (kQDist) {
+    qnorm_dist_rows(p, p.k_blocks * kGemmBlock, reinterpret_cast<float*>(s_flag + 1), tid, qd_wv);
+    if (tid == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kGemmV2, 10);  // measurement builds: rows written
+    if (tid == 0)  // the rest of the first fill (prewait_stages < the fill): before the rows' wait, not after
+      for (int it = early; it < prologue; ++it) issue_weight_stage(it);
+    early = prologue;
+    qnorm_dist_rows_handoff(p.qd_bar, p.m, tid);
+    if (tid == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kGemmV2, 11);  // every row seen
+  }
 
   if (tid == 0) {
     for (int it = early; it < prologue; ++it) issue_weight_stage(it);
@@ -595,17 +695,17 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
 
 using WgmmaKernel = void (*)(WgmmaParams);
 
-template <int MT, bool kRope = false, bool kQNorm = false>
+template <int MT, bool kRope = false, bool kQNorm = false, bool kQDist = false>
 WgmmaKernel pick_wgmma_kernel(int np) {
   switch (np) {
-    case 8: return gemm_fp8_wgmma_kernel<MT, 8, kRope, kQNorm>;
-    case 16: return gemm_fp8_wgmma_kernel<MT, 16, kRope, kQNorm>;
-    case 24: return gemm_fp8_wgmma_kernel<MT, 24, kRope, kQNorm>;
-    case 32: return gemm_fp8_wgmma_kernel<MT, 32, kRope, kQNorm>;
-    case 40: return gemm_fp8_wgmma_kernel<MT, 40, kRope, kQNorm>;
-    case 48: return gemm_fp8_wgmma_kernel<MT, 48, kRope, kQNorm>;
-    case 56: return gemm_fp8_wgmma_kernel<MT, 56, kRope, kQNorm>;
-    case 64: return gemm_fp8_wgmma_kernel<MT, 64, kRope, kQNorm>;
+    case 8: return gemm_fp8_wgmma_kernel<MT, 8, kRope, kQNorm, kQDist>;
+    case 16: return gemm_fp8_wgmma_kernel<MT, 16, kRope, kQNorm, kQDist>;
+    case 24: return gemm_fp8_wgmma_kernel<MT, 24, kRope, kQNorm, kQDist>;
+    case 32: return gemm_fp8_wgmma_kernel<MT, 32, kRope, kQNorm, kQDist>;
+    case 40: return gemm_fp8_wgmma_kernel<MT, 40, kRope, kQNorm, kQDist>;
+    case 48: return gemm_fp8_wgmma_kernel<MT, 48, kRope, kQNorm, kQDist>;
+    case 56: return gemm_fp8_wgmma_kernel<MT, 56, kRope, kQNorm, kQDist>;
+    case 64: return gemm_fp8_wgmma_kernel<MT, 64, kRope, kQNorm, kQDist>;
     default: throw std::invalid_argument("gemm v2: m must be 1..64");
   }
 }
@@ -709,6 +809,13 @@ bool gemm_v2_qnorm_supported(int m, int64_t n, int64_t k) {
          (n % kRopeHeadDim != 0 || fitting_stages(plan, np, msb, true, true) >= 1);
 }
 
+bool gemm_v2_qnorm_dist_supported(int m, int64_t n, int64_t k) {
+  if (m < 1 || m > kGemmMaxRows || n <= 0 || k <= 0 || k % kGemmBlock != 0 || k > 2048) return false;
+  const GemmPlan plan = plan_gemm_wgmma(m, n, k, 1);
+  return plan.warp_mtiles == 2 && plan.stages >= 1 &&
+         static_cast<int64_t>(plan.tiles_n) * plan.splits <= detail::device_sm_count(-1);
+}
+
 bool gemm_v2_four_tiles_supported(int m, int64_t n, int64_t k) {
   if (m < 1 || m > kMaxNpMt4 || n <= 0 || k <= 0 || k % kGemmBlock != 0) return false;
   return plan_gemm_wgmma(m, n, k, 1).splits == 1 && plan_gemm_wgmma(m, n, k, 1, 1, 4).stages >= 1;
@@ -732,7 +839,8 @@ void launch_gemm_fp8_wgmma(const Fp8GemmParams& p, const GemmPlan& plan, const G
   t.tmap_w = make_tensor_map(p.w, static_cast<uint64_t>(p.k), static_cast<uint64_t>(p.n), static_cast<uint64_t>(p.groups),
                              static_cast<uint64_t>(p.k), w_group, static_cast<uint32_t>(std::min(plan.block_n, kMaxBoxRows)));
   const uint64_t a_group = p.groups > 1 ? static_cast<uint64_t>(p.a_group_stride) : static_cast<uint64_t>(p.m) * p.a_stride;
-  const bool qnorm = p.qnorm_x != nullptr;
+  const bool qdist = p.qnorm_x != nullptr && p.qnorm_dist_bar != nullptr;  // kQDist: codes via global memory
+  const bool qnorm = p.qnorm_x != nullptr && !qdist;
   if (!qnorm)  // kQNorm: no activation TMA (the map stays zero and is never used)
     t.tmap_x = make_tensor_map(p.a_q, static_cast<uint64_t>(p.k), static_cast<uint64_t>(p.m), static_cast<uint64_t>(p.groups),
                                static_cast<uint64_t>(p.a_stride), a_group, static_cast<uint32_t>(np));
@@ -769,6 +877,19 @@ void launch_gemm_fp8_wgmma(const Fp8GemmParams& p, const GemmPlan& plan, const G
   t.qn_x_stride = p.qnorm_x_stride;
   t.qn_w = p.qnorm_w;
   t.qn_eps = p.qnorm_eps;
+  if (qdist) {
+    t.qd_bar = p.qnorm_dist_bar;
+    t.qd_codes = const_cast<uint8_t*>(p.a_q);
+    t.qd_scales = const_cast<uint8_t*>(p.a_scale);
+    t.qd_code_stride = p.a_stride;
+    t.qd_scale_stride = p.a_scale_stride;
+    t.qd_y = p.qnorm_y;
+    t.qd_y_stride = p.qnorm_y_stride;
+    if (plan.warp_mtiles != 2 || p.groups != 1 ||
+        static_cast<int64_t>(plan.tiles_n) * plan.splits > device_sm_count(-1))
+      throw std::invalid_argument("gemm v2: the distributed q_norm needs two m64 tiles per warpgroup, one group and "
+                                  "a grid the SMs hold at once");
+  }
   size_t smem_bytes = plan.smem_bytes;
   if (rope || qnorm) {  // the table region / the codes of all K beside the ring: fewer ring stages where needed
     if (plan.splits != 1 || plan.warp_mtiles != 2 || p.groups != 1)
@@ -778,7 +899,9 @@ void launch_gemm_fp8_wgmma(const Fp8GemmParams& p, const GemmPlan& plan, const G
     smem_bytes = smem_request(smem_layout(plan.block_n, np, t.stages, t.max_split_blocks, rope,
                                           qnorm ? qnorm_code_stages(t.max_split_blocks) : 0));
   }
-  const WgmmaKernel kernel = qnorm                   ? (rope ? pick_wgmma_kernel<2, true, true>(np)
+  const WgmmaKernel kernel = qdist                   ? (rope ? pick_wgmma_kernel<2, true, false, true>(np)
+                                                             : pick_wgmma_kernel<2, false, false, true>(np))
+                             : qnorm                 ? (rope ? pick_wgmma_kernel<2, true, true>(np)
                                                              : pick_wgmma_kernel<2, false, true>(np))
                              : rope                  ? pick_wgmma_kernel<2, true>(np)
                              : plan.warp_mtiles == 4 ? pick_wgmma_kernel_mt4(np)

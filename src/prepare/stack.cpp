@@ -234,6 +234,7 @@ struct GpuPrepareStack::Impl {
   int32_t* meta = nullptr;   // [kMFields, max_rows]
   int32_t* ctx_dev = nullptr;  // [n_requests] (prefill)
   uint32_t* cycle_scratch = nullptr;  // [4]: the cycle prologue's memset targets
+  uint32_t* qdist_bar = nullptr;      // [2]: the distributed q_norm's grid barrier (zero at rest)
   // s_fork == kIdxGemmsOnK: recorded on lane K after the indexer's GEMMs, waited for on lane S
   // before the rest of IDX. One event serves every layer: each layer's wait is issued (at
   // join(S)) right after that layer's record (at join(K)), before the next record.
@@ -374,6 +375,7 @@ struct GpuPrepareStack::Impl {
   void issue_qa(int L, int T, cudaStream_t s);
   void issue_q_norm(int L, int T, cudaStream_t s);
   bool qnorm_fused_layer(int L, int T) const;  // GpuStackOptions::fuse_qnorm applies to layer L
+  bool qnorm_dist_layer(int L, int T) const;   // GpuStackOptions::qnorm_dist applies to layer L
   void issue_qb(int L, int T, cudaStream_t s);
   // GpuStackOptions::fuse_qchain / fuse_qchain_index: whether layer L (plain / reindex) runs its Q
   // chain as the fused kernel at T rows, and that kernel.
@@ -471,6 +473,8 @@ void GpuPrepareStack::Impl::init() {
   meta = alloc<int32_t>(static_cast<size_t>(kMFields) * R);
   ctx_dev = alloc<int32_t>(static_cast<size_t>(o.n_requests));
   cycle_scratch = alloc<uint32_t>(4);
+  qdist_bar = alloc<uint32_t>(2);
+  zero(qdist_bar, 2 * sizeof(uint32_t));
   V4_CUDA_CHECK(cudaEventCreateWithFlags(&idx_gemms_done, cudaEventDisableTiming));
   V4_CUDA_CHECK(cudaEventCreateWithFlags(&idx_x_done, cudaEventDisableTiming));
   zero(ctx_dev, sizeof(int32_t) * o.n_requests);
@@ -884,8 +888,19 @@ bool GpuPrepareStack::Impl::qnorm_fused_layer(int L, int T) const {
   return fp8_version(T, n, q_rank) == kn::GemmVersion::kWgmma && kn::gemm_v2_qnorm_supported(T, n, q_rank);
 }
 
+static_assert(kQNormDistAutoMinRows == kn::kQChainMaxRows + 1, "qnorm_dist's kAuto starts past the fused chain");
+
+bool GpuPrepareStack::Impl::qnorm_dist_layer(int L, int T) const {
+  // The layers of qnorm_fused_layer (nothing but the wq_b GEMM reads q_norm's codes), where the
+  // per-CTA form is not asked for.
+  if ((lp(L).work & kWorkIDX) || qnorm_fused_layer(L, T)) return false;
+  if (!fusion_applies(o.qnorm_dist, T, kQNormDistAutoMinRows, kQNormDistAutoMaxRows)) return false;
+  const int64_t n = static_cast<int64_t>(H) * kHd;
+  return fp8_version(T, n, q_rank) == kn::GemmVersion::kWgmma && kn::gemm_v2_qnorm_dist_supported(T, n, q_rank);
+}
+
 void GpuPrepareStack::Impl::issue_q_norm(int L, int T, cudaStream_t s) {
-  if (qnorm_fused_layer(L, T)) return;  // the wq_b GEMM normalises its input itself (issue_qb)
+  if (qnorm_fused_layer(L, T) || qnorm_dist_layer(L, T)) return;  // the wq_b GEMM normalises its input itself (issue_qb)
   kn::RmsNormParams p;
   p.x = qkv_a;
   p.x_stride = qkv_w;
@@ -928,6 +943,14 @@ void GpuPrepareStack::Impl::issue_qb(int L, int T, cudaStream_t s) {
     g.qnorm_x_stride = qkv_w;
     g.qnorm_w = d.q_norm;
     g.qnorm_eps = eps;
+  } else if (qnorm_dist_layer(L, T)) {  // the CTAs share the rows' q_norm, writing what issue_q_norm would
+    g.qnorm_x = qkv_a;
+    g.qnorm_x_stride = qkv_w;
+    g.qnorm_w = d.q_norm;
+    g.qnorm_eps = eps;
+    g.qnorm_dist_bar = qdist_bar;
+    g.qnorm_y = qr;
+    g.qnorm_y_stride = q_rank;
   }
   // fuse_rope_store: the GEMM writes q_pad itself with the RoPE applied (v2 epilogue; same bytes).
   const bool fuse_rope = fusion_applies(o.fuse_rope_store, T, kRopeStoreAutoMinRows, kRopeStoreAutoMaxRows);
@@ -1345,6 +1368,7 @@ void GpuPrepareStack::set_gemm_version(kernels::GemmVersion v) { impl_->set_opti
 void GpuPrepareStack::set_s_fork(LayerIssue::SFork f) { impl_->set_option(&GpuStackOptions::s_fork, f); }
 void GpuPrepareStack::set_fuse_rope_store(Fusion f) { impl_->set_option(&GpuStackOptions::fuse_rope_store, f); }
 void GpuPrepareStack::set_fuse_qnorm(Fusion f) { impl_->set_option(&GpuStackOptions::fuse_qnorm, f); }
+void GpuPrepareStack::set_qnorm_dist(Fusion f) { impl_->set_option(&GpuStackOptions::qnorm_dist, f); }
 void GpuPrepareStack::set_fuse_qchain(Fusion f) { impl_->set_option(&GpuStackOptions::fuse_qchain, f); }
 void GpuPrepareStack::set_fuse_qchain_index(Fusion f) {
   impl_->set_option(&GpuStackOptions::fuse_qchain_index, f);

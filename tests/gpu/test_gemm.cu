@@ -2009,11 +2009,14 @@ namespace {
 // act quant, then the plain v2 GEMM on those codes (and, with rope, the fused RoPE store of both) --
 // byte for byte on the wq_b shape, x rows with a stride like the QA output's, poisoned outputs
 // (rows m, m + 1 and the columns past n must stay poison).
-void check_qnorm_case(int m, uint64_t seed, bool rope, bool pdl) {
+// dist: the distributed form (qnorm_dist_bar), which also writes the codes, scales and y that
+// run_rmsnorm writes: those are compared too, and the barrier is used by several launches in a row.
+void check_qnorm_case(int m, uint64_t seed, bool rope, bool pdl, bool dist = false) {
   constexpr int kHeads = 64, kHd = 512;
   constexpr int64_t kQRank = 1280, kXStride = 1792;  // x = the q part of the wq_a|wkv output
   const Fp8Case cs{static_cast<int64_t>(kHeads) * kHd, kQRank};
-  ASSERT_TRUE(gemm_v2_qnorm_supported(m, cs.n, cs.k)) << m;
+  if (dist) ASSERT_TRUE(gemm_v2_qnorm_dist_supported(m, cs.n, cs.k)) << m;
+  else ASSERT_TRUE(gemm_v2_qnorm_supported(m, cs.n, cs.k)) << m;
   const Fp8Weights w = make_fp8_weights(cs, Data::kRealistic, seed);
   Rng rng(seed * 11 + 3);
   std::vector<bf16_t> x(static_cast<size_t>(m) * kXStride);
@@ -2085,7 +2088,36 @@ void check_qnorm_case(int m, uint64_t seed, bool rope, bool pdl) {
   f.qnorm_eps = eps;
   f.out = got.get();
   if (rope) f.rope_err = err.get() + 1;
-  run_gemm_fp8_qnorm(f, nullptr, pdl);
+  if (dist) {  // the kernel writes codes / scales / y itself: poisoned copies, compared below
+    DeviceBuffer<uint32_t> bar(2);
+    bar.fill_bytes(0);
+    DeviceBuffer<bf16_t> y2(static_cast<size_t>(m) * kQRank);
+    DeviceBuffer<uint8_t> codes2(static_cast<size_t>(m) * kQRank), scales2(static_cast<size_t>(m) * (kQRank / 32));
+    f.a_q = codes2.get();
+    f.a_stride = kQRank;
+    f.a_scale = scales2.get();
+    f.a_scale_stride = kQRank / 32;
+    f.qnorm_dist_bar = bar.get();
+    f.qnorm_y = y2.get();
+    f.qnorm_y_stride = kQRank;
+    for (int launch = 0; launch < 3; ++launch) {  // the barrier's words serve launch after launch
+      y2.fill_bytes(kPoisonByte);
+      codes2.fill_bytes(kPoisonByte);
+      scales2.fill_bytes(kPoisonByte);
+      got.fill_bytes(kPoisonByte);
+      run_gemm_fp8(f, GemmWorkspace{}, GemmVersion::kWgmma, nullptr, pdl);
+      V4_CUDA_CHECK(cudaDeviceSynchronize());
+      EXPECT_TRUE(to_host(codes2) == to_host(codes)) << "m " << m << " launch " << launch << ": codes differ";
+      EXPECT_TRUE(to_host(scales2) == to_host(scales)) << "m " << m << " launch " << launch << ": scales differ";
+      EXPECT_TRUE(to_host(y2) == to_host(y)) << "m " << m << " launch " << launch << ": y differs";
+      EXPECT_TRUE(to_host(got) == to_host(want)) << "m " << m << " launch " << launch << ": out differs";
+    }
+    const std::vector<uint32_t> hb = to_host(bar);
+    EXPECT_EQ(hb[0], 0u) << "the rows' count is rewound";
+    EXPECT_EQ(hb[1], 0u) << "the CTAs' count is rewound";
+  } else {
+    run_gemm_fp8_qnorm(f, nullptr, pdl);
+  }
   V4_CUDA_CHECK(cudaDeviceSynchronize());
   const std::vector<bf16_t> hw = to_host(want), hg = to_host(got);
   size_t differ = 0, written = 0;
@@ -2112,6 +2144,15 @@ TEST(GpuGemmQNorm, MatchesRmsNormThenGemmBytes) {
   for (int m : {1, 6, 9, 16, 24, 32, 40, 64})
     for (bool rope : {false, true})
       for (bool pdl : {false, true}) check_qnorm_case(m, ++seed, rope, pdl);
+}
+
+TEST(GpuGemmQNorm, DistributedMatchesRmsNormThenGemmBytes) {
+  V4_REQUIRE_GPU();
+  use_all_cores();
+  uint64_t seed = 1400;
+  for (int m : {1, 6, 17, 24, 32, 40, 64})
+    for (bool rope : {false, true})
+      for (bool pdl : {false, true}) check_qnorm_case(m, ++seed, rope, pdl, /*dist=*/true);
 }
 
 TEST(GpuGemmQNorm, SupportAndRefusals) {
@@ -2145,6 +2186,16 @@ TEST(GpuGemmQNorm, SupportAndRefusals) {
   p.qnorm_x_stride = 1000;
   EXPECT_THROW(run_gemm_fp8_qnorm(p, nullptr, false), std::invalid_argument);  // stride < k
   p.qnorm_x_stride = 1280;
+  {  // the distributed form writes a_q / a_scale: both must be set
+    alignas(8) static uint32_t fake_bar[2];
+    Fp8GemmParams d = p;
+    d.qnorm_dist_bar = fake_bar;
+    EXPECT_THROW(run_gemm_fp8(d, GemmWorkspace{}, GemmVersion::kWgmma, nullptr, false), std::invalid_argument);
+    d.a_q = fake_bytes;
+    d.a_stride = 1280;
+    d.a_scale_stride = 40;
+    EXPECT_THROW(run_gemm_fp8(d, GemmWorkspace{}, GemmVersion::kWgmma, nullptr, false), std::invalid_argument);  // a_scale null
+  }
   Fp8GemmParams v3 = p;
   EXPECT_THROW(run_gemm_fp8(v3, GemmWorkspace{}, GemmVersion::kWgmmaPipelined, nullptr, false), std::invalid_argument);
 }

@@ -669,6 +669,7 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
     int qb_side_mtiles = 0;                   // the index layers' wq_b GEMM at 64 (4) / 128 (2) CTAs
     bool fused_index_on_main = true;          // fused reindex layers: the indexer on main after the chain
     Fusion src_idx_main = Fusion::kAuto;      // three-lane: the compressor layers' indexer on main
+    Fusion qnorm_dist = Fusion::kAuto;        // q_norm shared by the wq_b GEMM's first CTAs (kAuto: 17-32 rows)
   };
   const Config configs[] = {{Schedule::kSerial, false, false},
                             {Schedule::kThreeLane, true, true},
@@ -705,7 +706,11 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
                             // The compressor layers' indexer on main, the wq_b GEMM on lane K (and off).
                             {Schedule::kThreeLane, true, true, Fusion::kOff, Fusion::kOn, Fusion::kAuto, Fusion::kAuto, Fusion::kOn, Fusion::kAuto, 0, true, Fusion::kOn},
                             {Schedule::kThreeLane, false, true, Fusion::kOff, Fusion::kOff, Fusion::kAuto, Fusion::kAuto, Fusion::kOff, Fusion::kAuto, 0, true, Fusion::kOn},
-                            {Schedule::kThreeLane, true, true, Fusion::kOff, Fusion::kOn, Fusion::kAuto, Fusion::kAuto, Fusion::kOn, Fusion::kAuto, 0, true, Fusion::kOff}};
+                            {Schedule::kThreeLane, true, true, Fusion::kOff, Fusion::kOn, Fusion::kAuto, Fusion::kAuto, Fusion::kOn, Fusion::kAuto, 0, true, Fusion::kOff},
+                            // The plain layers' q_norm shared by the wq_b GEMM's first CTAs (the
+                            // unfused chain; kAuto takes it at 17-32 rows only), plain and with the RoPE store.
+                            {Schedule::kThreeLane, true, true, Fusion::kOff, Fusion::kOff, Fusion::kAuto, Fusion::kAuto, Fusion::kOff, Fusion::kAuto, 0, true, Fusion::kAuto, Fusion::kOn},
+                            {Schedule::kSerial, false, false, Fusion::kOn, Fusion::kOff, Fusion::kAuto, Fusion::kAuto, Fusion::kOff, Fusion::kAuto, 0, true, Fusion::kAuto, Fusion::kOn}};
   // The fused form must really run here (wq_b at this config and bucket), or the configs above
   // that ask for it would silently compare the unfused path with itself.
   if (tp == 1) {
@@ -717,9 +722,11 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
     // And the index layers' wq_b GEMM at four m64 tiles per warpgroup (qb_side_mtiles 4).
     EXPECT_TRUE(kernels::gemm_v2_four_tiles_supported(buckets_rows(go, kind), static_cast<int64_t>(cfg.n_heads) * 512,
                                                       cfg.q_lora_rank));
-    // And the wq_b GEMM that normalises its input itself.
+    // And the wq_b GEMM that normalises its input itself, in both forms.
     EXPECT_TRUE(kernels::gemm_v2_qnorm_supported(buckets_rows(go, kind), static_cast<int64_t>(cfg.n_heads) * 512,
                                                  cfg.q_lora_rank));
+    EXPECT_TRUE(kernels::gemm_v2_qnorm_dist_supported(buckets_rows(go, kind), static_cast<int64_t>(cfg.n_heads) * 512,
+                                                      cfg.q_lora_rank));
     // And the QA GEMM that quantises x itself.
     EXPECT_TRUE(kernels::gemm_v3_fused_quant_supported(buckets_rows(go, kind), cfg.q_lora_rank + 512, cfg.dim));
     // And v6 for the indexer's wq_b (idx_gemv's default), and, at its rows, for the wq_a|wkv GEMM of
@@ -743,7 +750,7 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
                              " qchain-index " + to_string(configs[c].fuse_qchain_index) + " q-direct " +
                              to_string(configs[c].qchain_q_direct) + " qb-side-mtiles " + std::to_string(configs[c].qb_side_mtiles) +
                              (configs[c].fused_index_on_main ? "" : " fused-index-on-S") + " src-idx-main " +
-                             to_string(configs[c].src_idx_main);
+                             to_string(configs[c].src_idx_main) + " qnorm-dist " + to_string(configs[c].qnorm_dist);
     SCOPED_TRACE(name);
     gpu.upload_caches(initial);
     gpu.set_schedule(configs[c].schedule);
@@ -757,6 +764,7 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
     gpu.set_qb_side_mtiles(configs[c].qb_side_mtiles);
     gpu.set_fused_index_on_main(configs[c].fused_index_on_main);
     gpu.set_src_idx_main(configs[c].src_idx_main);
+    gpu.set_qnorm_dist(configs[c].qnorm_dist);
     gpu.reset_error_count();
     for (int step = 0; step < 2; ++step) {
       gpu.poison_outputs(kPoison);

@@ -319,6 +319,16 @@ struct Fp8GemmParams {
   int64_t qnorm_x_stride = 0;  // elements, >= k
   const float* qnorm_w = nullptr;
   float qnorm_eps = 0.0f;
+  // v2, with qnorm_x: the distributed q_norm (gemm_v2_qnorm_dist_supported). Set, the grid's first
+  // m CTAs normalise and quantise one row each, writing the codes and scales to a_q / a_scale (then
+  // non-null: the buffers and layout run_rmsnorm's q_codes / q_scales would fill; a_stride and
+  // a_scale_stride as for the plain GEMM) and, if qnorm_y is set, the normalised bf16 rows to
+  // qnorm_y (run_rmsnorm's y); every CTA waits for the m rows on these two words (zero before the
+  // first use; the kernel leaves them zero), then goes on as the plain GEMM. The waiting CTAs spin:
+  // the grid may not exceed the SMs the process holds at once.
+  uint32_t* qnorm_dist_bar = nullptr;
+  bf16_t* qnorm_y = nullptr;
+  int64_t qnorm_y_stride = 0;  // elements, >= k
   // v2 only (run_gemm_fp8_rope_store): q_rope_store fused into the epilogue.
   const int32_t* rope_pos = nullptr;      // [m] positions
   const float* rope_table = nullptr;      // [rope_max_pos, 64] fp32 (cos, sin) interleaved
@@ -370,6 +380,17 @@ void run_gemm_fp8_rope_store(const Fp8GemmParams& p, cudaStream_t stream, bool p
 // RoPE store's table, so that a caller may add it (gemm_v2_qnorm_supported).
 bool gemm_v2_qnorm_supported(int m, int64_t n, int64_t k);
 void run_gemm_fp8_qnorm(const Fp8GemmParams& p, cudaStream_t stream, bool pdl);
+// The distributed form (qnorm_dist_bar set; run_gemm_fp8 with GemmVersion::kWgmma): out, and the
+// codes / scales / y it writes, byte for byte those of run_rmsnorm (q_codes, y) then run_gemm_fp8 v2
+// (plain or with the RoPE store). After its PDL wait CTA c < m normalises and quantises row c exactly
+// as rmsnorm_kernel does (LaneSum by one warp, one thread per 8-element chunk) into a_q / a_scale and
+// counts it (a release add); every CTA waits for the m rows (acquire loads), then TMA-loads them like
+// the plain GEMM; the last CTA past that wait rewinds the two words. Unlike the per-CTA form the
+// ring keeps its stages and no row is normalised twice; against the q_norm kernel it saves a kernel
+// boundary for a counter hand-off (docs/perf.md session 25: decode bs 32 -0.4 %, verify bs 4 -0.2 %).
+// Supported when v2's automatic plan has two m64 tiles per warpgroup, k <= 2048, and its grid fits
+// the SMs the process holds at once (groups == 1 is run_gemm_fp8's requirement).
+bool gemm_v2_qnorm_dist_supported(int m, int64_t n, int64_t k);
 
 // ---- bf16 GEMM --------------------------------------------------------------------------------
 // out[m, n] = bf16( sum_k x[m, k] * w[n, k] ), fp32 accumulation. Requirements as for fp8;

@@ -90,7 +90,7 @@ namespace prepare {
 
 enum class WeightSource : uint8_t { kReference, kDeviceRandom };
 // A fusion knob of GpuStackOptions (fuse_qchain, fuse_qchain_index, fuse_x_quant, fuse_rope_store, fuse_qnorm,
-// idx_gemv, qa_gemv): never, by the measured rule of the field (kAuto), or wherever the fused form (the
+// qnorm_dist, idx_gemv, qa_gemv): never, by the measured rule of the field (kAuto), or wherever the fused form (the
 // kernel version) takes the shape.
 enum class Fusion : uint8_t { kOff, kAuto, kOn };
 // kAuto's row limit. Measured (docs/perf.md, session 10, three-lane, fused vs unfused, two
@@ -149,6 +149,11 @@ constexpr int kSrcIdxMainAutoRows = 1;
 // Since session 16 the plain layers run the fused chain up to 12 rows (kQChainAutoRows), so at 8-12
 // rows this rule applies to the index layers' unfused chain only.
 constexpr int kRopeStoreAutoMinRows = 8;
+// qnorm_dist's kAuto rows, past the fused chain's kQChainMaxRows (docs/perf.md session 25 run 6,
+// three-lane, same binary, off -> auto, two repetitions each: verify bs 3 (18 rows) -0.8 %, decode
+// bs 24 even, verify bs 4 (24 rows) -0.5 %, decode bs 32 -0.3 %; decode bs 48 +1.2 %, hence 32).
+constexpr int kQNormDistAutoMinRows = 17;
+constexpr int kQNormDistAutoMaxRows = 32;
 constexpr int kRopeStoreAutoMaxRows = 48;
 // Indexer scores in verify steps: from this many requests on, a CTA scores half a request's rows
 // (the stack's automatic group_rows; the knob scores_group_rows overrides it). docs/perf.md
@@ -283,6 +288,13 @@ struct GpuStackOptions {
   // long exact-arithmetic chain per chunk, which costs more than the kernel boundary it removes);
   // kOn: wherever v2 takes it (gemm_v2_qnorm_supported). Experiment knob.
   Fusion fuse_qnorm = Fusion::kAuto;
+  // The distributed form of that (kernels::gemm_v2_qnorm_dist_supported): the wq_b GEMM's first T
+  // CTAs normalise and quantise one row each into the buffers the q_norm kernel would write (same
+  // bytes, tested), the other CTAs wait for those rows only (a counter), and the ring keeps its
+  // stages. Same layers (unfused chain, no indexer); fuse_qnorm kOn takes precedence. kOff: never;
+  // kAuto: kQNormDistAutoMinRows..kQNormDistAutoMaxRows rows (past the fused chain's rows);
+  // kOn: wherever v2 takes it.
+  Fusion qnorm_dist = Fusion::kAuto;
   // When a plain layer (work QA | QB | KV, no compressor / indexer) runs as the fused Q chain. kOff:
   // never, the five-kernel chain with its window-K on lane K; kAuto: at most kQChainAutoRows rows
   // (where it measured faster in the three-lane cycle), and only with `gemm` kAuto (a forced GEMM
@@ -420,6 +432,7 @@ class GpuPrepareStack {
   void set_lane_prologue(bool on);
   void set_fuse_rope_store(Fusion f);  // GpuStackOptions::fuse_rope_store
   void set_fuse_qnorm(Fusion f);       // GpuStackOptions::fuse_qnorm
+  void set_qnorm_dist(Fusion f);       // GpuStackOptions::qnorm_dist
   void set_fuse_qchain(Fusion f);     // GpuStackOptions::fuse_qchain
   void set_fuse_qchain_index(Fusion f);  // GpuStackOptions::fuse_qchain_index
   void set_qchain_q_direct(Fusion f);    // GpuStackOptions::qchain_q_direct
