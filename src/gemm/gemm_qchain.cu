@@ -805,6 +805,11 @@ int device_sm_count(int device) {
   int sms = 0;
   V4_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   if (device == current) {
+    // The affinity is the current context's: make sure there is one (cudaSetDevice initialises the
+    // primary context since CUDA 12, and is allowed during a stream capture, unlike cudaFree(0)).
+    // Without it a first call before any other CUDA work failed with CUDA_ERROR_INVALID_CONTEXT
+    // (harmless, the count stayed the attribute's, but compute-sanitizer reports it).
+    V4_CUDA_CHECK(cudaSetDevice(current));
     using GetAffinity = CUresult (*)(CUexecAffinityParam*, CUexecAffinityType);
     static const GetAffinity get = [] {
       void* f = nullptr;
