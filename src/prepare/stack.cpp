@@ -935,19 +935,20 @@ void GpuPrepareStack::Impl::issue_qb(int L, int T, cudaStream_t s) {
   g.prewait_stages = o.qb_prewait_stages;
   g.v2_overlap = o.qb_overlap;
   g.prewait_pace_ns = o.qb_prewait_pace_ns >= 0 ? o.qb_prewait_pace_ns : (T == 1 ? 1000 : 0);
-  if (qnorm_fused_layer(L, T)) {  // q_norm + act quant in the GEMM's prologue, from the QA output
+  // q_norm + act quant inside the GEMM, from the QA output: every CTA all rows into its shared memory
+  // (fuse_qnorm), or the first CTAs one row each into the buffers issue_q_norm would write (qnorm_dist).
+  const bool qnorm_cta = qnorm_fused_layer(L, T), qnorm_shared = !qnorm_cta && qnorm_dist_layer(L, T);
+  if (qnorm_cta || qnorm_shared) {
+    g.qnorm_x = qkv_a;
+    g.qnorm_x_stride = qkv_w;
+    g.qnorm_w = d.q_norm;
+    g.qnorm_eps = eps;
+  }
+  if (qnorm_cta) {
     g.a_q = nullptr;
     g.a_scale = nullptr;
     g.a_stride = g.a_scale_stride = 0;
-    g.qnorm_x = qkv_a;
-    g.qnorm_x_stride = qkv_w;
-    g.qnorm_w = d.q_norm;
-    g.qnorm_eps = eps;
-  } else if (qnorm_dist_layer(L, T)) {  // the CTAs share the rows' q_norm, writing what issue_q_norm would
-    g.qnorm_x = qkv_a;
-    g.qnorm_x_stride = qkv_w;
-    g.qnorm_w = d.q_norm;
-    g.qnorm_eps = eps;
+  } else if (qnorm_shared) {
     g.qnorm_dist_bar = qdist_bar;
     g.qnorm_y = qr;
     g.qnorm_y_stride = q_rank;
