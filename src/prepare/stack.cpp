@@ -234,7 +234,7 @@ struct GpuPrepareStack::Impl {
   int32_t* meta = nullptr;   // [kMFields, max_rows]
   int32_t* ctx_dev = nullptr;  // [n_requests] (prefill)
   uint32_t* cycle_scratch = nullptr;  // [4]: the cycle prologue's memset targets
-  uint32_t* qdist_bar = nullptr;      // [2]: the distributed q_norm's grid barrier (zero at rest)
+  uint32_t* qdist_bar = nullptr;      // [2]: the distributed q_norm's counters (zero at rest)
   // s_fork == kIdxGemmsOnK: recorded on lane K after the indexer's GEMMs, waited for on lane S
   // before the rest of IDX. One event serves every layer: each layer's wait is issued (at
   // join(S)) right after that layer's record (at join(K)), before the next record.

@@ -2010,7 +2010,7 @@ namespace {
 // byte for byte on the wq_b shape, x rows with a stride like the QA output's, poisoned outputs
 // (rows m, m + 1 and the columns past n must stay poison).
 // dist: the distributed form (qnorm_dist_bar), which also writes the codes, scales and y that
-// run_rmsnorm writes: those are compared too, and the barrier is used by several launches in a row.
+// run_rmsnorm writes: those are compared too, and its two counter words serve several launches in a row.
 void check_qnorm_case(int m, uint64_t seed, bool rope, bool pdl, bool dist = false) {
   constexpr int kHeads = 64, kHd = 512;
   constexpr int64_t kQRank = 1280, kXStride = 1792;  // x = the q part of the wq_a|wkv output
@@ -2100,7 +2100,7 @@ void check_qnorm_case(int m, uint64_t seed, bool rope, bool pdl, bool dist = fal
     f.qnorm_dist_bar = bar.get();
     f.qnorm_y = y2.get();
     f.qnorm_y_stride = kQRank;
-    for (int launch = 0; launch < 3; ++launch) {  // the barrier's words serve launch after launch
+    for (int launch = 0; launch < 3; ++launch) {  // the counters serve launch after launch (rewound)
       y2.fill_bytes(kPoisonByte);
       codes2.fill_bytes(kPoisonByte);
       scales2.fill_bytes(kPoisonByte);

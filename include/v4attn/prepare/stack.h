@@ -149,12 +149,12 @@ constexpr int kSrcIdxMainAutoRows = 1;
 // Since session 16 the plain layers run the fused chain up to 12 rows (kQChainAutoRows), so at 8-12
 // rows this rule applies to the index layers' unfused chain only.
 constexpr int kRopeStoreAutoMinRows = 8;
+constexpr int kRopeStoreAutoMaxRows = 48;
 // qnorm_dist's kAuto rows, past the fused chain's kQChainMaxRows (docs/perf.md session 25 run 6,
 // three-lane, same binary, off -> auto, two repetitions each: verify bs 3 (18 rows) -0.8 %, decode
 // bs 24 even, verify bs 4 (24 rows) -0.5 %, decode bs 32 -0.3 %; decode bs 48 +1.2 %, hence 32).
 constexpr int kQNormDistAutoMinRows = 17;
 constexpr int kQNormDistAutoMaxRows = 32;
-constexpr int kRopeStoreAutoMaxRows = 48;
 // Indexer scores in verify steps: from this many requests on, a CTA scores half a request's rows
 // (the stack's automatic group_rows; the knob scores_group_rows overrides it). docs/perf.md
 // session 17: three-lane, same binary, two repetitions each.
