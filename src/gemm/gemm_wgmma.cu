@@ -884,11 +884,7 @@ void launch_gemm_fp8_wgmma(const Fp8GemmParams& p, const GemmPlan& plan, const G
     t.qd_code_stride = p.a_stride;
     t.qd_scale_stride = p.a_scale_stride;
     t.qd_y = p.qnorm_y;
-    t.qd_y_stride = p.qnorm_y_stride;
-    if (plan.warp_mtiles != 2 || p.groups != 1 ||
-        static_cast<int64_t>(plan.tiles_n) * plan.splits > device_sm_count(-1))
-      throw std::invalid_argument("gemm v2: the distributed q_norm needs two m64 tiles per warpgroup, one group and "
-                                  "a grid the SMs hold at once");
+    t.qd_y_stride = p.qnorm_y_stride;  // the plan's fit (gemm_v2_qnorm_dist_supported): checked by run_gemm_fp8
   }
   size_t smem_bytes = plan.smem_bytes;
   if (rope || qnorm) {  // the table region / the codes of all K beside the ring: fewer ring stages where needed

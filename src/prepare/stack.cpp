@@ -374,8 +374,10 @@ struct GpuPrepareStack::Impl {
   void issue_cycle(int T);
   void issue_qa(int L, int T, cudaStream_t s);
   void issue_q_norm(int L, int T, cudaStream_t s);
-  bool qnorm_fused_layer(int L, int T) const;  // GpuStackOptions::fuse_qnorm applies to layer L
-  bool qnorm_dist_layer(int L, int T) const;   // GpuStackOptions::qnorm_dist applies to layer L
+  // Where layer L's q_norm runs at T rows: its own kernel, or inside the wq_b GEMM -- every CTA all
+  // rows (GpuStackOptions::fuse_qnorm) or the first CTAs one row each (GpuStackOptions::qnorm_dist).
+  enum class QNormAt : uint8_t { kKernel, kGemmEveryCta, kGemmRowCtas };
+  QNormAt qnorm_at(int L, int T) const;
   void issue_qb(int L, int T, cudaStream_t s);
   // GpuStackOptions::fuse_qchain / fuse_qchain_index: whether layer L (plain / reindex) runs its Q
   // chain as the fused kernel at T rows, and that kernel.
@@ -878,29 +880,23 @@ void GpuPrepareStack::Impl::issue_qa(int L, int T, cudaStream_t s) {
   kn::run_gemm_fp8(g, ws_for(s), gemv ? kn::GemmVersion::kGemv : o.gemm, s, pdl_rest());
 }
 
-bool GpuPrepareStack::Impl::qnorm_fused_layer(int L, int T) const {
-  // Only where nothing reads q_norm's output but the wq_b GEMM: the indexer's wq_b reads its codes.
-  if (lp(L).work & kWorkIDX) return false;
-  // kAuto's row range is empty: measured slower at every row count it applies to (perf.md session 13
-  // run 14).
-  if (!fusion_applies(o.fuse_qnorm, T, 1, 0)) return false;
-  const int64_t n = static_cast<int64_t>(H) * kHd;
-  return fp8_version(T, n, q_rank) == kn::GemmVersion::kWgmma && kn::gemm_v2_qnorm_supported(T, n, q_rank);
-}
-
 static_assert(kQNormDistAutoMinRows == kn::kQChainMaxRows + 1, "qnorm_dist's kAuto starts past the fused chain");
 
-bool GpuPrepareStack::Impl::qnorm_dist_layer(int L, int T) const {
-  // The layers of qnorm_fused_layer (nothing but the wq_b GEMM reads q_norm's codes), where the
-  // per-CTA form is not asked for.
-  if ((lp(L).work & kWorkIDX) || qnorm_fused_layer(L, T)) return false;
-  if (!fusion_applies(o.qnorm_dist, T, kQNormDistAutoMinRows, kQNormDistAutoMaxRows)) return false;
+GpuPrepareStack::Impl::QNormAt GpuPrepareStack::Impl::qnorm_at(int L, int T) const {
+  // Only where nothing reads q_norm's output but the wq_b GEMM: the indexer's wq_b reads its codes.
   const int64_t n = static_cast<int64_t>(H) * kHd;
-  return fp8_version(T, n, q_rank) == kn::GemmVersion::kWgmma && kn::gemm_v2_qnorm_dist_supported(T, n, q_rank);
+  if ((lp(L).work & kWorkIDX) || fp8_version(T, n, q_rank) != kn::GemmVersion::kWgmma) return QNormAt::kKernel;
+  // fuse_qnorm first; its kAuto row range is empty: measured slower at every row count it applies to
+  // (perf.md session 13 run 14).
+  if (fusion_applies(o.fuse_qnorm, T, 1, 0) && kn::gemm_v2_qnorm_supported(T, n, q_rank)) return QNormAt::kGemmEveryCta;
+  if (fusion_applies(o.qnorm_dist, T, kQNormDistAutoMinRows, kQNormDistAutoMaxRows) &&
+      kn::gemm_v2_qnorm_dist_supported(T, n, q_rank))
+    return QNormAt::kGemmRowCtas;
+  return QNormAt::kKernel;
 }
 
 void GpuPrepareStack::Impl::issue_q_norm(int L, int T, cudaStream_t s) {
-  if (qnorm_fused_layer(L, T) || qnorm_dist_layer(L, T)) return;  // the wq_b GEMM normalises its input itself (issue_qb)
+  if (qnorm_at(L, T) != QNormAt::kKernel) return;  // the wq_b GEMM normalises its input itself (issue_qb)
   kn::RmsNormParams p;
   p.x = qkv_a;
   p.x_stride = qkv_w;
@@ -937,18 +933,18 @@ void GpuPrepareStack::Impl::issue_qb(int L, int T, cudaStream_t s) {
   g.prewait_pace_ns = o.qb_prewait_pace_ns >= 0 ? o.qb_prewait_pace_ns : (T == 1 ? 1000 : 0);
   // q_norm + act quant inside the GEMM, from the QA output: every CTA all rows into its shared memory
   // (fuse_qnorm), or the first CTAs one row each into the buffers issue_q_norm would write (qnorm_dist).
-  const bool qnorm_cta = qnorm_fused_layer(L, T), qnorm_shared = !qnorm_cta && qnorm_dist_layer(L, T);
-  if (qnorm_cta || qnorm_shared) {
+  const QNormAt qn = qnorm_at(L, T);
+  if (qn != QNormAt::kKernel) {
     g.qnorm_x = qkv_a;
     g.qnorm_x_stride = qkv_w;
     g.qnorm_w = d.q_norm;
     g.qnorm_eps = eps;
   }
-  if (qnorm_cta) {
+  if (qn == QNormAt::kGemmEveryCta) {
     g.a_q = nullptr;
     g.a_scale = nullptr;
     g.a_stride = g.a_scale_stride = 0;
-  } else if (qnorm_shared) {
+  } else if (qn == QNormAt::kGemmRowCtas) {
     g.qnorm_dist_bar = qdist_bar;
     g.qnorm_y = qr;
     g.qnorm_y_stride = q_rank;

@@ -387,7 +387,7 @@ void run_gemm_fp8_qnorm(const Fp8GemmParams& p, cudaStream_t stream, bool pdl);
 // counts it (a release add); every CTA waits for the m rows (acquire loads), then TMA-loads them like
 // the plain GEMM; the last CTA past that wait rewinds the two words. Unlike the per-CTA form the
 // ring keeps its stages and no row is normalised twice; against the q_norm kernel it saves a kernel
-// boundary for a counter hand-off (docs/perf.md session 25: decode bs 32 -0.4 %, verify bs 4 -0.2 %).
+// boundary for a counter hand-off (docs/perf.md session 25 run 6: decode bs 32 -0.3 %, verify bs 4 -0.5 %).
 // Supported when v2's automatic plan has two m64 tiles per warpgroup, k <= 2048, and its grid fits
 // the SMs the process holds at once (groups == 1 is run_gemm_fp8's requirement).
 bool gemm_v2_qnorm_dist_supported(int m, int64_t n, int64_t k);
