@@ -523,14 +523,14 @@ TEST(GpuGemmSkinny, AutoDispatch) {
     const Bf16Problem forced = make_bf16_problem({512, 5120, 1, 3, 0}, 6, Data::kRealistic, 9603);
     EXPECT_TRUE(run_bf16(forced, GemmVersion::kAuto) == run_bf16(forced, GemmVersion::kTensorCore));
   }
-  {  // fp32: kAuto == v1 bytes below 16 rows, v5 bytes from 16 (f32_skinny_preferred); x not 16-byte aligned -> v1
-    for (int m : {6, 15, 16, 24}) {
+  {  // fp32: kAuto == v1 bytes at one row, v5 bytes from 2 (f32_skinny_preferred); x not 16-byte aligned -> v1
+    for (int m : {1, 2, 6, 15, 16, 24}) {
       const F32Problem pr = make_f32_problem(1024, 5120, m, Data::kRealistic, 9604 + static_cast<uint64_t>(m));
       const std::vector<float> v1 = run_f32(pr, GemmVersion::kTensorCore), v5 = run_f32(pr, GemmVersion::kSkinny);
       const std::vector<float> a = run_f32(pr, GemmVersion::kAuto);
       // The two versions round differently on this data, so the byte check below can fail.
       EXPECT_NE(0, std::memcmp(v1.data(), v5.data(), v1.size() * sizeof(float))) << "m " << m;
-      const std::vector<float>& want = m >= 16 ? v5 : v1;
+      const std::vector<float>& want = m >= 2 ? v5 : v1;
       EXPECT_EQ(0, std::memcmp(want.data(), a.data(), a.size() * sizeof(float))) << "kAuto at m " << m;
       check_f32(a, pr, false, "f32 kAuto m" + std::to_string(m));
     }

@@ -114,7 +114,8 @@
 //    (K / 32 * 18 + K / P + P) u a (s = sum_k x_k w_k, a = sum_k |x_k w_k|, u = 2^-24, first
 //    order), inside the 2 (K + 8) u a the tests check (measured: <= 1.2e-6 a at K = 5120, also on
 //    weights spread over 2^-40..2^8). Exact whenever every partial sum is representable (small
-//    integers). kAuto takes it from m = 16 (f32_skinny_preferred); v1 below.
+//    integers). kAuto takes it from m = 2 (f32_skinny_preferred; from 16 before session 26); v1 at
+//    one row.
 //
 //  - v6 (kGemv): v1's fp8 numerics (block sum by two chained mmas from zero, one fma per block with
 //    the exact scale product, blocks in order from +0 within each of S contiguous K ranges, the S
