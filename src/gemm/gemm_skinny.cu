@@ -637,11 +637,11 @@ bool skinny_gemm_preferred(int m, int64_t n, int64_t k) {
 // fp32 (the ratio-2 compressor [wkv; wgate] 1024x5120, session 11 runs 4-5, bench_gemm graph timing
 // with PDL, us): v5 (direct path to 32 rows, rings above) against v1 at m = 1 / 6 / 8 / 12 / 16 / 24
 // / 32 / 64: 8.0 / 8.3 / 8.4 / 13.9 / 14.1 / 15.0 / 15.8 / 31.1 vs 6.8 / 11.4 / 13.3 / 17.0 / 20.9 /
-// 38.3 / 40.6 / 78.4 (session 26, m 2 / 3 / 4: 8.2 / 8.3 / 8.4 vs 7.4 / 8.3 / 9.1). In session 11's
+// 38.3 / 40.6 / 78.4 (session 26, m 2 / 3 / 4: v5 8.2 / 8.3 / 8.4). In session 11's
 // three-lane cycle v5 below 16 rows was slower (verify bs 1 +0.2 %, decode bs 4 +0.8 %, decode bs 1
-// +1.4 %); re-measured in session 26 (docs/perf.md, same binary, threshold 16 -> 2) it is faster
-// from 2 rows: decode bs 2 -0.45 %, bs 4 -0.5..-0.7 %, bs 6 -0.25 %, bs 8 -1.1 %, bs 12 -0.7 %,
-// verify bs 2 -0.7 %, verify bs 1 -0.3 %, decode bs 3 even; at one row still +0.9 %.
+// +1.4 %); re-measured in session 26's schedule (docs/perf.md session 26, runs 6-8) it is faster
+// from 2 rows: decode bs 2 -0.5 %, bs 4 -0.6 %, bs 8 -1.0 %, bs 12 -0.8 %, verify bs 2 -0.6 %, verify
+// bs 1 -0.15 % (threshold 16 -> 2 against the session-start binary); at one row still +0.9 %.
 bool f32_skinny_preferred(int m, int64_t n, int64_t k) { return skinny_shape_ok(m, n, k) && m >= 2; }
 
 GemmPlan plan_gemm_skinny(int m, int64_t n, int64_t k, int groups, bool f32, int force_splits, int force_mtiles) {
