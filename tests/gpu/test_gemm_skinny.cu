@@ -505,6 +505,10 @@ TEST(GpuGemmSkinny, AutoDispatch) {
   EXPECT_FALSE(skinny_gemm_preferred(0, 512, 5120));
   EXPECT_FALSE(skinny_gemm_preferred(65, 512, 5120));
   EXPECT_FALSE(skinny_gemm_preferred(6, 512, 5124));
+  // fp32 (session 26): v5 from 2 rows (the compressor's [wkv; wgate] 1024 x 5120), v1 at one row.
+  for (int m : kAllM) EXPECT_EQ(f32_skinny_preferred(m, 1024, 5120), m >= 2) << m;
+  EXPECT_FALSE(f32_skinny_preferred(65, 1024, 5120));
+  EXPECT_FALSE(f32_skinny_preferred(6, 1024, 5124));
   EXPECT_STREQ(gemm_version_name(GemmVersion::kSkinny), "v5 skinny");
   {
     const GemmPlan a = plan_gemm(GemmVersion::kSkinny, 6, 512, 5120, 1), b = plan_gemm_skinny(6, 512, 5120, 1, false);
