@@ -263,6 +263,7 @@ struct BenchCliOptions {
   std::string qchain_q_direct = "auto";
   std::string idx_gemv = "auto";
   std::string qa_gemv = "auto";
+  std::string fuse_cmp_tail = "auto";
   std::string src_idx_main = "auto";
   uint64_t seed = 1;
   std::string json_path;
@@ -421,6 +422,7 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
     j["qchain_q_direct"] = to_string(c.knobs.qchain_q_direct);
     j["idx_gemv"] = to_string(c.knobs.idx_gemv);
     j["qa_gemv"] = to_string(c.knobs.qa_gemv);
+    j["fuse_cmp_tail"] = to_string(c.knobs.fuse_cmp_tail);
     j["src_idx_main"] = to_string(c.knobs.src_idx_main);
     j["seed"] = c.knobs.seed;
     j["device_bytes"] = stack.device_bytes();
@@ -595,6 +597,10 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
                   "The wq_a|wkv GEMM of the layers with a compressor as v6 after the act quant kernel, instead of "
                   "--gemm's choice (v3 with its fused act quant)",
                   prepare::kQaGemvAutoRows);
+  add_fusion_option(sub, "--fuse-cmp-tail", o->fuse_cmp_tail,
+                    "The ratio-2 compressor's tail (c2, the wk GEMM, the index-K store) as one kernel per row instead "
+                    "of three launches: auto / on (wherever wk runs GEMM v5, i.e. --gemm-small auto or skinny) or off; "
+                    "same bytes");
   add_fusion_option(sub, "--src-idx-main", o->src_idx_main,
                     "Three-lane, index sources with a compressor: the indexer's q pack, scores and selection on main "
                     "after its wq_b GEMM, the Q wq_b GEMM on lane K beside the selection (default: the indexer on lane "
@@ -709,6 +715,7 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       c.knobs.qchain_q_direct = fusion_from(o->qchain_q_direct);
       c.knobs.idx_gemv = fusion_from(o->idx_gemv);
       c.knobs.qa_gemv = fusion_from(o->qa_gemv);
+      c.knobs.fuse_cmp_tail = fusion_from(o->fuse_cmp_tail);
       c.knobs.src_idx_main = fusion_from(o->src_idx_main);
       c.knobs.gemm_small = o->gemm_small == "tc"       ? kernels::GemmVersion::kTensorCore
                      : o->gemm_small == "skinny" ? kernels::GemmVersion::kSkinny

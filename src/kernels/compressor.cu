@@ -14,6 +14,11 @@
 //  - c2: grid N CTAs of 256 threads (one per row): the pooled row is built pair by pair, parked in
 //    shared memory (bf16-exact floats), and after one barrier every warp takes the row's LaneSum
 //    from there (lane l: chunks l and l+32) and goes on with its own pairs.
+//  - c2 + wk + index-K (c2_index_fused_kernel): c2's CTA of a row goes on with the indexer's key of
+//    that row -- the wk GEMM (kproj = latent_pre_rope @ wk^T, 128 x 512 bf16) by the same mma.sync
+//    fragments and the same sum tree as GEMM v5 (gemm_skinny.cu) at that shape, then the index-K
+//    store's steps (index_k_device.cuh) --, so the ratio-2 source layers' lane S runs one kernel
+//    where it ran three dependent ones (c2, the v5 GEMM, index_k_store), with the same bytes.
 // Rows are independent, so any N works (decode, verify, padded buckets). Every early exit depends
 // on the row's metadata only, so it is uniform over the row's CTAs (the c2 barrier is safe).
 //
@@ -29,6 +34,9 @@
 
 #include <string>
 
+#include "gemm/gemm_internal.h"
+#include "gemm/hopper_ptx.cuh"
+#include "kernels/index_k_device.cuh"
 #include "kernels/prepare_common.cuh"
 #include "runtime/launch.h"
 
@@ -118,10 +126,9 @@ __global__ void __launch_bounds__(kC1Threads) c1_fused_kernel(const __grid_const
 // Device-side containment of metadata the reference refuses (state row >= state_rows, pos outside
 // the table, prev_row outside [0, N) or == t, partner state row outside the state): the row is
 // skipped entirely and counted.
-__global__ void __launch_bounds__(kC2Threads) c2_fused_kernel(const __grid_constant__ C2FusedParams p) {
-  __shared__ __align__(16) float pooled_row[kPrepHeadDim];  // the row's bf16-exact pooled values
-  const int t = static_cast<int>(blockIdx.x);
-  const int j = static_cast<int>(threadIdx.x);
+// Row t by its CTA of 256 threads (thread j = pair j); pooled_row: 512 floats of shared memory.
+// Returns (CTA-uniformly) without the PDL trigger: the caller triggers after its own last store.
+__device__ __forceinline__ void c2_row(const C2FusedParams& p, int t, int j, float* pooled_row) {
   const int lane = j % 32;
 
   // The row's whole metadata in one round trip (the odd-row fields are [N] too: always readable).
@@ -141,7 +148,6 @@ __global__ void __launch_bounds__(kC2Threads) c2_fused_kernel(const __grid_const
     dev::pdl_wait();     // kvs is the GEMM's output; the state row may be read by earlier kernels
     const float4 v = *reinterpret_cast<const float4*>(self + 4 * j);
     *reinterpret_cast<float4*>(p.state + static_cast<int64_t>(srow) * kKvsRow + 4 * j) = v;
-    dev::pdl_launch_dependents();
     return;
   }
 
@@ -181,7 +187,91 @@ __global__ void __launch_bounds__(kC2Threads) c2_fused_kernel(const __grid_const
   detail::rmsnorm_apply_pair(x0, x1, r, w);
   latent_pair_out(x0, x1, j, cs, loc, p.latent_pre_rope + static_cast<int64_t>(t) * p.latent_row_stride, p.layout,
                   p.cache, p.n_slots, p.err_count);
+}
 
+__global__ void __launch_bounds__(kC2Threads) c2_fused_kernel(const __grid_constant__ C2FusedParams p) {
+  __shared__ __align__(16) float pooled_row[kPrepHeadDim];  // the row's bf16-exact pooled values
+  c2_row(p, static_cast<int>(blockIdx.x), static_cast<int>(threadIdx.x), pooled_row);
+  dev::pdl_launch_dependents();  // after this thread's last store (or its early return)
+}
+
+// ---- c2 + wk + index-K, fused ------------------------------------------------------------------
+// kproj[t] = bf16(latent_pre_rope[t] @ wk^T) with GEMM v5's bytes at (n 128, k 512): v5 plans S = 4
+// splits of 4 warps there whatever m is (kWkSplits, checked by the launcher), so output c is
+// bf16(((Q0 + Q1) + Q2) + Q3), Q_s = ((B_4s + B_4s+1) + B_4s+2) + B_4s+3, B_p = +0 + the block sum
+// of K block p, the block sum = two chained m16n8k16 bf16 mmas from zero with v1's fragment mapping
+// (thread (g, q) holds elements 8q .. 8q + 7 of weight rows g, g + 8 and of token row g; the first
+// mma takes elements 8q .. 8q + 3). An mma's column (token) does not depend on the others, so the
+// row alone (token 0; token rows 1..7 zero) gets the bytes it gets inside v5's batch. Warp w owns
+// output rows 16w .. 16w + 15 and walks the 16 K blocks in order, folding each split as it ends.
+constexpr int kWkBlocks = kPrepHeadDim / kGemmBlock;  // 16
+constexpr int kWkSplits = 4;                           // v5's S at (128, 512); one block per part
+constexpr int kWkPartsPerSplit = kWkBlocks / kWkSplits;  // 4 = v5's warps per split
+static_assert(kC2Threads / 32 * 16 == kPrepIndexDim, "8 warps x 16 output rows");
+// This thread's wk fragments (constants): weight rows 16w + g and 16w + g + 8, elements 8q .. 8q + 7 of
+// every K block, loaded at the kernel's start so that their latency hides behind c2.
+struct WkFragments {
+  uint4 lo[kWkBlocks], hi[kWkBlocks];
+};
+__device__ __forceinline__ void load_wk_fragments(const bf16_t* __restrict__ wk, int j, WkFragments& f) {
+  const int lane = j % 32, warp = j / 32, g = lane >> 2, q = lane & 3;
+  const bf16_t* w_lo = wk + static_cast<int64_t>(16 * warp + g) * kPrepHeadDim + 8 * q;
+#pragma unroll
+  for (int b = 0; b < kWkBlocks; ++b) {
+    f.lo[b] = __ldg(reinterpret_cast<const uint4*>(w_lo + b * kGemmBlock));
+    f.hi[b] = __ldg(reinterpret_cast<const uint4*>(w_lo + 8 * kPrepHeadDim + b * kGemmBlock));
+  }
+}
+__device__ __forceinline__ void wk_row(const WkFragments& f, const bf16_t* latent_row, bf16_t* kproj_row, int j) {
+  const int lane = j % 32, warp = j / 32, g = lane >> 2, q = lane & 3;
+  uint4 x[kWkBlocks];  // token 0 = the row (lanes g == 0); token rows 1..7 zero
+#pragma unroll
+  for (int b = 0; b < kWkBlocks; ++b)
+    x[b] = g == 0 ? *reinterpret_cast<const uint4*>(latent_row + b * kGemmBlock + 8 * q) : make_uint4(0u, 0u, 0u, 0u);
+  const float zero4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  float total[2] = {0.0f, 0.0f}, split_sum[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (int b = 0; b < kWkBlocks; ++b) {
+    const uint32_t a0[4] = {f.lo[b].x, f.hi[b].x, f.lo[b].y, f.hi[b].y}, a1[4] = {f.lo[b].z, f.hi[b].z, f.lo[b].w, f.hi[b].w};
+    float d[4];
+    hopper::mma_m16n8k16<false>(d, a0, x[b].x, x[b].y, zero4);  // elements 8q + 0..3 of the block
+    hopper::mma_m16n8k16<false>(d, a1, x[b].z, x[b].w, d);      // elements 8q + 4..7: d = block sum
+    // token 0 = column 0: d[0] (row g) and d[2] (row g + 8) of the lanes q == 0
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float part = num::add_rn(0.0f, d[2 * h]);  // v5's warp accumulator over its one block
+      split_sum[h] = b % kWkPartsPerSplit == 0 ? part : num::add_rn(split_sum[h], part);  // warps in order
+      if (b % kWkPartsPerSplit == kWkPartsPerSplit - 1)
+        total[h] = b < kWkPartsPerSplit ? split_sum[h] : num::add_rn(total[h], split_sum[h]);  // splits in order
+    }
+  }
+  if (q == 0) {
+    kproj_row[16 * warp + g] = num::bf16_from_f32(total[0]);
+    kproj_row[16 * warp + g + 8] = num::bf16_from_f32(total[1]);
+  }
+}
+
+// Row t: c2_row; then, when the row stores an index key (the index-K store's own test; CTA-uniform),
+// the wk GEMM of the row from latent_pre_rope[t] as it is in global memory after c2 (this launch's
+// latent, or an earlier step's for rows c2 did not complete: the unfused chain reads the same) into
+// kproj[t], and the index-K store's pairs (warps 0, 1), which also count its errors.
+__global__ void __launch_bounds__(kC2Threads, 1) c2_index_fused_kernel(const __grid_constant__ C2IndexFusedParams p) {
+  __shared__ __align__(16) float pooled_row[kPrepHeadDim];
+  const int t = static_cast<int>(blockIdx.x), j = static_cast<int>(threadIdx.x);
+  const IndexKStoreParams& ik = p.ik;
+  const int32_t loc = ik.out_loc[t], g = ik.g[t];  // step metadata
+  const bool stores = loc > 0 && loc < ik.n_slots && g >= 0 && g < ik.max_pos;
+  WkFragments f;
+  if (stores) load_wk_fragments(p.wk, j, f);
+  c2_row(p.c2, t, j, pooled_row);
+  if (stores) {  // CTA-uniform
+    dev::pdl_wait();  // rows c2 left before its wait: an earlier step's latent (PDL: earlier kernels done)
+    __syncthreads();  // the CTA's latent stores (c2_row) are visible to all its threads
+    wk_row(f, p.c2.latent_pre_rope + static_cast<int64_t>(t) * p.c2.latent_row_stride,
+           const_cast<bf16_t*>(ik.kproj) + static_cast<int64_t>(t) * ik.kproj_row_stride, j);
+    __syncthreads();  // kproj[t] is complete
+  }
+  if (j < detail::index_k::kThreads) detail::index_k_store_pair<false>(ik, t, j);
   dev::pdl_launch_dependents();  // after this thread's last store
 }
 
@@ -224,15 +314,16 @@ void run_c1_fused(const C1FusedParams& p, cudaStream_t stream, bool pdl) {
                 row_config(static_cast<int64_t>(p.N) * kC1CtasPerRow, kC1Threads, stream, pdl), p);
 }
 
-void run_c2_fused(const C2FusedParams& p, cudaStream_t stream, bool pdl) {
+namespace {
+// run_c2_fused's argument checks (also the fused tail's); false: N == 0, nothing to launch.
+bool require_c2(const C2FusedParams& p, const char* who) {
   using detail::require;
-  const char* who = "run_c2_fused";
   require(p.N >= 0, who, "negative N");
   require(p.kvs_row_stride >= kKvsRow && p.kvs_row_stride % 4 == 0, who,
           "kvs_row_stride " + std::to_string(p.kvs_row_stride) + " must be >= 1024 and a multiple of 4");
   require(p.state_rows > 0, who, "state_rows must be > 0");
   detail::require_cache(p.layout, CacheKind::kCompressedFp4, p.cache, p.n_slots, who);
-  if (p.N == 0) return;
+  if (p.N == 0) return false;
   detail::require_ptr(p.kvs, who, "kvs");
   detail::require_aligned(p.kvs, 16, who, "kvs");
   detail::require_ptr(p.pos, who, "pos");
@@ -246,7 +337,27 @@ void run_c2_fused(const C2FusedParams& p, cudaStream_t stream, bool pdl) {
   detail::require_ptr(p.out_loc, who, "out_loc");
   detail::require_table(p.table, p.max_pos, who);
   require_latent(p.latent_pre_rope, p.latent_row_stride, who);
+  return true;
+}
+}  // namespace
+
+void run_c2_fused(const C2FusedParams& p, cudaStream_t stream, bool pdl) {
+  if (!require_c2(p, "run_c2_fused")) return;
   launch_kernel("c2_fused", c2_fused_kernel, row_config(p.N, kC2Threads, stream, pdl), p);
+}
+
+void run_c2_index_fused(const C2IndexFusedParams& p, cudaStream_t stream, bool pdl) {
+  using detail::require;
+  const char* who = "run_c2_index_fused";
+  require(p.ik.N == p.c2.N, who, "ik.N " + std::to_string(p.ik.N) + " != c2.N " + std::to_string(p.c2.N));
+  detail::require_index_k_store(p.ik, who);
+  // The fused sums are GEMM v5's only while v5 splits (128, 512) this way (gemm_skinny.cu's plan).
+  if (plan_gemm_skinny(1, kPrepIndexDim, kPrepHeadDim, 1, false).splits != kWkSplits)
+    throw std::logic_error(std::string(who) + ": GEMM v5's plan for wk changed; the fused sums would differ");
+  if (!require_c2(p.c2, who)) return;
+  detail::require_ptr(p.wk, who, "wk");
+  detail::require_aligned(p.wk, 16, who, "wk");
+  launch_kernel("c2_index_fused", c2_index_fused_kernel, row_config(p.c2.N, kC2Threads, stream, pdl), p);
 }
 
 }  // namespace v4attn::kernels

@@ -361,6 +361,13 @@ struct GpuPrepareStack::Impl {
   }
   // The bf16 / fp32 GEMMs' version: gemm_small unless it is kAuto, then the cycle's version.
   kn::GemmVersion small_gemm() const { return o.gemm_small != kn::GemmVersion::kAuto ? o.gemm_small : o.gemm; }
+  // GpuStackOptions::fuse_cmp_tail: the fused tail has GEMM v5's bytes for wk, so it runs only where
+  // run_gemm_bf16 would run v5 for wk (kSkinny, or kAuto where skinny_gemm_preferred says so).
+  bool cmp_tail_fused(int T) const {
+    const kn::GemmVersion v = small_gemm();
+    return o.fuse_cmp_tail != Fusion::kOff &&
+           (v == kn::GemmVersion::kSkinny || (v == kn::GemmVersion::kAuto && kn::skinny_gemm_preferred(T, kIdxHd, kHd)));
+  }
 
   const kn::GemmWorkspace& ws_for(cudaStream_t s) const {
     if (s == lanes.stream(Lane::kS)) return ws[static_cast<int>(Lane::kS)];
@@ -1075,6 +1082,20 @@ void GpuPrepareStack::Impl::issue_cmp(int L, int T, cudaStream_t s) {
   const LayerWeightsDev& d = w[static_cast<size_t>(L)];
   const int r = lp(L).ratio;
   const size_t i = static_cast<size_t>(L);
+  kn::IndexKStoreParams k;
+  k.kproj = kproj;
+  k.kproj_row_stride = kIdxHd;
+  k.k_norm = d.k_norm;
+  k.eps = eps;
+  k.g = r == 1 ? mf(kMPos) : mf(kMGroup2);
+  k.table = rope[1];
+  k.max_pos = max_pos;
+  k.out_loc = r == 1 ? mf(kMCLoc1) : mf(kMCLoc2);
+  k.layout = cache_layout(CacheKind::kIndexK);
+  k.cache = index_k[i];
+  k.n_slots = comp_slots[i];
+  k.N = T;
+  k.err_count = err.get();
   if (r == 1) {
     gemm_bf16_dense(x(L), d.wkv_c, proj, T, kHd, dim, s);
     kn::C1FusedParams c;
@@ -1126,25 +1147,19 @@ void GpuPrepareStack::Impl::issue_cmp(int L, int T, cudaStream_t s) {
     c.latent_row_stride = kHd;
     c.N = T;
     c.err_count = err.get();
+    if (cmp_tail_fused(T)) {  // c2, the wk GEMM and the index-K store in one launch (same bytes)
+      kn::C2IndexFusedParams f;
+      f.c2 = c;
+      f.wk = d.wk;
+      f.ik = k;
+      kn::run_c2_index_fused(f, s, pdl_rest());
+      return;
+    }
     kn::run_c2_fused(c, s, pdl_rest());
   }
   // Index keys from the latent BEFORE its RoPE. Ratio 2: rows completing no group have a stale
   // latent (the GEMM runs over all rows; their store is skipped by out_loc <= 0).
   gemm_bf16_dense(latent, d.wk, kproj, T, kIdxHd, kHd, s);
-  kn::IndexKStoreParams k;
-  k.kproj = kproj;
-  k.kproj_row_stride = kIdxHd;
-  k.k_norm = d.k_norm;
-  k.eps = eps;
-  k.g = r == 1 ? mf(kMPos) : mf(kMGroup2);
-  k.table = rope[1];
-  k.max_pos = max_pos;
-  k.out_loc = r == 1 ? mf(kMCLoc1) : mf(kMCLoc2);
-  k.layout = cache_layout(CacheKind::kIndexK);
-  k.cache = index_k[i];
-  k.n_slots = comp_slots[i];
-  k.N = T;
-  k.err_count = err.get();
   kn::run_index_k_store(k, s, pdl_rest());
 }
 
@@ -1373,6 +1388,7 @@ void GpuPrepareStack::set_fuse_qchain_index(Fusion f) {
 void GpuPrepareStack::set_qchain_q_direct(Fusion f) { impl_->set_option(&GpuStackOptions::qchain_q_direct, f); }
 void GpuPrepareStack::set_idx_gemv(Fusion f) { impl_->set_option(&GpuStackOptions::idx_gemv, f); }
 void GpuPrepareStack::set_qa_gemv(Fusion f) { impl_->set_option(&GpuStackOptions::qa_gemv, f); }
+void GpuPrepareStack::set_fuse_cmp_tail(Fusion f) { impl_->set_option(&GpuStackOptions::fuse_cmp_tail, f); }
 void GpuPrepareStack::set_src_idx_main(Fusion f) { impl_->set_option(&GpuStackOptions::src_idx_main, f); }
 void GpuPrepareStack::set_qb_side_mtiles(int mtiles) {
   check_qb_side_mtiles(mtiles);

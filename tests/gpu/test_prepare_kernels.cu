@@ -20,6 +20,7 @@
 #include "kernels/device_common.cuh"
 #include "runtime/device_error_counter.h"
 #include "runtime/launch.h"
+#include "v4attn/kernels/gemm.h"
 #include "v4attn/kernels/prepare_kernels.h"
 #include "v4attn/reference/prepare_ops.h"
 #include "v4attn/reference/step.h"
@@ -688,6 +689,160 @@ TEST_F(GpuIndexK, MatchesReferenceBothRatios) {
       const Batch b = make_batch(T, rng_);
       check_index_k(b, ratio, b.meta.c_out_loc[ratio], 0, stream_, rng_);
     }
+}
+
+// =====================================================================================================
+// c2 + wk + index-K, fused (run_c2_index_fused) against the three launches it replaces
+// =====================================================================================================
+// Both sides start from the same state, poisoned latent / caches / kproj and a stale latent row
+// (rows c2 does not complete keep an earlier step's latent, which the wk GEMM still reads), then
+// every buffer is compared byte for byte: latent, pair state, compressed cache, index-K cache,
+// the kproj rows that store an index key, and the error count. loc_kv / loc_ik: the two caches'
+// slots (the stack passes the same array to both; separate here to reach each error path).
+// Returns how many rows stored an index key (so that the callers can see the GEMM part ran).
+int c2_index_case(const Batch& b, const std::vector<int32_t>& loc_kv, const std::vector<int32_t>& loc_ik, Mode m,
+                   cudaStream_t s, std::mt19937_64& rng) {
+  const int N = b.meta.rows;
+  SCOPED_TRACE(std::string("c2 + index-K N ") + std::to_string(N) + " " + mode_name(m));
+  const std::vector<float> kvs = random_kvs(N, rng);
+  const std::vector<float> c_norm = random_norm_weight(512, rng), k_norm = random_norm_weight(128, rng);
+  const std::vector<bf16_t> wk = random_rows_bf16(128, 512, rng);
+  const std::vector<bf16_t> stale = random_rows_bf16(N, 512, rng);  // the latent buffer before the step
+  const int64_t state_rows = static_cast<int64_t>(b.pool.n_requests) * b.pool.pair_ring;
+  const std::vector<float> state = random_kvs(state_rows, rng);
+  const CacheLayout kv_layout = cache_layout(CacheKind::kCompressedFp4), ik_layout = cache_layout(CacheKind::kIndexK);
+  const int64_t n_slots = compressed_slots(b.pool, 2);
+  std::vector<int32_t> g(static_cast<size_t>(N));
+  for (int t = 0; t < N; ++t) g[t] = std::max(b.meta.pos[t] - 1, 0);
+
+  DeviceBuffer<float> d_staging = to_device(kvs, s), d_norm = to_device(c_norm, s), d_knorm = to_device(k_norm, s);
+  DeviceBuffer<float> d_table = to_device(compressed_table(), s);
+  DeviceBuffer<bf16_t> d_wk = to_device(wk, s);
+  DeviceBuffer<int32_t> d_pos = to_device(b.meta.pos, s), d_srow = to_device(b.meta.pair_state_row, s);
+  DeviceBuffer<int32_t> d_partner = to_device(b.meta.pair_partner_state_row, s), d_prev = to_device(b.meta.pair_prev_row, s);
+  DeviceBuffer<int32_t> d_loc_kv = to_device(loc_kv, s), d_loc_ik = to_device(loc_ik, s), d_g = to_device(g, s);
+  struct Side {
+    DeviceBuffer<float> kvs, state;
+    DeviceBuffer<bf16_t> latent, kproj;
+    DeviceBuffer<uint8_t> kv_cache, ik_cache;
+    DeviceErrorCounter errors;
+  };
+  Side side[2];  // 0: the three launches, 1: fused
+  for (int f = 0; f < 2; ++f) {
+    Side& d = side[f];
+    d.kvs = DeviceBuffer<float>(kvs.size());
+    d.state = to_device(state, s);
+    d.latent = to_device(stale, s);
+    d.kproj = poisoned<bf16_t>(static_cast<size_t>(N) * 128, s);
+    d.kv_cache = poisoned<uint8_t>(static_cast<size_t>(kv_layout.pool_bytes(n_slots)), s);
+    d.ik_cache = poisoned<uint8_t>(static_cast<size_t>(ik_layout.pool_bytes(n_slots)), s);
+    feed_input(m, d_staging.get(), d.kvs.get(), kvs.size() * sizeof(float), s);
+    kn::C2FusedParams c;
+    c.kvs = d.kvs.get();
+    c.kvs_row_stride = 1024;
+    c.pos = d_pos.get();
+    c.state_row = d_srow.get();
+    c.partner_state_row = d_partner.get();
+    c.prev_row = d_prev.get();
+    c.state = d.state.get();
+    c.state_rows = state_rows;
+    c.c_norm = d_norm.get();
+    c.eps = kEps;
+    c.table = d_table.get();
+    c.max_pos = kMaxPos;
+    c.out_loc = d_loc_kv.get();
+    c.layout = kv_layout;
+    c.cache = d.kv_cache.get();
+    c.n_slots = n_slots;
+    c.latent_pre_rope = d.latent.get();
+    c.latent_row_stride = 512;
+    c.N = N;
+    c.err_count = d.errors.get();
+    kn::IndexKStoreParams k;
+    k.kproj = d.kproj.get();
+    k.kproj_row_stride = 128;
+    k.k_norm = d_knorm.get();
+    k.eps = kEps;
+    k.g = d_g.get();
+    k.table = d_table.get();
+    k.max_pos = kMaxPos;
+    k.out_loc = d_loc_ik.get();
+    k.layout = ik_layout;
+    k.cache = d.ik_cache.get();
+    k.n_slots = n_slots;
+    k.N = N;
+    k.err_count = d.errors.get();
+    if (f == 0) {
+      kn::run_c2_fused(c, s, m == Mode::kPdl);
+      kn::Bf16GemmParams w;
+      w.x = d.latent.get();
+      w.x_stride = 512;
+      w.w = d_wk.get();
+      w.out = d.kproj.get();
+      w.out_stride = 128;
+      w.m = N;
+      w.n = 128;
+      w.k = 512;
+      kn::run_gemm_bf16(w, kn::GemmWorkspace{}, kn::GemmVersion::kSkinny, s, m == Mode::kPdl);
+      kn::run_index_k_store(k, s, m == Mode::kPdl);
+    } else {
+      kn::C2IndexFusedParams p;
+      p.c2 = c;
+      p.wk = d_wk.get();
+      p.ik = k;
+      kn::run_c2_index_fused(p, s, m == Mode::kPdl);
+    }
+  }
+  EXPECT_TRUE(same_bytes(to_host(side[0].latent, s), to_host(side[1].latent, s))) << "latent_pre_rope";
+  EXPECT_TRUE(same_bytes(to_host(side[0].state, s), to_host(side[1].state, s))) << "pair state";
+  EXPECT_TRUE(same_bytes(to_host(side[0].kv_cache, s), to_host(side[1].kv_cache, s))) << "compressed cache";
+  const std::vector<uint8_t> ik0 = to_host(side[0].ik_cache, s), ik1 = to_host(side[1].ik_cache, s);
+  EXPECT_TRUE(same_bytes(ik0, ik1)) << "index-K cache";
+  const std::vector<bf16_t> kp0 = to_host(side[0].kproj, s), kp1 = to_host(side[1].kproj, s);
+  int stored = 0;
+  for (int t = 0; t < N; ++t) {
+    if (loc_ik[t] <= 0 || loc_ik[t] >= n_slots || g[t] >= kMaxPos) continue;
+    ++stored;
+    EXPECT_EQ(0, std::memcmp(&kp0[static_cast<size_t>(t) * 128], &kp1[static_cast<size_t>(t) * 128], 256)) << "kproj row " << t;
+  }
+  EXPECT_EQ(side[0].errors.read(s), side[1].errors.read(s));
+  return stored;
+}
+
+TEST_F(GpuIndexK, FusedWithC2MatchesThreeLaunches) {
+  // One decode row (odd and even positions over the steps below) and verify batches of 6, 8, 48, 64.
+  int stored = 0;
+  for (int T : kTs)
+    for (Mode m : kModes) {
+      const Batch b = make_batch(T, rng_);
+      stored += c2_index_case(b, b.meta.c_out_loc[2], b.meta.c_out_loc[2], m, stream_, rng_);
+    }
+  EXPECT_GT(stored, 0) << "no row stored an index key: the fused GEMM part went untested";
+  // Every row storing an index key, completing or not (rows c2 skips read an earlier step's latent),
+  // and each cache's out-of-range slot on its own (both count once per row, fused or not).
+  const Batch b = make_batch(48, rng_);
+  const int64_t n_slots = compressed_slots(b.pool, 2);
+  std::vector<int32_t> every(static_cast<size_t>(b.meta.rows));
+  for (int t = 0; t < b.meta.rows; ++t) every[t] = 1 + t;
+  EXPECT_GE(c2_index_case(b, b.meta.c_out_loc[2], every, Mode::kPlain, stream_, rng_), 40);
+  std::vector<int32_t> bad_kv = b.meta.c_out_loc[2], bad_ik = b.meta.c_out_loc[2];
+  int set = 0;
+  for (int t = 0; t < b.meta.rows && set < 2; ++t)
+    if (bad_kv[t] > 0) (set++ == 0 ? bad_kv : bad_ik)[t] = static_cast<int32_t>(n_slots) + 5;
+  ASSERT_EQ(set, 2);
+  c2_index_case(b, bad_kv, bad_ik, Mode::kPdl, stream_, rng_);
+}
+
+// The fused launcher's own refusals (the c2 and index-K checks are the unfused launchers').
+TEST(GpuIndexKHost, FusedRefusesMismatchedRows) {
+  kn::C2IndexFusedParams p;
+  p.c2.N = 4;
+  p.ik.N = 3;
+  EXPECT_THROW(kn::run_c2_index_fused(p, nullptr, false), std::invalid_argument);
+  p.ik.N = 0;
+  p.c2.N = 0;
+  p.ik.kproj_row_stride = 64;  // < 128
+  EXPECT_THROW(kn::run_c2_index_fused(p, nullptr, false), std::invalid_argument);
 }
 
 TEST_F(GpuIndexK, OutOfRangeSlotSkippedAndCounted) {

@@ -670,6 +670,7 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
     bool fused_index_on_main = true;          // fused reindex layers: the indexer on main after the chain
     Fusion src_idx_main = Fusion::kAuto;      // three-lane: the compressor layers' indexer on main
     Fusion qnorm_dist = Fusion::kAuto;        // q_norm shared by the wq_b GEMM's first CTAs (kAuto: 17-32 rows)
+    Fusion fuse_cmp_tail = Fusion::kAuto;     // the ratio-2 compressor's tail as one kernel (kAuto: on)
   };
   const Config configs[] = {{Schedule::kSerial, false, false},
                             {Schedule::kThreeLane, true, true},
@@ -710,7 +711,11 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
                             // The plain layers' q_norm shared by the wq_b GEMM's first CTAs (the
                             // unfused chain; kAuto takes it at 17-32 rows only), plain and with the RoPE store.
                             {Schedule::kThreeLane, true, true, Fusion::kOff, Fusion::kOff, Fusion::kAuto, Fusion::kAuto, Fusion::kOff, Fusion::kAuto, 0, true, Fusion::kAuto, Fusion::kOn},
-                            {Schedule::kSerial, false, false, Fusion::kOn, Fusion::kOff, Fusion::kAuto, Fusion::kAuto, Fusion::kOff, Fusion::kAuto, 0, true, Fusion::kAuto, Fusion::kOn}};
+                            {Schedule::kSerial, false, false, Fusion::kOn, Fusion::kOff, Fusion::kAuto, Fusion::kAuto, Fusion::kOff, Fusion::kAuto, 0, true, Fusion::kAuto, Fusion::kOn},
+                            // The ratio-2 compressor's tail as three launches (c2, the wk GEMM, the
+                            // index-K store) against the first configuration's fused kernel.
+                            {Schedule::kThreeLane, true, true, Fusion::kOff, Fusion::kOff, Fusion::kAuto, Fusion::kAuto, Fusion::kOff, Fusion::kAuto, 0, true, Fusion::kAuto, Fusion::kAuto, Fusion::kOff},
+                            {Schedule::kSerial, false, false, Fusion::kOff, Fusion::kOff, Fusion::kAuto, Fusion::kAuto, Fusion::kOff, Fusion::kAuto, 0, true, Fusion::kAuto, Fusion::kAuto, Fusion::kOff}};
   // The fused form must really run here (wq_b at this config and bucket), or the configs above
   // that ask for it would silently compare the unfused path with itself.
   if (tp == 1) {
@@ -736,6 +741,8 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
     if (buckets_rows(go, kind) <= prepare::kQaGemvAutoRows)
       EXPECT_TRUE(kernels::gemm_gemv_supported(buckets_rows(go, kind), cfg.q_lora_rank + 512, cfg.dim));
   }
+  // And the fused compressor tail (it takes wk's GEMM v5, the version kAuto runs at these rows).
+  EXPECT_TRUE(kernels::skinny_gemm_preferred(buckets_rows(go, kind), cfg.index_head_dim, 512));
   // And layers with both a compressor and an indexer, which src_idx_main reschedules: without one the
   // src-idx-main configs would compare the default path with itself.
   EXPECT_TRUE(std::any_of(plan.layers.begin(), plan.layers.end(), [](const auto& l) {
@@ -750,7 +757,8 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
                              " qchain-index " + to_string(configs[c].fuse_qchain_index) + " q-direct " +
                              to_string(configs[c].qchain_q_direct) + " qb-side-mtiles " + std::to_string(configs[c].qb_side_mtiles) +
                              (configs[c].fused_index_on_main ? "" : " fused-index-on-S") + " src-idx-main " +
-                             to_string(configs[c].src_idx_main) + " qnorm-dist " + to_string(configs[c].qnorm_dist);
+                             to_string(configs[c].src_idx_main) + " qnorm-dist " + to_string(configs[c].qnorm_dist) +
+                             " cmp-tail " + to_string(configs[c].fuse_cmp_tail);
     SCOPED_TRACE(name);
     gpu.upload_caches(initial);
     gpu.set_schedule(configs[c].schedule);
@@ -765,6 +773,7 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
     gpu.set_fused_index_on_main(configs[c].fused_index_on_main);
     gpu.set_src_idx_main(configs[c].src_idx_main);
     gpu.set_qnorm_dist(configs[c].qnorm_dist);
+    gpu.set_fuse_cmp_tail(configs[c].fuse_cmp_tail);
     gpu.reset_error_count();
     for (int step = 0; step < 2; ++step) {
       gpu.poison_outputs(kPoison);

@@ -160,4 +160,17 @@ struct IndexKStoreParams {
 };
 void run_index_k_store(const IndexKStoreParams& p, cudaStream_t stream, bool pdl);
 
+// ---- c2 + wk + index-K, fused (the ratio-2 compressor tail of an index source) ----------------
+// One launch doing run_c2_fused(c2), kproj = latent_pre_rope @ wk^T (the bf16 GEMM with version
+// v5's bytes, GemmVersion::kSkinny / kAuto at every m) and run_index_k_store(ik) on that kproj, with
+// their bytes (latent, pair state, compressed cache, index-K cache, error counts); kproj rows are
+// written only for the rows that store an index key (the unfused GEMM writes every row: scratch).
+// ik.kproj must be writable; ik.N == c2.N; wk [128, 512] bf16, 16-byte aligned.
+struct C2IndexFusedParams {
+  C2FusedParams c2;
+  const bf16_t* wk = nullptr;
+  IndexKStoreParams ik;
+};
+void run_c2_index_fused(const C2IndexFusedParams& p, cudaStream_t stream, bool pdl);
+
 }  // namespace v4attn::kernels

@@ -338,6 +338,14 @@ struct GpuStackOptions {
   // instead of `gemm`'s choice (v3 with its fused act quant). Another GEMM version, like idx_gemv.
   // kOff: never; kAuto: at most kQaGemvAutoRows rows, with `gemm` kAuto; kOn: wherever v6 takes it.
   Fusion qa_gemv = Fusion::kAuto;
+  // The ratio-2 compressor's tail in one kernel (kernels::run_c2_index_fused: c2, the wk GEMM and the
+  // index-K store of a row by one CTA) instead of three dependent launches on lane S, the source
+  // layers' critical path at 2+ rows (docs/perf.md session 26 run 13, same binary, on vs off: verify
+  // bs 1 -0.85 %, verify bs 2 -0.65 %, decode bs 2 -0.15 %, decode bs 8 and verify bs 4 even, decode
+  // bs 1 +0.1 %, within noise). The same bytes as the unfused tail with wk on GEMM v5 (its version
+  // under kAuto / kSkinny); with another small-GEMM version the tail stays unfused. kOff: never;
+  // kAuto and kOn: wherever wk runs v5.
+  Fusion fuse_cmp_tail = Fusion::kAuto;
   // The index sources with a compressor (2, 8, 14, 20 in V4.1), three-lane schedule: the indexer's
   // q pack, scores and selection on main right after its wq_b GEMM (main first joins lane S, the
   // compressor that writes this step's index K, and lane K, weights_proj and the window-K store),
@@ -438,6 +446,7 @@ class GpuPrepareStack {
   void set_qchain_q_direct(Fusion f);    // GpuStackOptions::qchain_q_direct
   void set_idx_gemv(Fusion f);           // GpuStackOptions::idx_gemv
   void set_qa_gemv(Fusion f);            // GpuStackOptions::qa_gemv
+  void set_fuse_cmp_tail(Fusion f);      // GpuStackOptions::fuse_cmp_tail
   void set_src_idx_main(Fusion f);       // GpuStackOptions::src_idx_main
   void set_qb_side_mtiles(int mtiles);   // GpuStackOptions::qb_side_mtiles (validated as at construction)
   void set_fused_index_on_main(bool on); // GpuStackOptions::fused_index_on_main
