@@ -253,11 +253,10 @@ void run_gemm_bf16(const Bf16GemmParams& p, const GemmWorkspace& ws, GemmVersion
   if (!aligned_to(p.x, 16) || p.x_stride % 8 != 0 || p.x_group_stride % 8 != 0)
     fail(who, "x must be 16-byte aligned with x_stride and x_group_stride multiples of 8");
   if (!aligned_to(p.w, 16) || p.w_group_stride % 8 != 0) fail(who, "w must be 16-byte aligned with w_group_stride % 8 == 0");
-  if (version == GemmVersion::kGemv) version = GemmVersion::kAuto;  // v6 is fp8 only: the bf16 choice
-  if (version == GemmVersion::kAuto)  // v1 plan overrides (tests, bench) keep v1
-    version = p.groups == 1 && p.force_splits == 0 && p.force_mtiles == 0 && skinny_gemm_preferred(p.m, p.n, p.k)
-                  ? GemmVersion::kSkinny
-                  : GemmVersion::kTensorCore;
+  const bool plain = p.groups == 1 && p.force_splits == 0 && p.force_mtiles == 0;
+  if (!plain && (version == GemmVersion::kAuto || version == GemmVersion::kGemv))
+    version = GemmVersion::kTensorCore;  // grouped calls and v1 plan overrides (tests, bench) keep v1
+  version = bf16_gemm_version(version, p.m, p.n, p.k);
   switch (version) {
     case GemmVersion::kSimple: detail::launch_gemm_bf16_simple(p, stream, pdl); return;
     case GemmVersion::kSkinny: {
@@ -281,6 +280,20 @@ void run_gemm_bf16(const Bf16GemmParams& p, const GemmWorkspace& ws, GemmVersion
     }
   }
   fail(who, "unknown version");
+}
+
+GemmVersion bf16_gemm_version(GemmVersion version, int m, int64_t n, int64_t k) {
+  switch (version) {
+    case GemmVersion::kSimple:
+    case GemmVersion::kSkinny: return version;
+    case GemmVersion::kAuto:
+    case GemmVersion::kGemv:  // v6 is fp8 only: the bf16 choice
+      return skinny_gemm_preferred(m, n, k) ? GemmVersion::kSkinny : GemmVersion::kTensorCore;
+    case GemmVersion::kTensorCore:
+    case GemmVersion::kWgmma:
+    case GemmVersion::kWgmmaPipelined: return GemmVersion::kTensorCore;  // no v2 / v3 of the bf16 GEMM
+  }
+  return GemmVersion::kTensorCore;
 }
 
 void run_gemm_f32(const F32GemmParams& p, GemmVersion version, cudaStream_t stream, bool pdl) {

@@ -362,11 +362,10 @@ struct GpuPrepareStack::Impl {
   // The bf16 / fp32 GEMMs' version: gemm_small unless it is kAuto, then the cycle's version.
   kn::GemmVersion small_gemm() const { return o.gemm_small != kn::GemmVersion::kAuto ? o.gemm_small : o.gemm; }
   // GpuStackOptions::fuse_cmp_tail: the fused tail has GEMM v5's bytes for wk, so it runs only where
-  // run_gemm_bf16 would run v5 for wk (kSkinny, or kAuto where skinny_gemm_preferred says so).
+  // the unfused wk GEMM (gemm_bf16_dense) would run v5.
   bool cmp_tail_fused(int T) const {
-    const kn::GemmVersion v = small_gemm();
     return o.fuse_cmp_tail != Fusion::kOff &&
-           (v == kn::GemmVersion::kSkinny || (v == kn::GemmVersion::kAuto && kn::skinny_gemm_preferred(T, kIdxHd, kHd)));
+           kn::bf16_gemm_version(small_gemm(), T, kIdxHd, kHd) == kn::GemmVersion::kSkinny;
   }
 
   const kn::GemmWorkspace& ws_for(cudaStream_t s) const {

@@ -505,6 +505,17 @@ TEST(GpuGemmSkinny, AutoDispatch) {
   EXPECT_FALSE(skinny_gemm_preferred(0, 512, 5120));
   EXPECT_FALSE(skinny_gemm_preferred(65, 512, 5120));
   EXPECT_FALSE(skinny_gemm_preferred(6, 512, 5124));
+  // The version run_gemm_bf16 runs (and the stack's fused compressor tail asks for): the rule above
+  // for kAuto / kGemv, v1 for the fp8-only versions, kSimple / kSkinny as asked.
+  for (int m : kAllM) {
+    EXPECT_EQ(bf16_gemm_version(GemmVersion::kAuto, m, 128, 512), GemmVersion::kSkinny) << m;
+    EXPECT_EQ(bf16_gemm_version(GemmVersion::kGemv, m, 32, 5120), m >= 24 ? GemmVersion::kSkinny : GemmVersion::kTensorCore) << m;
+  }
+  EXPECT_EQ(bf16_gemm_version(GemmVersion::kAuto, 65, 128, 512), GemmVersion::kTensorCore);
+  EXPECT_EQ(bf16_gemm_version(GemmVersion::kWgmma, 6, 128, 512), GemmVersion::kTensorCore);
+  EXPECT_EQ(bf16_gemm_version(GemmVersion::kWgmmaPipelined, 6, 128, 512), GemmVersion::kTensorCore);
+  EXPECT_EQ(bf16_gemm_version(GemmVersion::kSimple, 6, 128, 512), GemmVersion::kSimple);
+  EXPECT_EQ(bf16_gemm_version(GemmVersion::kSkinny, 1, 32, 5120), GemmVersion::kSkinny);
   // fp32 (session 26): v5 from 2 rows (the compressor's [wkv; wgate] 1024 x 5120), v1 at one row.
   for (int m : kAllM) EXPECT_EQ(f32_skinny_preferred(m, 1024, 5120), m >= 2) << m;
   EXPECT_FALSE(f32_skinny_preferred(65, 1024, 5120));

@@ -169,6 +169,11 @@ const char* gemm_version_name(GemmVersion v);
 // 1 <= m <= 64 and the small projections of the prepare path (n <= 1024, k a multiple of 32,
 // k <= 8192). The lead measures and may narrow it (docs/perf.md).
 bool skinny_gemm_preferred(int m, int64_t n, int64_t k);
+// The version run_gemm_bf16 runs when asked for `version` by a call with groups == 1 and no plan
+// overrides: kAuto and kGemv resolve to kSkinny where skinny_gemm_preferred, else kTensorCore;
+// kSimple and kSkinny stay; the fp8-only versions (kWgmma, kWgmmaPipelined) run v1, kTensorCore.
+// (Callers that depend on a GEMM's bytes ask here rather than repeat the rule.)
+GemmVersion bf16_gemm_version(GemmVersion version, int m, int64_t n, int64_t k);
 // The fp32 GEMM's kAuto rule: kSkinny (tensor cores) for 16 <= m <= 64 on the same small shapes,
 // v1 (CUDA cores) below (docs/perf.md, session 11: ratio-2 [wkv; wgate] at m = 16 / 24 / 32 / 64:
 // v1 20.9 / 38.3 / 40.6 / 78.4 us, v5 14.1 / 15.0 / 15.8 / 31.1; at 1-6 rows v1 was faster in the
