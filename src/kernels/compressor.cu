@@ -83,10 +83,10 @@ __device__ __forceinline__ void latent_pair_out(float x0, float x1, int j, float
 // ---- c1 fused -------------------------------------------------------------------------------------
 // Row t: latent = RMSNorm(proj[t], c_norm) -> latent_pre_rope[t] (every row, the padded ones too,
 // like the reference); RoPE at g = pos[t]; FP4 store at out_loc[t].
-__global__ void __launch_bounds__(kC1Threads) c1_fused_kernel(const __grid_constant__ C1FusedParams p) {
-  const int t = static_cast<int>(blockIdx.x / kC1CtasPerRow);
-  const int j = static_cast<int>(blockIdx.x % kC1CtasPerRow) * kC1Threads + static_cast<int>(threadIdx.x);
-  const int lane = static_cast<int>(threadIdx.x) % 32;
+// Pair j of row t (any CTA shape: every warp takes the row's sum of squares itself). Returns without
+// the PDL trigger: the caller triggers after its own last store.
+__device__ __forceinline__ void c1_pair(const C1FusedParams& p, int t, int j) {
+  const int lane = j % 32;
 
   const int32_t pos = p.pos[t];
   const int32_t loc = p.out_loc[t];
@@ -106,8 +106,12 @@ __global__ void __launch_bounds__(kC1Threads) c1_fused_kernel(const __grid_const
   detail::rmsnorm_apply_pair(x0, x1, r, w);
   latent_pair_out(x0, x1, j, cs, loc, p.latent_pre_rope + static_cast<int64_t>(t) * p.latent_row_stride, p.layout,
                   p.cache, p.n_slots, p.err_count);
+}
 
-  dev::pdl_launch_dependents();  // after this thread's last store
+__global__ void __launch_bounds__(kC1Threads) c1_fused_kernel(const __grid_constant__ C1FusedParams p) {
+  c1_pair(p, static_cast<int>(blockIdx.x / kC1CtasPerRow),
+          static_cast<int>(blockIdx.x % kC1CtasPerRow) * kC1Threads + static_cast<int>(threadIdx.x));
+  dev::pdl_launch_dependents();  // after this thread's last store (or its early return)
 }
 
 // ---- c2 fused -------------------------------------------------------------------------------------
@@ -251,28 +255,41 @@ __device__ __forceinline__ void wk_row(const WkFragments& f, const bf16_t* laten
   }
 }
 
-// Row t: c2_row; then, when the row stores an index key (the index-K store's own test; CTA-uniform),
-// the wk GEMM of the row from latent_pre_rope[t] as it is in global memory after c2 (this launch's
-// latent, or an earlier step's for rows c2 did not complete: the unfused chain reads the same) into
-// kproj[t], and the index-K store's pairs (warps 0, 1), which also count its errors.
-__global__ void __launch_bounds__(kC2Threads, 1) c2_index_fused_kernel(const __grid_constant__ C2IndexFusedParams p) {
+// The compressor's part of a row by the fused kernel's 256 threads (thread j = pair j).
+__device__ __forceinline__ void compressor_row(const C2FusedParams& p, int t, int j, float* pooled_row) {
+  c2_row(p, t, j, pooled_row);
+}
+__device__ __forceinline__ void compressor_row(const C1FusedParams& p, int t, int j, float*) { c1_pair(p, t, j); }
+
+// Row t: the compressor's row (c1 or c2); then, when the row stores an index key (the index-K
+// store's own test; CTA-uniform), the wk GEMM of the row from latent_pre_rope[t] as it is in global
+// memory after the compressor (this launch's latent, or an earlier step's for rows it did not write:
+// the unfused chain reads the same) into kproj[t], and the index-K store's pairs (warps 0, 1), which
+// also count its errors.
+template <class CP>
+__device__ __forceinline__ void index_fused_row(const CP& c, const bf16_t* wk, const IndexKStoreParams& ik) {
   __shared__ __align__(16) float pooled_row[kPrepHeadDim];
   const int t = static_cast<int>(blockIdx.x), j = static_cast<int>(threadIdx.x);
-  const IndexKStoreParams& ik = p.ik;
   const int32_t loc = ik.out_loc[t], g = ik.g[t];  // step metadata
   const bool stores = loc > 0 && loc < ik.n_slots && g >= 0 && g < ik.max_pos;
   WkFragments f;
-  if (stores) load_wk_fragments(p.wk, j, f);
-  c2_row(p.c2, t, j, pooled_row);
+  if (stores) load_wk_fragments(wk, j, f);
+  compressor_row(c, t, j, pooled_row);
   if (stores) {  // CTA-uniform
-    dev::pdl_wait();  // rows c2 left before its wait: an earlier step's latent (PDL: earlier kernels done)
-    __syncthreads();  // the CTA's latent stores (c2_row) are visible to all its threads
-    wk_row(f, p.c2.latent_pre_rope + static_cast<int64_t>(t) * p.c2.latent_row_stride,
+    dev::pdl_wait();  // rows the compressor left before its wait: an earlier step's latent
+    __syncthreads();  // the CTA's latent stores are visible to all its threads
+    wk_row(f, c.latent_pre_rope + static_cast<int64_t>(t) * c.latent_row_stride,
            const_cast<bf16_t*>(ik.kproj) + static_cast<int64_t>(t) * ik.kproj_row_stride, j);
     __syncthreads();  // kproj[t] is complete
   }
   if (j < detail::index_k::kThreads) detail::index_k_store_pair<false>(ik, t, j);
   dev::pdl_launch_dependents();  // after this thread's last store
+}
+__global__ void __launch_bounds__(kC2Threads, 1) c2_index_fused_kernel(const __grid_constant__ C2IndexFusedParams p) {
+  index_fused_row(p.c2, p.wk, p.ik);
+}
+__global__ void __launch_bounds__(kC2Threads, 1) c1_index_fused_kernel(const __grid_constant__ C1IndexFusedParams p) {
+  index_fused_row(p.c1, p.wk, p.ik);
 }
 
 void require_latent(const bf16_t* latent, int64_t stride, const char* who) {
@@ -293,15 +310,16 @@ LaunchConfig row_config(int64_t ctas, int threads, cudaStream_t stream, bool pdl
 
 }  // namespace
 
-void run_c1_fused(const C1FusedParams& p, cudaStream_t stream, bool pdl) {
+namespace {
+// run_c1_fused's argument checks (also the fused tail's); false: N == 0, nothing to launch.
+bool require_c1(const C1FusedParams& p, const char* who) {
   using detail::require;
-  const char* who = "run_c1_fused";
   require(p.N >= 0, who, "negative N");
   require(p.N <= (1 << 30), who, "N " + std::to_string(p.N) + " exceeds the grid limit (2 CTAs per row)");
   require(p.proj_row_stride >= kPrepHeadDim && p.proj_row_stride % detail::kChunk == 0, who,
           "proj_row_stride " + std::to_string(p.proj_row_stride) + " must be >= 512 and a multiple of 8");
   detail::require_cache(p.layout, CacheKind::kCompressedFp4, p.cache, p.n_slots, who);
-  if (p.N == 0) return;
+  if (p.N == 0) return false;
   detail::require_ptr(p.proj, who, "proj");
   detail::require_aligned(p.proj, 16, who, "proj");
   detail::require_ptr(p.c_norm, who, "c_norm");
@@ -310,8 +328,32 @@ void run_c1_fused(const C1FusedParams& p, cudaStream_t stream, bool pdl) {
   detail::require_ptr(p.out_loc, who, "out_loc");
   detail::require_table(p.table, p.max_pos, who);
   require_latent(p.latent_pre_rope, p.latent_row_stride, who);
+  return true;
+}
+// The fused tails' own checks: rows, the index-K arguments, the wk weights, v5's plan for wk.
+void require_index_fused(int n, const bf16_t* wk, const IndexKStoreParams& ik, const char* who) {
+  detail::require(ik.N == n, who, "ik.N " + std::to_string(ik.N) + " != the compressor's N " + std::to_string(n));
+  detail::require_index_k_store(ik, who);
+  // The fused sums are GEMM v5's only while v5 splits (128, 512) this way (gemm_skinny.cu's plan).
+  if (plan_gemm_skinny(1, kPrepIndexDim, kPrepHeadDim, 1, false).splits != kWkSplits)
+    throw std::logic_error(std::string(who) + ": GEMM v5's plan for wk changed; the fused sums would differ");
+  if (n == 0) return;
+  detail::require_ptr(wk, who, "wk");
+  detail::require_aligned(wk, 16, who, "wk");
+}
+}  // namespace
+
+void run_c1_fused(const C1FusedParams& p, cudaStream_t stream, bool pdl) {
+  if (!require_c1(p, "run_c1_fused")) return;
   launch_kernel("c1_fused", c1_fused_kernel,
                 row_config(static_cast<int64_t>(p.N) * kC1CtasPerRow, kC1Threads, stream, pdl), p);
+}
+
+void run_c1_index_fused(const C1IndexFusedParams& p, cudaStream_t stream, bool pdl) {
+  const char* who = "run_c1_index_fused";
+  require_index_fused(p.c1.N, p.wk, p.ik, who);
+  if (!require_c1(p.c1, who)) return;
+  launch_kernel("c1_index_fused", c1_index_fused_kernel, row_config(p.c1.N, kC2Threads, stream, pdl), p);
 }
 
 namespace {
@@ -347,16 +389,9 @@ void run_c2_fused(const C2FusedParams& p, cudaStream_t stream, bool pdl) {
 }
 
 void run_c2_index_fused(const C2IndexFusedParams& p, cudaStream_t stream, bool pdl) {
-  using detail::require;
   const char* who = "run_c2_index_fused";
-  require(p.ik.N == p.c2.N, who, "ik.N " + std::to_string(p.ik.N) + " != c2.N " + std::to_string(p.c2.N));
-  detail::require_index_k_store(p.ik, who);
-  // The fused sums are GEMM v5's only while v5 splits (128, 512) this way (gemm_skinny.cu's plan).
-  if (plan_gemm_skinny(1, kPrepIndexDim, kPrepHeadDim, 1, false).splits != kWkSplits)
-    throw std::logic_error(std::string(who) + ": GEMM v5's plan for wk changed; the fused sums would differ");
+  require_index_fused(p.c2.N, p.wk, p.ik, who);
   if (!require_c2(p.c2, who)) return;
-  detail::require_ptr(p.wk, who, "wk");
-  detail::require_aligned(p.wk, 16, who, "wk");
   launch_kernel("c2_index_fused", c2_index_fused_kernel, row_config(p.c2.N, kC2Threads, stream, pdl), p);
 }
 

@@ -1113,6 +1113,14 @@ void GpuPrepareStack::Impl::issue_cmp(int L, int T, cudaStream_t s) {
     c.latent_row_stride = kHd;
     c.N = T;
     c.err_count = err.get();
+    if (cmp_tail_fused(T)) {  // c1, the wk GEMM and the index-K store in one launch (same bytes)
+      kn::C1IndexFusedParams f;
+      f.c1 = c;
+      f.wk = d.wk;
+      f.ik = k;
+      kn::run_c1_index_fused(f, s, pdl_rest());
+      return;
+    }
     kn::run_c1_fused(c, s, pdl_rest());
   } else {
     kn::F32GemmParams g;

@@ -700,21 +700,24 @@ TEST_F(GpuIndexK, MatchesReferenceBothRatios) {
 // the kproj rows that store an index key, and the error count. loc_kv / loc_ik: the two caches'
 // slots (the stack passes the same array to both; separate here to reach each error path).
 // Returns how many rows stored an index key (so that the callers can see the GEMM part ran).
-int c2_index_case(const Batch& b, const std::vector<int32_t>& loc_kv, const std::vector<int32_t>& loc_ik, Mode m,
-                   cudaStream_t s, std::mt19937_64& rng) {
+// ratio 2: c2 (kvs and the pair state in), g = pos - 1; ratio 1: c1 (proj in), g = pos.
+int index_fused_case(int ratio, const Batch& b, const std::vector<int32_t>& loc_kv, const std::vector<int32_t>& loc_ik,
+                     Mode m, cudaStream_t s, std::mt19937_64& rng) {
   const int N = b.meta.rows;
-  SCOPED_TRACE(std::string("c2 + index-K N ") + std::to_string(N) + " " + mode_name(m));
+  SCOPED_TRACE(std::string(ratio == 2 ? "c2" : "c1") + " + index-K N " + std::to_string(N) + " " + mode_name(m));
   const std::vector<float> kvs = random_kvs(N, rng);
+  const std::vector<bf16_t> proj = random_rows_bf16(N, 512, rng);
   const std::vector<float> c_norm = random_norm_weight(512, rng), k_norm = random_norm_weight(128, rng);
   const std::vector<bf16_t> wk = random_rows_bf16(128, 512, rng);
   const std::vector<bf16_t> stale = random_rows_bf16(N, 512, rng);  // the latent buffer before the step
   const int64_t state_rows = static_cast<int64_t>(b.pool.n_requests) * b.pool.pair_ring;
   const std::vector<float> state = random_kvs(state_rows, rng);
   const CacheLayout kv_layout = cache_layout(CacheKind::kCompressedFp4), ik_layout = cache_layout(CacheKind::kIndexK);
-  const int64_t n_slots = compressed_slots(b.pool, 2);
+  const int64_t n_slots = compressed_slots(b.pool, ratio);
   std::vector<int32_t> g(static_cast<size_t>(N));
-  for (int t = 0; t < N; ++t) g[t] = std::max(b.meta.pos[t] - 1, 0);
+  for (int t = 0; t < N; ++t) g[t] = std::max(b.meta.pos[t] - (ratio - 1), 0);
 
+  DeviceBuffer<bf16_t> d_proj_staging = to_device(proj, s);
   DeviceBuffer<float> d_staging = to_device(kvs, s), d_norm = to_device(c_norm, s), d_knorm = to_device(k_norm, s);
   DeviceBuffer<float> d_table = to_device(compressed_table(), s);
   DeviceBuffer<bf16_t> d_wk = to_device(wk, s);
@@ -723,7 +726,7 @@ int c2_index_case(const Batch& b, const std::vector<int32_t>& loc_kv, const std:
   DeviceBuffer<int32_t> d_loc_kv = to_device(loc_kv, s), d_loc_ik = to_device(loc_ik, s), d_g = to_device(g, s);
   struct Side {
     DeviceBuffer<float> kvs, state;
-    DeviceBuffer<bf16_t> latent, kproj;
+    DeviceBuffer<bf16_t> proj, latent, kproj;
     DeviceBuffer<uint8_t> kv_cache, ik_cache;
     DeviceErrorCounter errors;
   };
@@ -731,12 +734,30 @@ int c2_index_case(const Batch& b, const std::vector<int32_t>& loc_kv, const std:
   for (int f = 0; f < 2; ++f) {
     Side& d = side[f];
     d.kvs = DeviceBuffer<float>(kvs.size());
+    d.proj = DeviceBuffer<bf16_t>(proj.size());
     d.state = to_device(state, s);
     d.latent = to_device(stale, s);
     d.kproj = poisoned<bf16_t>(static_cast<size_t>(N) * 128, s);
     d.kv_cache = poisoned<uint8_t>(static_cast<size_t>(kv_layout.pool_bytes(n_slots)), s);
     d.ik_cache = poisoned<uint8_t>(static_cast<size_t>(ik_layout.pool_bytes(n_slots)), s);
-    feed_input(m, d_staging.get(), d.kvs.get(), kvs.size() * sizeof(float), s);
+    if (ratio == 2) feed_input(m, d_staging.get(), d.kvs.get(), kvs.size() * sizeof(float), s);
+    else feed_input(m, d_proj_staging.get(), d.proj.get(), proj.size() * sizeof(bf16_t), s);
+    kn::C1FusedParams c1;
+    c1.proj = d.proj.get();
+    c1.proj_row_stride = 512;
+    c1.c_norm = d_norm.get();
+    c1.eps = kEps;
+    c1.pos = d_pos.get();
+    c1.table = d_table.get();
+    c1.max_pos = kMaxPos;
+    c1.out_loc = d_loc_kv.get();
+    c1.layout = kv_layout;
+    c1.cache = d.kv_cache.get();
+    c1.n_slots = n_slots;
+    c1.latent_pre_rope = d.latent.get();
+    c1.latent_row_stride = 512;
+    c1.N = N;
+    c1.err_count = d.errors.get();
     kn::C2FusedParams c;
     c.kvs = d.kvs.get();
     c.kvs_row_stride = 1024;
@@ -773,7 +794,8 @@ int c2_index_case(const Batch& b, const std::vector<int32_t>& loc_kv, const std:
     k.N = N;
     k.err_count = d.errors.get();
     if (f == 0) {
-      kn::run_c2_fused(c, s, m == Mode::kPdl);
+      if (ratio == 2) kn::run_c2_fused(c, s, m == Mode::kPdl);
+      else kn::run_c1_fused(c1, s, m == Mode::kPdl);
       kn::Bf16GemmParams w;
       w.x = d.latent.get();
       w.x_stride = 512;
@@ -785,12 +807,18 @@ int c2_index_case(const Batch& b, const std::vector<int32_t>& loc_kv, const std:
       w.k = 512;
       kn::run_gemm_bf16(w, kn::GemmWorkspace{}, kn::GemmVersion::kSkinny, s, m == Mode::kPdl);
       kn::run_index_k_store(k, s, m == Mode::kPdl);
-    } else {
+    } else if (ratio == 2) {
       kn::C2IndexFusedParams p;
       p.c2 = c;
       p.wk = d_wk.get();
       p.ik = k;
       kn::run_c2_index_fused(p, s, m == Mode::kPdl);
+    } else {
+      kn::C1IndexFusedParams p;
+      p.c1 = c1;
+      p.wk = d_wk.get();
+      p.ik = k;
+      kn::run_c1_index_fused(p, s, m == Mode::kPdl);
     }
   }
   EXPECT_TRUE(same_bytes(to_host(side[0].latent, s), to_host(side[1].latent, s))) << "latent_pre_rope";
@@ -809,28 +837,34 @@ int c2_index_case(const Batch& b, const std::vector<int32_t>& loc_kv, const std:
   return stored;
 }
 
-TEST_F(GpuIndexK, FusedWithC2MatchesThreeLaunches) {
-  // One decode row (odd and even positions over the steps below) and verify batches of 6, 8, 48, 64.
-  int stored = 0;
-  for (int T : kTs)
-    for (Mode m : kModes) {
-      const Batch b = make_batch(T, rng_);
-      stored += c2_index_case(b, b.meta.c_out_loc[2], b.meta.c_out_loc[2], m, stream_, rng_);
-    }
-  EXPECT_GT(stored, 0) << "no row stored an index key: the fused GEMM part went untested";
+TEST_F(GpuIndexK, FusedWithCompressorMatchesThreeLaunches) {
+  // One decode row and verify batches of 6, 8, 48, 64, both ratios.
+  for (int ratio : {2, 1}) {
+    int stored = 0;
+    for (int T : kTs)
+      for (Mode m : kModes) {
+        const Batch b = make_batch(T, rng_);
+        stored += index_fused_case(ratio, b, b.meta.c_out_loc[ratio], b.meta.c_out_loc[ratio], m, stream_, rng_);
+      }
+    EXPECT_GT(stored, 0) << "ratio " << ratio << ": no row stored an index key: the fused GEMM part went untested";
+  }
   // Every row storing an index key, completing or not (rows c2 skips read an earlier step's latent),
   // and each cache's out-of-range slot on its own (both count once per row, fused or not).
   const Batch b = make_batch(48, rng_);
   const int64_t n_slots = compressed_slots(b.pool, 2);
   std::vector<int32_t> every(static_cast<size_t>(b.meta.rows));
   for (int t = 0; t < b.meta.rows; ++t) every[t] = 1 + t;
-  EXPECT_GE(c2_index_case(b, b.meta.c_out_loc[2], every, Mode::kPlain, stream_, rng_), 40);
+  for (int ratio : {2, 1}) EXPECT_GE(index_fused_case(ratio, b, b.meta.c_out_loc[ratio], every, Mode::kPlain, stream_, rng_), 40);
   std::vector<int32_t> bad_kv = b.meta.c_out_loc[2], bad_ik = b.meta.c_out_loc[2];
   int set = 0;
   for (int t = 0; t < b.meta.rows && set < 2; ++t)
     if (bad_kv[t] > 0) (set++ == 0 ? bad_kv : bad_ik)[t] = static_cast<int32_t>(n_slots) + 5;
   ASSERT_EQ(set, 2);
-  c2_index_case(b, bad_kv, bad_ik, Mode::kPdl, stream_, rng_);
+  index_fused_case(2, b, bad_kv, bad_ik, Mode::kPdl, stream_, rng_);
+  std::vector<int32_t> bad_kv1 = b.meta.c_out_loc[1], bad_ik1 = b.meta.c_out_loc[1];
+  bad_kv1[1] = static_cast<int32_t>(compressed_slots(b.pool, 1)) + 3;
+  bad_ik1[4] = static_cast<int32_t>(compressed_slots(b.pool, 1)) + 9;
+  index_fused_case(1, b, bad_kv1, bad_ik1, Mode::kPdl, stream_, rng_);
 }
 
 // The fused launcher's own refusals (the c2 and index-K checks are the unfused launchers').
@@ -843,6 +877,10 @@ TEST(GpuIndexKHost, FusedRefusesMismatchedRows) {
   p.c2.N = 0;
   p.ik.kproj_row_stride = 64;  // < 128
   EXPECT_THROW(kn::run_c2_index_fused(p, nullptr, false), std::invalid_argument);
+  kn::C1IndexFusedParams q;
+  q.c1.N = 2;
+  q.ik.N = 5;
+  EXPECT_THROW(kn::run_c1_index_fused(q, nullptr, false), std::invalid_argument);
 }
 
 TEST_F(GpuIndexK, OutOfRangeSlotSkippedAndCounted) {

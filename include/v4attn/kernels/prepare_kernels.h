@@ -172,5 +172,13 @@ struct C2IndexFusedParams {
   IndexKStoreParams ik;
 };
 void run_c2_index_fused(const C2IndexFusedParams& p, cudaStream_t stream, bool pdl);
+// The same for the ratio-1 tail: run_c1_fused(c1), the wk GEMM, run_index_k_store(ik), one CTA of 256
+// threads per row.
+struct C1IndexFusedParams {
+  C1FusedParams c1;
+  const bf16_t* wk = nullptr;
+  IndexKStoreParams ik;
+};
+void run_c1_index_fused(const C1IndexFusedParams& p, cudaStream_t stream, bool pdl);
 
 }  // namespace v4attn::kernels

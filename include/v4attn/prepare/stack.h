@@ -338,11 +338,12 @@ struct GpuStackOptions {
   // instead of `gemm`'s choice (v3 with its fused act quant). Another GEMM version, like idx_gemv.
   // kOff: never; kAuto: at most kQaGemvAutoRows rows, with `gemm` kAuto; kOn: wherever v6 takes it.
   Fusion qa_gemv = Fusion::kAuto;
-  // The ratio-2 compressor's tail in one kernel (kernels::run_c2_index_fused: c2, the wk GEMM and the
-  // index-K store of a row by one CTA) instead of three dependent launches on lane S, the source
-  // layers' critical path at 2+ rows (docs/perf.md session 26 run 13, same binary, on vs off: verify
-  // bs 1 -0.85 %, verify bs 2 -0.65 %, decode bs 2 -0.15 %, decode bs 8 and verify bs 4 even, decode
-  // bs 1 +0.1 %, within noise). The same bytes as the unfused tail with wk on GEMM v5 (its version
+  // The compressor's tail in one kernel (kernels::run_c2_index_fused / run_c1_index_fused: c2 or c1,
+  // the wk GEMM and the index-K store of a row by one CTA) instead of three dependent launches on
+  // lane S, the source layers' critical path at 2+ rows (docs/perf.md session 26 run 13, ratio 2
+  // only, same binary, on vs off: verify bs 1 -0.85 %, verify bs 2 -0.65 %, decode bs 2 -0.15 %, decode
+  // bs 8 and verify bs 4 even, decode bs 1 +0.1 %, within noise; the ratio-1 form is NOT measured
+  // yet: branch wip/c1-index-fused). The same bytes as the unfused tail with wk on GEMM v5 (its version
   // under kAuto / kSkinny); with another small-GEMM version the tail stays unfused. kOff: never;
   // kAuto and kOn: wherever wk runs v5.
   Fusion fuse_cmp_tail = Fusion::kAuto;
