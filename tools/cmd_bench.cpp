@@ -598,7 +598,7 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
                   "--gemm's choice (v3 with its fused act quant)",
                   prepare::kQaGemvAutoRows);
   add_fusion_option(sub, "--fuse-cmp-tail", o->fuse_cmp_tail,
-                    "The ratio-2 compressor's tail (c2, the wk GEMM, the index-K store) as one kernel per row instead "
+                    "The compressor's tail (c2 or c1, the wk GEMM, the index-K store) as one kernel per row instead "
                     "of three launches: auto / on (wherever wk runs GEMM v5, i.e. --gemm-small auto or skinny) or off; "
                     "same bytes");
   add_fusion_option(sub, "--src-idx-main", o->src_idx_main,

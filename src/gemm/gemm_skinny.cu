@@ -626,13 +626,18 @@ void launch_skinny(const char* name, SkinnyKernel kernel, SkinnyParams t, const 
 // at m >= 24 on every small projection (c1 wkv m=32: 10.9 vs 31.3 us), on wk (k 512) at every m
 // (3.6 vs 5.6 us at m=6) and on c1 wkv (n 512) from m = 2 (8.6 vs 10.3 us at m=6); v1 wins on
 // c1 wkv at m=1 (7.0 vs 8.5) and on weights_proj (n 32) below m = 24 (7.0 vs 7.7 at m=6).
+// In the three-lane cycle (session 27, docs/perf.md runs 8-9) the c1 projection (512 x 5120, lane S
+// of layer 20, starved beside the main lane's GEMMs) is faster as v1 up to 8 rows: same binary
+// against HEAD, decode bs 2 -0.9 %, bs 3 -0.2 %, bs 4 -0.7 %, verify bs 1 (6 rows) -0.1..-0.4 %, decode
+// bs 8 even; forced v1 at 12 rows even, at 24 +0.2 %. So wide (n >= 128, k > 1024) bf16 projections
+// take v5 from 9 rows (was 2; the only such GEMM in V4.1's prepare is c1's).
 namespace {
 bool skinny_shape_ok(int m, int64_t n, int64_t k) {
   return m >= 1 && m <= kGemmMaxRows && n >= 1 && n <= 1024 && k >= kGemmBlock && k <= 8192 && k % kGemmBlock == 0;
 }
 }  // namespace
 bool skinny_gemm_preferred(int m, int64_t n, int64_t k) {
-  return skinny_shape_ok(m, n, k) && (m >= 24 || k <= 1024 || (n >= 128 && m >= 2));
+  return skinny_shape_ok(m, n, k) && (m >= 24 || k <= 1024 || (n >= 128 && m >= 9));
 }
 // fp32 (the ratio-2 compressor [wkv; wgate] 1024x5120, session 11 runs 4-5, bench_gemm graph timing
 // with PDL, us): v5 (direct path to 32 rows, rings above) against v1 at m = 1 / 6 / 8 / 12 / 16 / 24

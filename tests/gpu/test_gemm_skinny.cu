@@ -495,12 +495,12 @@ TEST(GpuGemmSkinny, TokenOutputDoesNotDependOnBatchOrPdl) {
 // kAuto runs v5 where skinny_gemm_preferred says so (and the arguments allow it), v1 otherwise;
 // fp8 calls given kSkinny run kAuto's fp8 version.
 TEST(GpuGemmSkinny, AutoDispatch) {
-  // The measured rule (gemm_skinny.cu): m >= 24, or k <= 1024, or n >= 128 with m >= 2.
+  // The measured rule (gemm_skinny.cu): m >= 24, or k <= 1024, or n >= 128 with m >= 9.
   for (int m : kAllM) {
-    EXPECT_EQ(skinny_gemm_preferred(m, 512, 5120), m >= 2) << m;
+    EXPECT_EQ(skinny_gemm_preferred(m, 512, 5120), m >= 9) << m;
     EXPECT_EQ(skinny_gemm_preferred(m, 32, 5120), m >= 24) << m;
     EXPECT_TRUE(skinny_gemm_preferred(m, 128, 512)) << m;
-    EXPECT_EQ(skinny_gemm_preferred(m, 1024, 5120), m >= 2) << m;
+    EXPECT_EQ(skinny_gemm_preferred(m, 1024, 5120), m >= 9) << m;
   }
   EXPECT_FALSE(skinny_gemm_preferred(0, 512, 5120));
   EXPECT_FALSE(skinny_gemm_preferred(65, 512, 5120));

@@ -340,12 +340,12 @@ struct GpuStackOptions {
   Fusion qa_gemv = Fusion::kAuto;
   // The compressor's tail in one kernel (kernels::run_c2_index_fused / run_c1_index_fused: c2 or c1,
   // the wk GEMM and the index-K store of a row by one CTA) instead of three dependent launches on
-  // lane S, the source layers' critical path at 2+ rows (docs/perf.md session 26 run 13, ratio 2
-  // only, same binary, on vs off: verify bs 1 -0.85 %, verify bs 2 -0.65 %, decode bs 2 -0.15 %, decode
-  // bs 8 and verify bs 4 even, decode bs 1 +0.1 %, within noise; the ratio-1 form is NOT measured
-  // yet: branch wip/c1-index-fused). The same bytes as the unfused tail with wk on GEMM v5 (its version
-  // under kAuto / kSkinny); with another small-GEMM version the tail stays unfused. kOff: never;
-  // kAuto and kOn: wherever wk runs v5.
+  // lane S, the source layers' critical path at 2+ rows (docs/perf.md session 26 run 13, ratio 2,
+  // same binary, on vs off: verify bs 1 -0.85 %, verify bs 2 -0.65 %, decode bs 2 -0.15 %, decode bs 8
+  // and verify bs 4 even, decode bs 1 +0.1 %, within noise; session 27 run 1, the ratio-1 form added:
+  // verify bs 1 -0.1 %, decode bs 1 / 8, verify bs 4 and decode bs 32 even). The same bytes as the
+  // unfused tail with wk on GEMM v5 (its version under kAuto / kSkinny); with another small-GEMM
+  // version the tail stays unfused. kOff: never; kAuto and kOn: wherever wk runs v5.
   Fusion fuse_cmp_tail = Fusion::kAuto;
   // The index sources with a compressor (2, 8, 14, 20 in V4.1), three-lane schedule: the indexer's
   // q pack, scores and selection on main right after its wq_b GEMM (main first joins lane S, the
