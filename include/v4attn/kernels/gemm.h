@@ -165,19 +165,20 @@ enum class GemmVersion : int {
   kGemv = 6
 };
 const char* gemm_version_name(GemmVersion v);
-// Whether kAuto runs a bf16 / fp32 GEMM of m rows against an [n, k] weight with kSkinny (v5):
-// 1 <= m <= 64 and the small projections of the prepare path (n <= 1024, k a multiple of 32,
-// k <= 8192). The lead measures and may narrow it (docs/perf.md).
+// Whether kAuto runs a bf16 GEMM of m rows against an [n, k] weight with kSkinny (v5): on the small
+// projections of the prepare path (1 <= m <= 64, n <= 1024, k a multiple of 32, k <= 8192), where it
+// measured faster: m >= 24, or k <= 1024 (wk), or n >= 128 with m >= 9 (the c1 projection; from 2
+// before session 27, whose cycles took v1 up to 8 rows: gemm_skinny.cu, docs/perf.md session 27).
 bool skinny_gemm_preferred(int m, int64_t n, int64_t k);
 // The version run_gemm_bf16 runs when asked for `version` by a call with groups == 1 and no plan
 // overrides: kAuto and kGemv resolve to kSkinny where skinny_gemm_preferred, else kTensorCore;
 // kSimple and kSkinny stay; the fp8-only versions (kWgmma, kWgmmaPipelined) run v1, kTensorCore.
 // (Callers that depend on a GEMM's bytes ask here rather than repeat the rule.)
 GemmVersion bf16_gemm_version(GemmVersion version, int m, int64_t n, int64_t k);
-// The fp32 GEMM's kAuto rule: kSkinny (tensor cores) for 16 <= m <= 64 on the same small shapes,
-// v1 (CUDA cores) below (docs/perf.md, session 11: ratio-2 [wkv; wgate] at m = 16 / 24 / 32 / 64:
-// v1 20.9 / 38.3 / 40.6 / 78.4 us, v5 14.1 / 15.0 / 15.8 / 31.1; at 1-6 rows v1 was faster in the
-// three-lane cycle, though not alone from 6 rows; 8-15 rows were not measured in the cycle).
+// The fp32 GEMM's kAuto rule: kSkinny (tensor cores) for 2 <= m <= 64 on the same small shapes,
+// v1 (CUDA cores) at one row (docs/perf.md, session 11: ratio-2 [wkv; wgate] at m = 16 / 24 / 32 /
+// 64: v1 20.9 / 38.3 / 40.6 / 78.4 us, v5 14.1 / 15.0 / 15.8 / 31.1; session 26 re-measured the
+// three-lane cycle: v5 faster from 2 rows, +0.9 % at one row; it had been 16 <= m before).
 bool f32_skinny_preferred(int m, int64_t n, int64_t k);
 // The fastest exact-enough fp8 version for m rows: kWgmma for 1 <= m <= 64, kSimple otherwise
 // (no tensor-core version takes more than 64 rows).
