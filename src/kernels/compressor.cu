@@ -14,11 +14,12 @@
 //  - c2: grid N CTAs of 256 threads (one per row): the pooled row is built pair by pair, parked in
 //    shared memory (bf16-exact floats), and after one barrier every warp takes the row's LaneSum
 //    from there (lane l: chunks l and l+32) and goes on with its own pairs.
-//  - c2 + wk + index-K (c2_index_fused_kernel): c2's CTA of a row goes on with the indexer's key of
-//    that row -- the wk GEMM (kproj = latent_pre_rope @ wk^T, 128 x 512 bf16) by the same mma.sync
+//  - c2 / c1 + wk + index-K (c2_index_fused_kernel, c1_index_fused_kernel): one CTA of 256 threads
+//    per row does the compressor's row (c2's steps, or c1's pairs), then the indexer's key of that
+//    row -- the wk GEMM (kproj = latent_pre_rope @ wk^T, 128 x 512 bf16) by the same mma.sync
 //    fragments and the same sum tree as GEMM v5 (gemm_skinny.cu) at that shape, then the index-K
-//    store's steps (index_k_device.cuh) --, so the ratio-2 source layers' lane S runs one kernel
-//    where it ran three dependent ones (c2, the v5 GEMM, index_k_store), with the same bytes.
+//    store's steps (index_k_device.cuh) --, so the source layers' lane S runs one kernel where it
+//    ran three dependent ones (c2 or c1, the v5 GEMM, index_k_store), with the same bytes.
 // Rows are independent, so any N works (decode, verify, padded buckets). Every early exit depends
 // on the row's metadata only, so it is uniform over the row's CTAs (the c2 barrier is safe).
 //
@@ -334,8 +335,10 @@ bool require_c1(const C1FusedParams& p, const char* who) {
 void require_index_fused(int n, const bf16_t* wk, const IndexKStoreParams& ik, const char* who) {
   detail::require(ik.N == n, who, "ik.N " + std::to_string(ik.N) + " != the compressor's N " + std::to_string(n));
   detail::require_index_k_store(ik, who);
-  // The fused sums are GEMM v5's only while v5 splits (128, 512) this way (gemm_skinny.cu's plan).
-  if (plan_gemm_skinny(1, kPrepIndexDim, kPrepHeadDim, 1, false).splits != kWkSplits)
+  // The fused sums are GEMM v5's only while v5 splits (128, 512) this way (gemm_skinny.cu's plan, a
+  // function of the shape only: checked once).
+  static const bool v5_plan_ok = plan_gemm_skinny(1, kPrepIndexDim, kPrepHeadDim, 1, false).splits == kWkSplits;
+  if (!v5_plan_ok)
     throw std::logic_error(std::string(who) + ": GEMM v5's plan for wk changed; the fused sums would differ");
   if (n == 0) return;
   detail::require_ptr(wk, who, "wk");

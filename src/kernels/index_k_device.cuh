@@ -1,5 +1,5 @@
 // The index-K store's per-pair body (spec 3.3 (a)), shared by index_k_store_kernel (index_k.cu)
-// and the fused ratio-2 compressor tail (compressor.cu: c2 -> wk -> index-K in one kernel).
+// and the fused compressor tails (compressor.cu: c2 or c1 -> wk -> index-K in one kernel).
 // Pair j (0..63) of row t: dims 2j, 2j+1; see index_k.cu for the layout of the work.
 #pragma once
 

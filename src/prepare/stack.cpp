@@ -1114,11 +1114,7 @@ void GpuPrepareStack::Impl::issue_cmp(int L, int T, cudaStream_t s) {
     c.N = T;
     c.err_count = err.get();
     if (cmp_tail_fused(T)) {  // c1, the wk GEMM and the index-K store in one launch (same bytes)
-      kn::C1IndexFusedParams f;
-      f.c1 = c;
-      f.wk = d.wk;
-      f.ik = k;
-      kn::run_c1_index_fused(f, s, pdl_rest());
+      kn::run_c1_index_fused({c, d.wk, k}, s, pdl_rest());
       return;
     }
     kn::run_c1_fused(c, s, pdl_rest());
@@ -1155,11 +1151,7 @@ void GpuPrepareStack::Impl::issue_cmp(int L, int T, cudaStream_t s) {
     c.N = T;
     c.err_count = err.get();
     if (cmp_tail_fused(T)) {  // c2, the wk GEMM and the index-K store in one launch (same bytes)
-      kn::C2IndexFusedParams f;
-      f.c2 = c;
-      f.wk = d.wk;
-      f.ik = k;
-      kn::run_c2_index_fused(f, s, pdl_rest());
+      kn::run_c2_index_fused({c, d.wk, k}, s, pdl_rest());
       return;
     }
     kn::run_c2_fused(c, s, pdl_rest());

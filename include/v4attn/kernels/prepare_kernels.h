@@ -160,7 +160,7 @@ struct IndexKStoreParams {
 };
 void run_index_k_store(const IndexKStoreParams& p, cudaStream_t stream, bool pdl);
 
-// ---- c2 + wk + index-K, fused (the ratio-2 compressor tail of an index source) ----------------
+// ---- c2 / c1 + wk + index-K, fused (the compressor tail of an index source) --------------------
 // One launch doing run_c2_fused(c2), kproj = latent_pre_rope @ wk^T (the bf16 GEMM with version
 // v5's bytes, GemmVersion::kSkinny / kAuto at every m) and run_index_k_store(ik) on that kproj, with
 // their bytes (latent, pair state, compressed cache, index-K cache, error counts); kproj rows are
