@@ -13,8 +13,9 @@
 // release atomic after a barrier, acquire by one thread's ld.acquire.gpu + a barrier):
 //  0. before the PDL wait: barriers, the QA weight slice (tile c % tiles, split c / tiles, v3's
 //     K ranges) by TMA; the QA weight scales into shared memory; the operands zeroed (rows >= T
-//     stay zero); then, once those loads have landed, the first wq_b ring stages by TMA (behind a
-//     bulk stream small loads took ~8 us; session 10), paced (kRingPaceNs). Each worker's q_norm
+//     stay zero); then, once those loads have landed (and at 9-16 rows the QA slice too; session 28),
+//     the first wq_b ring stages by TMA (behind a bulk stream small loads took ~8 us; session 10),
+//     paced (kRingPaceNs). Each worker's q_norm
 //     weights (its one chunk's 8) into registers, first used in phase 2. The other constants (wq_b
 //     scales, the step's RoPE rows) are loaded by the helpers in phase 1, while the consumers run
 //     the QA loop (session 16: they had kept late-starting CTAs ~4.5 us from their PDL wait).
@@ -392,6 +393,11 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
     // exits reached its PDL wait ~8 us after it started (session 10: -8 % per layer at 1-8 rows).
     // The QA weights, needed first, go out at once.
     mbar_wait(bar_prologue, 0u);
+    // At 9-16 rows (NP 16) a QA unit's ring fill also waits for its QA slice to land, so that the slice
+    // streams without the ring's stages beside it (why that pays at 9-16 rows only was not traced;
+    // session 28, same binary: verify bs 2 -1.1 %, decode bs 10 / 12 / 16 -1.1 / -1.1 / -1.0 %). At 1-8 rows the same wait measured slower (decode bs 1 /
+    // 4 / 8 +0.4 / +0.5 / +0.9 %, verify bs 1 +0.6 %): there the ring fill's early stages are worth more.
+    if (NP == 16 && qa_unit) mbar_wait(bar_qa_full, 0u);
     const uint64_t t_start = dev::globaltimer_ns();
     // Slots not holding QA weights (kDirect: q_norm's staged rows use those slots in every CTA).
     const int first_free = qa_unit || kDirect ? p.qa_slot0 : ST;
