@@ -394,9 +394,10 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
     // The QA weights, needed first, go out at once.
     mbar_wait(bar_prologue, 0u);
     // At 9-16 rows (NP 16) a QA unit's ring fill also waits for its QA slice to land, so that the slice
-    // streams without the ring's stages beside it (why that pays at 9-16 rows only was not traced;
-    // session 28, same binary: verify bs 2 -1.1 %, decode bs 10 / 12 / 16 -1.1 / -1.1 / -1.0 %). At 1-8 rows the same wait measured slower (decode bs 1 /
-    // 4 / 8 +0.4 / +0.5 / +0.9 %, verify bs 1 +0.6 %): there the ring fill's early stages are worth more.
+    // streams without the ring's stages beside it (why that pays at 9-16 rows only was not traced).
+    // Session 28 run 11, against the previous commit: verify bs 2 -1.1 %, decode bs 10 / 12 / 16 -1.4 /
+    // -1.1 / -1.3 %. At 1-8 rows the same wait measured slower (run 7: decode bs 1 / 4 / 8 +0.4 / +0.5 /
+    // +0.9 %, verify bs 1 +0.6 %).
     if (NP == 16 && qa_unit) mbar_wait(bar_qa_full, 0u);
     const uint64_t t_start = dev::globaltimer_ns();
     // Slots not holding QA weights (kDirect: q_norm's staged rows use those slots in every CTA).

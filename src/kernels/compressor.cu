@@ -271,8 +271,7 @@ template <class CP>
 __device__ __forceinline__ void index_fused_row(const CP& c, const bf16_t* wk, const IndexKStoreParams& ik) {
   __shared__ __align__(16) float pooled_row[kPrepHeadDim];
   const int t = static_cast<int>(blockIdx.x), j = static_cast<int>(threadIdx.x);
-  const int32_t loc = ik.out_loc[t], g = ik.g[t];  // step metadata
-  const bool stores = loc > 0 && loc < ik.n_slots && g >= 0 && g < ik.max_pos;
+  const bool stores = detail::index_k_row_verdict(ik, t) == detail::PagedRow::kWrite;  // step metadata
   WkFragments f;
   if (stores) load_wk_fragments(wk, j, f);
   compressor_row(c, t, j, pooled_row);

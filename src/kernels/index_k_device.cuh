@@ -19,6 +19,11 @@ static_assert(kPrepIndexDim % num::kIndexerQuantBlock == 0, "whole quant blocks 
 // run_index_k_store's argument checks (index_k.cu; also the fused compressor tail's). False: N == 0.
 bool require_index_k_store(const IndexKStoreParams& p, const char* who);
 
+// Row t's verdict (index-K slots start at 1: out_loc <= 0 has no slot; g must be inside the table).
+__device__ __forceinline__ PagedRow index_k_row_verdict(const IndexKStoreParams& p, int t) {
+  return paged_row_verdict(p.out_loc[t], 1, p.n_slots, p.g[t], p.max_pos);
+}
+
 // kPdlWait: wait for the stream predecessor (dev::pdl_wait) after the metadata and constant loads,
 // before the first load of the kproj row (the standalone kernel). Without it the caller guarantees
 // the row is visible (the fused compressor tail wrote it, then a CTA barrier). Rows that store
@@ -28,17 +33,13 @@ template <bool kPdlWait>
 __device__ __forceinline__ void index_k_store_pair(const IndexKStoreParams& p, int t, int j) {
   using namespace index_k;
   const int lane = j % 32;
+  const PagedRow verdict = index_k_row_verdict(p, t);
+  if (verdict != PagedRow::kWrite) {
+    if (verdict == PagedRow::kCounted && j == 0) dev::count_error(p.err_count);
+    return;
+  }
   const int32_t loc = p.out_loc[t];
   const int32_t g = p.g[t];
-  if (loc <= 0) return;  // no group slot: nothing to do (the reference computes nothing either)
-  if (loc >= p.n_slots) {
-    if (j == 0) dev::count_error(p.err_count);
-    return;
-  }
-  if (g < 0 || g >= p.max_pos) {  // refused on the host by the reference; contained here
-    if (j == 0) dev::count_error(p.err_count);
-    return;
-  }
   const bool tail = j >= kTailFirstPair;
   const float2 w = ldg_f32x2(p.k_norm + 2 * j);
   const float2 cs = tail ? ldg_f32x2(p.table + static_cast<int64_t>(g) * num::kRopeDim + 2 * (j - kTailFirstPair))

@@ -30,6 +30,19 @@ using num::bf16_t;
 constexpr int kChunk = 8;          // LaneSum chunk: 8 values = one 16-byte bf16 vector
 constexpr unsigned kFullMask = 0xffffffffu;
 
+// ---- a paged row store's verdict from its step metadata ------------------------------------------
+// The window-K and index-K stores (and the fused compressor tail, which runs the wk GEMM only for rows
+// the index-K store writes): the row has no slot (loc < first_slot: nothing to do, the reference
+// computes nothing either); its slot is past the pool or its position outside the RoPE table (the
+// reference refuses those on the host; here the row is skipped and counted once); or it is written.
+enum class PagedRow : int { kWrite, kNoSlot, kCounted };
+__device__ __forceinline__ PagedRow paged_row_verdict(int32_t loc, int32_t first_slot, int64_t n_slots, int32_t pos,
+                                                      int64_t max_pos) {
+  if (loc < first_slot) return PagedRow::kNoSlot;
+  if (loc >= n_slots || pos < 0 || pos >= max_pos) return PagedRow::kCounted;
+  return PagedRow::kWrite;
+}
+
 // ---- loads and stores of one chunk ---------------------------------------------------------------
 // Plain (coherent) loads for data a PDL predecessor may write: never the read-only path there.
 __device__ __forceinline__ void unpack_bf16x8(const uint4& v, float (&x)[kChunk]) {

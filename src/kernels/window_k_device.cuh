@@ -29,13 +29,11 @@ __device__ __forceinline__ void window_k_store_pair(const WindowKStoreParams& p,
   // Step metadata and constants only.
   const int32_t loc = p.swa_loc[t];
   const int32_t pos = p.pos[t];
-  if (loc < 0) return;  // no write (the reference's norm has no other output on the GPU side)
-  if (loc >= p.n_slots) {  // skipped and counted, like the reference's `skipped`
-    if (j == 0) dev::count_error(p.err_count);
-    return;
-  }
-  if (pos < 0 || pos >= p.max_pos) {  // refused on the host by the reference; contained here
-    if (j == 0) dev::count_error(p.err_count);
+  // Window slots start at 0 (swa_loc < 0: no write; the reference's norm has no other output on the
+  // GPU side); a slot past the pool is skipped and counted, like the reference's `skipped`.
+  const PagedRow verdict = paged_row_verdict(loc, 0, p.n_slots, pos, p.max_pos);
+  if (verdict != PagedRow::kWrite) {
+    if (verdict == PagedRow::kCounted && j == 0) dev::count_error(p.err_count);
     return;
   }
   const bool tail = j >= kTailFirstPair;
