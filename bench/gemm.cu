@@ -775,7 +775,8 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0, 2));
   app.add_option("--stages", env.force_stages, "v2, v3: at most this many TMA ring stages (0 = automatic)")->check(CLI::Range(0, 8));
   app.add_option("--v2-overlap", env.v2_overlap,
-                 "v2 consumer loop: 0 one K block at a time, 1 widening overlapped, 2 fully pipelined (m <= 32), -1 default")
+                 "v2 consumer loop: 0 one K block at a time, 1 widening overlapped, 2 fully pipelined across pairs of "
+                 "stages (m <= 32), -1 default")
       ->check(CLI::Range(-1, 2));
   app.add_option("--prewait-stages", env.prewait_stages,
                  "v2: weight stages fetched before the PDL wait (-1 = the whole first ring fill)")

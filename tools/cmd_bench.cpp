@@ -626,7 +626,7 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       ->capture_default_str();
   sub->add_option("--qb-overlap", o->qb_overlap,
                   "wq_b GEMM (v2) consumer loop: 0 one K block at a time, 1 widening overlapped, 2 fully pipelined "
-                  "(m <= 32), -1 default (tuning knob)")
+                  "across pairs of stages (m <= 32), -1 default (tuning knob)")
       ->check(CLI::Range(-1, 2))
       ->capture_default_str();
   sub->add_flag("--no-fused-index-main", o->no_fused_index_main,

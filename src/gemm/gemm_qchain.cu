@@ -746,6 +746,8 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
   if (!qb_unit) return;
 
   // ---- phase 3: the wq_b GEMM of tile c (v2's loop, overlap 2) + the RoPE store -------------------
+  // One stage at a time: v2's pairs of stages (wgmma_fp8::run_stage_pair) measured slower here
+  // (session 29: cycles +2..+3 % at 1-8 rows, bench_qchain +0.7..1 %).
   BlockOps<kQbMt, NP> ops{0u, 0u, wgc, cw, ld_row, ld_chunk, t4};
   float acc[kQbMt][R], d[kQbMt][R], d2[kQbMt][R];
 #pragma unroll

@@ -546,7 +546,50 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
       d[mt][i] = 0.0f;
     }
 
+  // overlap 2 (NP <= kFullPipelineMaxNp): two full stages it0, it0 + 1 as one straight-line body
+  // (wgmma_fp8::run_stage_pair: two block-sum / A fragment sets, block b + 1's wgmmas issued before
+  // block b is folded, across the stages' boundary too, one drain per pair; the same bytes as one
+  // block at a time). A stage left over (an odd count, a partial last stage) and a ring of one slot
+  // (stage it0 + 1 would wait for the slot stage it0 holds) run the one-stage loop of overlap 1.
+  // Session 29 (docs/perf.md): this replaced session 3's one-stage form of overlap 2 (one drain per
+  // stage): wq_b m 8 / 24 / 32 13.98 / 16.80 / 18.68 -> 12.38 / 15.88 / 17.74 us; kept beside it,
+  // the old form's code alone moved the 24-32-row cycles by +-1 % (instruction-cache layout). Groups
+  // of five stages, or three sets in flight, were faster alone (11.8 / 17.5 us) but 7-9 % slower in
+  // the cycle: their longer straight-line bodies miss the instruction cache.
+  auto run_stage_pair = [&](int it0) {
+    auto wait_stage = [&](int it) {
+      const int s = it % ST, x = it % kXfSlots;
+      mbar_wait(bar_full + 8u * s, static_cast<uint32_t>((it / ST) & 1));
+      mbar_wait(bar_xready + 8u * x, static_cast<uint32_t>((it / kXfSlots) & 1));
+      if (ctid == 0 && (it == 0 || blockIdx.x < 2)) V4ATTN_STAMP_AT(stamp_rec, stamps::kGemmV2, it == 0 ? 2 : 16 + it);
+    };
+    auto ops_of = [&](int it) {
+      const int s = it % ST, x = it % kXfSlots;
+      return wgmma_fp8::BlockOps<MT, NP>{base + L.w + static_cast<uint32_t>(s * BN * kStageK),
+                                         base + L.xf + static_cast<uint32_t>(x * NP * kStageK * 2), wgc, w, ld_row,
+                                         ld_chunk, t};
+    };
+    if constexpr (NP <= kFullPipelineMaxNp) {
+    wait_stage(it0);
+    wgmma_fp8::run_stage_pair<MT, NP>(
+        ops_of(it0), ops_of(it0 + 1),
+        [&](int q, int mt, int j) {
+          return sw_s[((wgc * MT + mt) * 2 + (w >> 1)) * msb + (it0 + q) * kBlocksPerStage + j];
+        },
+        [&](int q, int j) { return sa_s + ((it0 + q) * kBlocksPerStage + j) * NP; }, [&] { wait_stage(it0 + 1); },
+        [&](int q) { mbar_arrive(bar_empty + 8u * ((it0 + q) % ST)); },
+        [&](int q) { mbar_arrive(bar_xfree + 8u * ((it0 + q) % kXfSlots)); }, acc);
+    }
+  };
+
   for (int it = 0; it < n_iter; ++it) {
+    if constexpr (NP <= kFullPipelineMaxNp) {
+      if (p.overlap == 2 && ST >= 2 && nkb / kBlocksPerStage - it >= 2) {  // stages it, it + 1 both full
+        run_stage_pair(it);
+        ++it;
+        continue;
+      }
+    }
     const int s = it % ST, x = it % kXfSlots;
     mbar_wait(bar_full + 8u * s, static_cast<uint32_t>((it / ST) & 1));
     mbar_wait(bar_xready + 8u * x, static_cast<uint32_t>((it / kXfSlots) & 1));
@@ -570,30 +613,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
     // Full stages run straight-line code (the loops below unroll) with every wgmma waited for
     // inside the stage: a wgmma in flight across the loop back-edge makes ptxas serialize them all.
     // Two A fragment sets (and scale sets) alternate between consecutive blocks.
-    if (NP <= kFullPipelineMaxNp && p.overlap == 2 && full_stage) {
-      if constexpr (NP <= kFullPipelineMaxNp) {
-        // Fully pipelined: two block-sum sets too, and block j + 1's wgmmas are issued before
-        // block j is folded, so the tensor core works on j + 1 while the CUDA cores fold j and
-        // widen j + 2. The folds stay in block order.
-        uint32_t a[2][MT][2][4];
-        float sw[2][MT];
-        float d2[MT][R];
-        auto sums = [&](int j) -> float (&)[MT][R] { return (j & 1) ? d2 : d; };
-        load_block(0, a[0], sw[0]);
-        issue_block(0, a[0], sums(0));
-#pragma unroll
-        for (int j = 0; j < kBlocksPerStage; ++j) {
-          if (j + 1 < kBlocksPerStage) {  // block j + 1's sets were freed by block j - 1's wait / fold
-            load_block(j + 1, a[(j + 1) & 1], sw[(j + 1) & 1]);
-            issue_block(j + 1, a[(j + 1) & 1], sums(j + 1));
-            wgmma_wait<1>();  // block j done, j + 1 may still run
-          } else {
-            wgmma_wait<0>();
-          }
-          fold_block(j, sw[j & 1], sums(j));
-        }
-      }
-    } else if (p.overlap != 0 && full_stage) {
+    if (p.overlap != 0 && full_stage) {
       // Widening overlapped: block j + 1's ldmatrix + widening is issued after block j's wgmmas
       // and before waiting for them, so the tensor core and the conversion pipe work at once.
       uint32_t a[2][MT][2][4];

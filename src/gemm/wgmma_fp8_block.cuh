@@ -74,6 +74,51 @@ struct BlockOps {
   }
 };
 
+// Two full stages (8 K blocks) as one straight-line sequence with two block-sum / A fragment sets:
+// block b + 1's wgmmas are issued before block b is folded, across the stages' boundary too, and
+// only the last block is drained -- every wgmma is waited for before the function returns (ptxas
+// serialises every wgmma of a kernel when one stays in flight across a loop back-edge while block
+// sums are read in the loop). The folds run in block order, so the bytes are those of one stage at
+// a time. The caller has waited for stage 0's operands; wait_second() waits for stage 1's (called
+// while block 3 of stage 0 runs); release_w(q) right after stage q's last weight load (ldmatrix is
+// synchronous: the weight slot is no longer read, so the producer may refill it while this thread
+// still waits for stage 1 -- released only after the fold, the refill would trail stage 1's arrival
+// in a memory-paced loop), release_x(q) after stage q's last fold (the f16 operand, which the
+// wgmmas read, is no longer read); sw(q, mt, j): tile mt's weight scale of block j of stage q;
+// sa(q, j): that block's activation scales [NP]. v2's loop (v2_overlap 2): one drain per two stages
+// instead of one per stage (docs/perf.md session 29; in the fused Q chain's wq_b loop, which streams
+// at 1-16 rows, it measured slower).
+template <int MT, int NP, class Sw, class Sa, class WaitSecond, class ReleaseW, class ReleaseX>
+__device__ __forceinline__ void run_stage_pair(const BlockOps<MT, NP>& ops0, const BlockOps<MT, NP>& ops1, Sw&& sw,
+                                               Sa&& sa, WaitSecond&& wait_second, ReleaseW&& release_w,
+                                               ReleaseX&& release_x, float (&acc)[MT][NP / 2]) {
+  constexpr int R = NP / 2, kBlocks = 4, B = 2 * kBlocks;
+  uint32_t a[2][MT][2][4];
+  float swv[2][MT];
+  float d[2][MT][R];
+  auto load_issue = [&](int b) {  // block b's sets were freed by block b - 2's wait / fold
+    const int q = b / kBlocks, j = b % kBlocks;
+    if (b == kBlocks) wait_second();
+    const BlockOps<MT, NP>& ops = q == 0 ? ops0 : ops1;
+    ops.load(j, a[b & 1], [&](int mt) { swv[b & 1][mt] = sw(q, mt, j); });
+    if (j == kBlocks - 1) release_w(q);
+    ops.issue(j, a[b & 1], d[b & 1]);
+  };
+  load_issue(0);
+#pragma unroll
+  for (int b = 0; b < B; ++b) {
+    if (b + 1 < B) {
+      load_issue(b + 1);
+      hopper::wgmma_wait<1>();  // block b done, b + 1 may still run
+    } else {
+      hopper::wgmma_wait<0>();
+    }
+    const int q = b / kBlocks, j = b % kBlocks;
+    ops0.fold(sa(q, j), swv[b & 1], d[b & 1], acc);  // fold reads only sa / sw / d (and the lane's t)
+    if (j == kBlocks - 1) release_x(q);
+  }
+}
+
 // The one-split epilogue of the fp8 wgmma GEMMs (v2, v3): value(mt, i) -> bf16 of this thread's
 // accumulator element (mt, i) = CTA row (wgc*MT + mt)*64 + 16w + g + (i & 2 ? 8 : 0), token 8 (i / 4)
 // + 2t + (i & 1) (called by every lane for every element: it may shuffle), staged as a tile [m][BN

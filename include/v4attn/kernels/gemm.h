@@ -309,9 +309,11 @@ struct Fp8GemmParams {
   // v2 tuning (numerics identical): the consumer loop over the 4 K blocks of a full stage.
   // 0 = one block at a time; 1 = the ldmatrix and widening of block j + 1 issued while the wgmmas
   // of block j run; 2 = also block j + 1's wgmmas issued before block j is folded (two block-sum
-  // register sets; m <= 32 only, larger m run 1); -1 = the default (2). Measured (docs/perf.md,
-  // session 3): wq_b at m = 1 / 6 / 24 / 32: 15.5 / 15.8 / 19.8 / 21.6 us (0) -> 12.7 / 13.1 /
-  // 17.6 / 19.1 us (2).
+  // register sets), over pairs of full stages as one straight-line body, so that the pipeline drains
+  // once per two stages (m <= 32 only, larger m run 1); -1 = the default (2). Measured (docs/perf.md):
+  // wq_b at m = 1 / 6 / 24 / 32: 15.5 / 15.8 / 19.8 / 21.6 us (0) -> 12.7 / 13.1 / 17.6 / 19.1 us
+  // (2 as one stage at a time, session 3); m = 8 / 24 / 32: 13.98 / 16.80 / 18.68 -> 12.38 / 15.88 /
+  // 17.74 (pairs of stages, session 29, another machine).
   int v2_overlap = -1;
   // v3 only (run_gemm_fp8_fused_quant): the bf16 activations [m, k] (row r at a_bf16 + r *
   // a_bf16_stride elements; 16-byte aligned, stride % 8 == 0). The GEMM then quantises them itself
