@@ -557,28 +557,28 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
   // of five stages, or three sets in flight, were faster alone (11.8 / 17.5 us) but 7-9 % slower in
   // the cycle: their longer straight-line bodies miss the instruction cache.
   auto run_stage_pair = [&](int it0) {
-    auto wait_stage = [&](int it) {
-      const int s = it % ST, x = it % kXfSlots;
-      mbar_wait(bar_full + 8u * s, static_cast<uint32_t>((it / ST) & 1));
-      mbar_wait(bar_xready + 8u * x, static_cast<uint32_t>((it / kXfSlots) & 1));
-      if (ctid == 0 && (it == 0 || blockIdx.x < 2)) V4ATTN_STAMP_AT(stamp_rec, stamps::kGemmV2, it == 0 ? 2 : 16 + it);
-    };
-    auto ops_of = [&](int it) {
-      const int s = it % ST, x = it % kXfSlots;
-      return wgmma_fp8::BlockOps<MT, NP>{base + L.w + static_cast<uint32_t>(s * BN * kStageK),
-                                         base + L.xf + static_cast<uint32_t>(x * NP * kStageK * 2), wgc, w, ld_row,
-                                         ld_chunk, t};
-    };
     if constexpr (NP <= kFullPipelineMaxNp) {
-    wait_stage(it0);
-    wgmma_fp8::run_stage_pair<MT, NP>(
-        ops_of(it0), ops_of(it0 + 1),
-        [&](int q, int mt, int j) {
-          return sw_s[((wgc * MT + mt) * 2 + (w >> 1)) * msb + (it0 + q) * kBlocksPerStage + j];
-        },
-        [&](int q, int j) { return sa_s + ((it0 + q) * kBlocksPerStage + j) * NP; }, [&] { wait_stage(it0 + 1); },
-        [&](int q) { mbar_arrive(bar_empty + 8u * ((it0 + q) % ST)); },
-        [&](int q) { mbar_arrive(bar_xfree + 8u * ((it0 + q) % kXfSlots)); }, acc);
+      auto wait_stage = [&](int it) {
+        const int s = it % ST, x = it % kXfSlots;
+        mbar_wait(bar_full + 8u * s, static_cast<uint32_t>((it / ST) & 1));
+        mbar_wait(bar_xready + 8u * x, static_cast<uint32_t>((it / kXfSlots) & 1));
+        if (ctid == 0 && (it == 0 || blockIdx.x < 2)) V4ATTN_STAMP_AT(stamp_rec, stamps::kGemmV2, it == 0 ? 2 : 16 + it);
+      };
+      auto ops_of = [&](int it) {
+        const int s = it % ST, x = it % kXfSlots;
+        return wgmma_fp8::BlockOps<MT, NP>{base + L.w + static_cast<uint32_t>(s * BN * kStageK),
+                                           base + L.xf + static_cast<uint32_t>(x * NP * kStageK * 2), wgc, w, ld_row,
+                                           ld_chunk, t};
+      };
+      wait_stage(it0);
+      wgmma_fp8::run_stage_pair<MT, NP>(
+          ops_of(it0), ops_of(it0 + 1),
+          [&](int q, int mt, int j) {
+            return sw_s[((wgc * MT + mt) * 2 + (w >> 1)) * msb + (it0 + q) * kBlocksPerStage + j];
+          },
+          [&](int q, int j) { return sa_s + ((it0 + q) * kBlocksPerStage + j) * NP; }, [&] { wait_stage(it0 + 1); },
+          [&](int q) { mbar_arrive(bar_empty + 8u * ((it0 + q) % ST)); },
+          [&](int q) { mbar_arrive(bar_xfree + 8u * ((it0 + q) % kXfSlots)); }, acc);
     }
   };
 

@@ -752,7 +752,9 @@ TEST(GpuGemm, Fp8WgmmaSmallShapesAllPaths) {
 }
 
 // v2's two tuning fields change the schedule, never the arithmetic: the pipelined consumer loops
-// (v2_overlap 1 and 2 -- pairs of full stages --, full stages) and the one-block-at-a-time loop give the same bytes, and so does
+// (v2_overlap 1 on full stages, 2 on pairs of full stages -- the cases below have pairs, a full stage
+// left over, partial last stages and a one-slot ring, which runs one stage at a time) and the
+// one-block-at-a-time loop give the same bytes, and so does
 // any split of the first ring fill around the PDL wait (prewait_stages 0, 1, all). Realistic data
 // (so that a changed order of operations would show), partial last stages, split-K, MT = 1 and 2,
 // with and without PDL; the first variant is also checked against the reference (<= 1 ulp).
