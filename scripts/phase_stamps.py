@@ -8,7 +8,8 @@ the recorded cycle, in time order: the earliest / latest value over the launch's
 in microseconds from the cycle's first stamp. Phases: 0 CTA start, 1 after griddepcontrol.wait,
 2 (GEMM v2) first stage ready for the consumers / (rmsnorm) sum of squares done, 5 (GEMM v3) scale
 tables in shared memory, 3 consumer loop done, 6 (v3) partials written (cluster barrier), 4 end;
-10 / 11 (GEMM v2 with the distributed q_norm, session 25) the CTA's rows written / every row seen.
+10 / 11 (GEMM v2 with the distributed q_norm, session 25) the CTA's rows written / every row seen
+(--intervals v2 walks them between the wait and the first stage, session 29).
 Per-stage phases are recorded for CTAs 0 and 1 only (GEMM v2 / v3: 16+ consumer stage or iteration start,
 64+ converter stage done, 96+ stage data landed, 112+ its f16 slot free); --cta prints those records.
 
@@ -100,13 +101,17 @@ def print_handoff(launches, t0):
 # are per-stage records, 15 a consumer record's start).
 QCHAIN_PATHS = [[14, 0, 1, 2, 3, 4, 5, 6, 7, 48, 49, 8, 9, 10, 11], [8, 12, 13]]
 OTHER_PATH = [14, 0, 1, 2, 5, 3, 6, 4]
+# GEMM v2 with the distributed q_norm (kQDist, 17-32 rows): wait, rows written (10), every row seen
+# (11), then the first stage ready (2) and the loop (3); 10 / 11 are absent in the other forms.
+V2_PATH = [14, 0, 1, 10, 11, 2, 5, 3, 6, 4]
 # The v3 selections (indexer_select_v3.cu): entry, wait, keys ready, per radix pass p histogram /
 # cluster's histograms received / digit chosen (4+4p, 5+4p, 6+4p), compaction done, end.
 SELECT_PATH = [0, 1, 2] + [4 * p + d for p in range(1, 5) for d in range(3)] + [20, 21]
 
 
 def phase_paths(kind, present):
-    paths = QCHAIN_PATHS if kind == 6 else [SELECT_PATH] if kind in (7, 8) else [OTHER_PATH]
+    paths = (QCHAIN_PATHS if kind == 6 else [SELECT_PATH] if kind in (7, 8) else [V2_PATH] if kind == 1 else
+             [OTHER_PATH])
     return [[p for p in path if p in present] for path in paths]
 
 
