@@ -84,6 +84,15 @@ if(V4ATTN_PYTHON3)
                    "${CMAKE_SOURCE_DIR}/tests/data/stamps_v2.txt" --intervals qchain)
   set_tests_properties(scripts.phase_stamps_intervals PROPERTIES PASS_REGULAR_EXPRESSION
     "qchain: 2 launches, 4 CTAs\n.*\n +14 -> +0 +4 +0\\.20 +0\\.20 +0\\.20 +0\\.20\n +0 -> +1 +4 +0\\.80 +2\\.15 +16\\.50 +16\\.50\n +1 -> +11 +4 +16\\.00 +18\\.65 +19\\.90 +19\\.90\n.*\n +14 +2 +-16\\.00 +-7\\.85 +0\\.30 +0\\.30\n +0 +2 +-15\\.80 +-7\\.65 +0\\.50 +0\\.50\n +1 +2 +0\\.70 +2\\.35 +4\\.00 +4\\.00\n +11 +2 +19\\.00 +19\\.50 +20\\.00 +20\\.00")
+  # --intervals v2 on a distributed-q_norm GEMM v2 launch after a v3 launch (session 29): the path
+  # walks the rows-written (10) and every-row-seen (11) phases between the PDL wait and the first
+  # stage; per CTA 1 -> 10 is 0.2 / 0.1 us, 10 -> 11 1.3 / 1.1, 11 -> 2 2.0 / 2.3 (the v3 launch ends
+  # at 2.0 us).
+  add_test(NAME scripts.phase_stamps_intervals_v2_qdist
+           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/phase_stamps.py"
+                   "${CMAKE_SOURCE_DIR}/tests/data/stamps_v2_qdist.txt" --intervals v2)
+  set_tests_properties(scripts.phase_stamps_intervals_v2_qdist PROPERTIES PASS_REGULAR_EXPRESSION
+    "v2: 1 launches, 2 CTAs\n.*\n +0 -> +1 +2 +0\\.90 +0\\.95 +1\\.00 +1\\.00\n +1 -> +10 +2 +0\\.10 +0\\.15 +0\\.20 +0\\.20\n +10 -> +11 +2 +1\\.10 +1\\.20 +1\\.30 +1\\.30\n +11 -> +2 +2 +2\\.00 +2\\.15 +2\\.30 +2\\.30\n.*\n +11 +2 +2\\.00 +2\\.10 +2\\.20 +2\\.20")
   # --intervals topk_v3 on two one-row top-k launches of a decode bs 1 cycle (4 CTAs each, session
   # 18): the selection's phase path (wait, pass p's histogram / exchange / digit at 4+4p..6+4p,
   # compaction 20, end 21), not the GEMMs' (where 14 is the CTA's entry); the first launch ran three
