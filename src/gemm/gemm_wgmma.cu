@@ -554,8 +554,8 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
   // Session 29 (docs/perf.md): this replaced session 3's one-stage form of overlap 2 (one drain per
   // stage): wq_b m 8 / 24 / 32 13.98 / 16.80 / 18.68 -> 12.38 / 15.88 / 17.74 us; kept beside it,
   // the old form's code alone moved the 24-32-row cycles by +-1 % (instruction-cache layout). Groups
-  // of five stages, or three sets in flight, were faster alone (11.8 / 17.5 us) but 7-9 % slower in
-  // the cycle: their longer straight-line bodies miss the instruction cache.
+  // of five stages were faster alone (11.8 / 17.5 us) but 7-9 % slower in the cycle: their longer
+  // straight-line bodies miss the instruction cache; three sets in flight: even to +1.8 %.
   auto run_stage_pair = [&](int it0) {
     if constexpr (NP <= kFullPipelineMaxNp) {
       auto wait_stage = [&](int it) {

@@ -114,7 +114,7 @@ __device__ __forceinline__ void run_stage_pair(const BlockOps<MT, NP>& ops0, con
       hopper::wgmma_wait<0>();
     }
     const int q = b / kBlocks, j = b % kBlocks;
-    ops0.fold(sa(q, j), swv[b & 1], d[b & 1], acc);  // fold reads only sa / sw / d (and the lane's t)
+    (q == 0 ? ops0 : ops1).fold(sa(q, j), swv[b & 1], d[b & 1], acc);
     if (j == kBlocks - 1) release_x(q);
   }
 }
