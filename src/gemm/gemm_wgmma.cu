@@ -339,6 +339,11 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
   constexpr int R = NP / 2;                          // accumulator registers per m64 tile per thread
   constexpr uint32_t kStageTx = static_cast<uint32_t>((BN + (kQNorm ? 0 : NP)) * kStageK);  // kQNorm: no x box
   static_assert(NP % 8 == 0 && NP >= 8 && NP <= 64, "NP is m rounded up to 8");
+  // Past 16 rows the consumers load the activation scales after the role split (only they read
+  // them), so the converters widen stage 0 as soon as its TMA lands instead of after the scales' L2
+  // round trip: decode bs 32 / verify bs 4 -0.7 / -1.0 % (session 30). At 1-16 rows the whole CTA
+  // loads them before the split as before: there the wq_b GEMM alone was ~2 % slower the other way.
+  constexpr bool kScalesInConsumers = !kQNorm && NP > 16;
 
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw_addr = smem_u32(smem_raw);
@@ -466,13 +471,13 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
   }
   if constexpr (kQNorm) {
     qnorm_quant_prologue<NP>(p, smem + L.xc, reinterpret_cast<float*>(smem + L.rstd), sa_s, nkb, tid);
-  } else {
+  } else if constexpr (!kScalesInConsumers) {
     // activation scales [block][token]; tokens >= m get 0
     wgmma_fp8::load_activation_scales<kThreads, NP>(p.a_scale + grp * p.a_scale_group_stride + kb_begin,
                                                     p.a_scale_stride, p.m, nkb, sa_s, tid);
   }
   sw_pre.store(msb, sw_s);
-  __syncthreads();  // scale arrays visible to the consumers
+  __syncthreads();  // scale arrays visible to the consumers (kScalesInConsumers: the weight scales only)
 
   if (warp < 4) {
     // ======== warpgroup 0: producer (warp 0, lane 0) and converters (warps 1..3) ==================
@@ -528,6 +533,11 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
   // ======== warpgroups 1, 2: consumers =============================================================
   setmaxnreg_inc<kConsumerRegs>();
   const int ctid = tid - kWarpgroupThreads;  // 0..255
+  if constexpr (kScalesInConsumers) {  // activation scales [block][token]; tokens >= m get 0
+    wgmma_fp8::load_activation_scales<kConsumerThreads, NP>(p.a_scale + grp * p.a_scale_group_stride + kb_begin,
+                                                            p.a_scale_stride, p.m, nkb, sa_s, ctid);
+    named_barrier_sync(kConsumerBarrierId, kConsumerThreads);
+  }
   const int wgc = ctid >> 7;                 // consumer warpgroup 0 / 1
   const int w = (ctid >> 5) & 3;             // warp within the warpgroup: rows 16w .. 16w + 15 of a tile
   const int g = lane >> 2, t = lane & 3;
