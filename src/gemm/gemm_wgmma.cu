@@ -616,9 +616,13 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
       ops.load(j, a, [&](int mt) { swv[mt] = sw_s[((wgc * MT + mt) * 2 + (w >> 1)) * msb + it * kBlocksPerStage + j]; });
     };
     auto issue_block = [&](int j, const uint32_t (&a)[MT][2][4], float (&d)[MT][R]) { ops.issue(j, a, d); };
-    auto fold_block = [&](int j, const float (&swv)[MT], float (&d)[MT][R]) {
-      ops.fold(sa_s + (it * kBlocksPerStage + j) * NP, swv, d, acc);
+    // fold in two halves: the block's scale products (shared loads, multiplies) before the wait for
+    // its wgmmas, the fmas after it.
+    using Ss = float[MT][wgmma_fp8::BlockOps<MT, NP>::S];
+    auto products_block = [&](int j, const float (&swv)[MT], Ss& ss) {
+      ops.products(sa_s + (it * kBlocksPerStage + j) * NP, swv, ss);
     };
+    auto fold_block = [&](const Ss& ss, float (&d)[MT][R]) { ops.fold_products(ss, d, acc); };
     const bool full_stage = nb == kBlocksPerStage;
     // Full stages run straight-line code (the loops below unroll) with every wgmma waited for
     // inside the stage: a wgmma in flight across the loop back-edge makes ptxas serialize them all.
@@ -633,8 +637,10 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
       for (int j = 0; j < kBlocksPerStage; ++j) {
         issue_block(j, a[j & 1], d);
         if (j + 1 < kBlocksPerStage) load_block(j + 1, a[(j + 1) & 1], sw[(j + 1) & 1]);
+        Ss ss;
+        products_block(j, sw[j & 1], ss);
         wgmma_wait<0>();
-        fold_block(j, sw[j & 1], d);
+        fold_block(ss, d);
       }
     } else {
 #pragma unroll
@@ -644,8 +650,10 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
         float swv[MT];
         load_block(j, a, swv);
         issue_block(j, a, d);
+        Ss ss;
+        products_block(j, swv, ss);
         wgmma_wait<0>();
-        fold_block(j, swv, d);
+        fold_block(ss, d);
       }
     }
     // This thread's reads of the slot are complete (ldmatrix is synchronous; the wgmmas reading Xf

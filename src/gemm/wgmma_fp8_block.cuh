@@ -72,6 +72,34 @@ struct BlockOps {
       }
     }
   }
+  // fold() in two halves, so that a caller can form the block's scale products before it waits for
+  // the block's wgmmas: products() takes the shared loads and multiplies (the same roundings),
+  // fold_products() only the fmas. ss[mt][2 jj + e] = sa[8 jj + 2t + e] * sw[mt].
+  static constexpr int S = NP / 4;  // products per tile this thread folds with
+  __device__ __forceinline__ void products(const float* sa_row, const float (&swv)[MT], float (&ss)[MT][S]) const {
+#pragma unroll
+    for (int jj = 0; jj < NP / 8; ++jj) {
+      const float2 sa = *reinterpret_cast<const float2*>(sa_row + 8 * jj + 2 * t);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        ss[mt][2 * jj + 0] = num::mul_rn(sa.x, swv[mt]);
+        ss[mt][2 * jj + 1] = num::mul_rn(sa.y, swv[mt]);
+      }
+    }
+  }
+  __device__ __forceinline__ void fold_products(const float (&ss)[MT][S], float (&d)[MT][R], float (&acc)[MT][R]) const {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) hopper::fence_registers(d[mt]);
+#pragma unroll
+    for (int jj = 0; jj < NP / 8; ++jj)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        acc[mt][4 * jj + 0] = __fmaf_rn(d[mt][4 * jj + 0], ss[mt][2 * jj + 0], acc[mt][4 * jj + 0]);
+        acc[mt][4 * jj + 1] = __fmaf_rn(d[mt][4 * jj + 1], ss[mt][2 * jj + 1], acc[mt][4 * jj + 1]);
+        acc[mt][4 * jj + 2] = __fmaf_rn(d[mt][4 * jj + 2], ss[mt][2 * jj + 0], acc[mt][4 * jj + 2]);
+        acc[mt][4 * jj + 3] = __fmaf_rn(d[mt][4 * jj + 3], ss[mt][2 * jj + 1], acc[mt][4 * jj + 3]);
+      }
+  }
 };
 
 // Two full stages (8 K blocks) as one straight-line sequence with two block-sum / A fragment sets:
@@ -107,14 +135,19 @@ __device__ __forceinline__ void run_stage_pair(const BlockOps<MT, NP>& ops0, con
   load_issue(0);
 #pragma unroll
   for (int b = 0; b < B; ++b) {
+    const int q = b / kBlocks, j = b % kBlocks;
+    const BlockOps<MT, NP>& ops = q == 0 ? ops0 : ops1;
+    if (b + 1 < B) load_issue(b + 1);
+    // Block b's scale products before its wait: their shared loads and multiplies overlap the
+    // wgmmas instead of sitting between the wait and the fold.
+    float ss[MT][BlockOps<MT, NP>::S];
+    ops.products(sa(q, j), swv[b & 1], ss);
     if (b + 1 < B) {
-      load_issue(b + 1);
       hopper::wgmma_wait<1>();  // block b done, b + 1 may still run
     } else {
       hopper::wgmma_wait<0>();
     }
-    const int q = b / kBlocks, j = b % kBlocks;
-    (q == 0 ? ops0 : ops1).fold(sa(q, j), swv[b & 1], d[b & 1], acc);
+    ops.fold_products(ss, d[b & 1], acc);
     if (j == kBlocks - 1) release_x(q);
   }
 }
