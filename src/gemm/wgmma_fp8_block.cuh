@@ -54,7 +54,9 @@ struct BlockOps {
     hopper::wgmma_commit();
   }
   // acc += blocksum * (sa * sw): sa * sw is a power of two (exact), one rounding per block.
-  // sa_row: the block's activation scales [NP]; swv: the tile's weight scale per m64 tile.
+  // sa_row: the block's activation scales [NP]; swv: the tile's weight scale per m64 tile. (The fused
+  // Q chain's form; v2 calls the two halves below instead, products() before its wgmma wait. Kept
+  // apart on purpose: written as the two halves, this one's SASS in the chain reorders.)
   __device__ __forceinline__ void fold(const float* sa_row, const float (&swv)[MT], float (&d)[MT][R],
                                        float (&acc)[MT][R]) const {
 #pragma unroll
