@@ -341,7 +341,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
   static_assert(NP % 8 == 0 && NP >= 8 && NP <= 64, "NP is m rounded up to 8");
   // Past 16 rows the consumers load the activation scales after the role split (only they read
   // them), so the converters widen stage 0 as soon as its TMA lands instead of after the scales' L2
-  // round trip: decode bs 32 / verify bs 4 -0.7 / -1.0 % (session 30). At 1-16 rows the whole CTA
+  // round trip: decode bs 32 / verify bs 4 -0.6 / -1.0 % (session 30). At 1-16 rows the whole CTA
   // loads them before the split as before: there the wq_b GEMM alone was ~2 % slower the other way.
   constexpr bool kScalesInConsumers = !kQNorm && NP > 16;
 
@@ -610,14 +610,13 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
     // The three steps of one K block j of this stage (b = it * 4 + j), wgmma_fp8::BlockOps:
     //  load: ldmatrix.x4 of the weight bytes, widened to the f16 A fragments; the weight scales;
     //  issue: the two chained wgmmas per tile (the first with scale-d = 0: the block sum from zero);
-    //  fold: after the wait, acc += blocksum * (sa * sw), one rounding per block, blocks in order.
+    //  fold: the products sa * sw before the wait (their shared loads and multiplies overlap the
+    //  wgmmas), after it acc += blocksum * (sa * sw), one rounding per block, blocks in order.
     const wgmma_fp8::BlockOps<MT, NP> ops{w_slot, xf_slot, wgc, w, ld_row, ld_chunk, t};
     auto load_block = [&](int j, uint32_t (&a)[MT][2][4], float (&swv)[MT]) {
       ops.load(j, a, [&](int mt) { swv[mt] = sw_s[((wgc * MT + mt) * 2 + (w >> 1)) * msb + it * kBlocksPerStage + j]; });
     };
     auto issue_block = [&](int j, const uint32_t (&a)[MT][2][4], float (&d)[MT][R]) { ops.issue(j, a, d); };
-    // fold in two halves: the block's scale products (shared loads, multiplies) before the wait for
-    // its wgmmas, the fmas after it.
     using Ss = float[MT][wgmma_fp8::BlockOps<MT, NP>::S];
     auto products_block = [&](int j, const float (&swv)[MT], Ss& ss) {
       ops.products(sa_s + (it * kBlocksPerStage + j) * NP, swv, ss);
