@@ -886,8 +886,6 @@ void GpuPrepareStack::Impl::issue_qa(int L, int T, cudaStream_t s) {
   kn::run_gemm_fp8(g, ws_for(s), gemv ? kn::GemmVersion::kGemv : o.gemm, s, pdl_rest());
 }
 
-static_assert(kQNormDistAutoMinRows == kn::kQChainMaxRows + 1, "qnorm_dist's kAuto starts past the fused chain");
-
 GpuPrepareStack::Impl::QNormAt GpuPrepareStack::Impl::qnorm_at(int L, int T) const {
   // Only where nothing reads q_norm's output but the wq_b GEMM: the indexer's wq_b reads its codes.
   const int64_t n = static_cast<int64_t>(H) * kHd;
@@ -895,7 +893,8 @@ GpuPrepareStack::Impl::QNormAt GpuPrepareStack::Impl::qnorm_at(int L, int T) con
   // fuse_qnorm first; its kAuto row range is empty: measured slower at every row count it applies to
   // (perf.md session 13 run 14).
   if (fusion_applies(o.fuse_qnorm, T, 1, 0) && kn::gemm_v2_qnorm_supported(T, n, q_rank)) return QNormAt::kGemmEveryCta;
-  if (fusion_applies(o.qnorm_dist, T, kQNormDistAutoMinRows, kQNormDistAutoMaxRows) &&
+  // qnorm_dist: its kAuto row range is empty too (GpuStackOptions::qnorm_dist says why).
+  if (fusion_applies(o.qnorm_dist, T, 1, 0) &&
       kn::gemm_v2_qnorm_dist_supported(T, n, q_rank))
     return QNormAt::kGemmRowCtas;
   return QNormAt::kKernel;

@@ -150,11 +150,6 @@ constexpr int kSrcIdxMainAutoRows = 1;
 // rows this rule applies to the index layers' unfused chain only.
 constexpr int kRopeStoreAutoMinRows = 8;
 constexpr int kRopeStoreAutoMaxRows = 48;
-// qnorm_dist's kAuto rows, past the fused chain's kQChainMaxRows (docs/perf.md session 25 run 6,
-// three-lane, same binary, off -> auto, two repetitions each: verify bs 3 (18 rows) -0.8 %, decode
-// bs 24 even, verify bs 4 (24 rows) -0.5 %, decode bs 32 -0.3 %; decode bs 48 +1.2 %, hence 32).
-constexpr int kQNormDistAutoMinRows = 17;
-constexpr int kQNormDistAutoMaxRows = 32;
 // Indexer scores in verify steps: from this many requests on, a CTA scores half a request's rows
 // (the stack's automatic group_rows; the knob scores_group_rows overrides it). docs/perf.md
 // session 17: three-lane, same binary, two repetitions each.
@@ -291,9 +286,11 @@ struct GpuStackOptions {
   // The distributed form of that (kernels::gemm_v2_qnorm_dist_supported): the wq_b GEMM's first T
   // CTAs normalise and quantise one row each into the buffers the q_norm kernel would write (same
   // bytes, tested), the other CTAs wait for those rows only (a counter), and the ring keeps its
-  // stages. Same layers (unfused chain, no indexer); fuse_qnorm kOn takes precedence. kOff: never;
-  // kAuto: kQNormDistAutoMinRows..kQNormDistAutoMaxRows rows (past the fused chain's rows);
-  // kOn: wherever v2 takes it.
+  // stages. Same layers (unfused chain, no indexer); fuse_qnorm kOn takes precedence. kOff and kAuto:
+  // never (session 25 had measured it -0.3..-0.8 % at 17-32 rows; since session 30's wq_b GEMM changes
+  // the q_norm kernel is faster there: verify bs 3 / 4 -1.1 / -1.3 %, decode bs 20 / 24 -1.5 %, decode
+  // bs 28 / 32 and verify bs 5 -0.2..-0.3 % with it, docs/perf.md session 30 runs 8-9); kOn: wherever
+  // v2 takes it. Experiment knob.
   Fusion qnorm_dist = Fusion::kAuto;
   // When a plain layer (work QA | QB | KV, no compressor / indexer) runs as the fused Q chain. kOff:
   // never, the five-kernel chain with its window-K on lane K; kAuto: at most kQChainAutoRows rows
