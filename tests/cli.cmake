@@ -151,6 +151,18 @@ if(V4ATTN_PYTHON3)
            COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/ncu_sass_summary.py"
                    "${CMAKE_SOURCE_DIR}/tests/data/stamps_v2.txt")
   set_tests_properties(scripts.ncu_sass_summary_not_an_export PROPERTIES WILL_FAIL TRUE)
+  # --regions / --count on a fixture with per-reason stall columns: two execution counts (a 3-instruction
+  # "loop" run 500 times, a load run 10 times), their shares and top reasons, the selection's reasons
+  # ("(Not Issued)" columns not counted); a count no instruction has is refused.
+  add_test(NAME scripts.ncu_sass_summary_regions
+           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/ncu_sass_summary.py"
+                   "${CMAKE_SOURCE_DIR}/tests/data/ncu_sass_regions.csv" --regions --count 500 --top 1)
+  set_tests_properties(scripts.ncu_sass_summary_regions PROPERTIES PASS_REGULAR_EXPRESSION
+    "500 +3 +99\\.3% +60\\.0%  wait 58%, selected 42%.*10 +1 +0\\.7% +40\\.0%  long_sb 100%.*only the 3 instructions executed 500 times.*1500 warp instructions.*stall reasons \\(samples\\): wait 58\\.3%, selected 41\\.7%")
+  add_test(NAME scripts.ncu_sass_summary_no_such_count
+           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/ncu_sass_summary.py"
+                   "${CMAKE_SOURCE_DIR}/tests/data/ncu_sass_regions.csv" --count 7)
+  set_tests_properties(scripts.ncu_sass_summary_no_such_count PROPERTIES WILL_FAIL TRUE)
   add_test(NAME scripts.trace_layers_no_layers
            COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/trace_layers.py"
                    "${CMAKE_SOURCE_DIR}/tests/configs/missing_key.json")
