@@ -67,9 +67,10 @@ def main():
     ap.add_argument("--per", type=float, default=1.0, help="divide instruction counts by this (units of work)")
     ap.add_argument("--ops", type=int, default=30, help="opcodes to list (default 30)")
     ap.add_argument("--top", type=int, default=20, help="hottest instructions by stall samples (default 20)")
-    ap.add_argument("--regions", type=int, nargs="?", const=12, default=0, metavar="N",
-                    help="the N execution counts with the most samples (default 12): instructions, share of the "
-                         "warp instructions and of the samples, top stall reasons")
+    ap.add_argument("--regions", action="store_true",
+                    help="the execution counts with the most samples: instructions, share of the warp "
+                         "instructions and of the samples, top stall reasons")
+    ap.add_argument("--region-rows", type=int, default=12, help="regions to list with --regions (default 12)")
     ap.add_argument("--count", type=float, default=None,
                     help="only the instructions executed exactly this many times (one region)")
     a = ap.parse_args()
@@ -78,8 +79,8 @@ def main():
     rows = read_rows(a.csv)
     if sum(r[2] for r in rows) == 0:
         sys.exit(f"{a.csv}: no executed instructions in the export")
-    if a.regions > 0:
-        print_regions(rows, a.regions)
+    if a.regions:
+        print_regions(rows, a.region_rows)
     if a.count is not None:
         rows = [r for r in rows if r[2] == a.count]
         if not rows:
