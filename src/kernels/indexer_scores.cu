@@ -267,7 +267,18 @@ template <bool kMasked>
 __device__ __forceinline__ int32_t load_slot(const IndexerScoresParams& p, const RunCtx& run, const uint32_t* list,
                                              int64_t tile_base, int k) {
   const StepPos sp = step_pos<kMasked>(run, list, tile_base, k);
-  return sp.live && sp.has && sp.j < run.cmax ? p.comp_slot_table[run.table_row + sp.j] : -1;
+  const bool use = sp.live && sp.has && sp.j < run.cmax;
+  // One predicated load whose destination is the value itself: written as `use ? table[..] : -1`,
+  // ptxas loaded into a scratch register and copied it into the loop-carried `next_slot` right
+  // away, so the copy waited for the load's full latency every step (Nsight Compute, decode 32 rows
+  // x 64K: that move was 13 % of the kernel's stall samples, docs/perf.md session 31). Here the
+  // -1 and the load share one register, and the value is first read a step later.
+  int32_t slot;
+  asm volatile(
+      "{\n .reg .pred q;\n setp.ne.u32 q, %2, 0;\n mov.b32 %0, -1;\n @q ld.global.b32 %0, [%1];\n}\n"
+      : "=r"(slot)
+      : "l"(p.comp_slot_table + (use ? run.table_row + sp.j : 0)), "r"(static_cast<uint32_t>(use)));
+  return slot;
 }
 
 // K of step k (its slots loaded: `slot`) into ring buffer `buf` with cp.async, then one commit
