@@ -22,7 +22,8 @@
 //  - scores "masked" / "masked-sh" (with a candidate mask of 2048 random kept blocks per row, own
 //    or shared by a request's rows; "-mN": N blocks per CTA tile): only kept blocks are scored.
 //  - scores "auto" (the launcher's tile choice) and "s1", "s2", "s4" (32-position steps per warp
-//    per CTA, i.e. 128 / 256 / 512 positions per CTA) on narrow scales (each vector's 4 block
+//    per CTA, i.e. 128 / 256 / 512 positions per CTA; "s8", "s12", "s14", "s16", "s21", "s24",
+//    "s32" only when named in --only) on narrow scales (each vector's 4 block
 //    scales within 2^1, like real quantized activations: the kernel's fused path), and "wide"
 //    (auto tiles, independent block scales: the per-block path), all one row per CTA
 //    (group_rows 1); verify shapes add "g6" and "g6-wide" (group_rows 6: the 6 rows of a request
@@ -566,12 +567,13 @@ int main(int argc, char** argv) {
           Problem pb = make_problem(shape, T, clen, /*wide=*/false);
           V4_CUDA_CHECK(cudaDeviceSynchronize());
           const bool scores_ok = select_only || validate_scores(pb, stream);
-          for (int steps : {0, 1, 2, 4}) {  // narrow scales: the fused path
+          // narrow scales: the fused path. Steps 8 .. 32 only when asked for by name (--only).
+          for (int steps : {0, 1, 2, 4, 8, 12, 14, 16, 21, 24, 32}) {
             if (select_only) break;
-            static const char* const kStepNames[] = {"auto", "s1", "s2", "s3", "s4"};
-            if (!want("scores", kStepNames[steps])) continue;
+            const std::string name = steps == 0 ? "auto" : "s" + std::to_string(steps);
+            if (steps > 4 ? only.empty() || !want("scores", name) : !want("scores", name)) continue;
             const auto p = scores_params(pb, steps);
-            row_of("scores", kStepNames[steps], scores_bytes(pb), scores_ok,
+            row_of("scores", name, scores_bytes(pb), scores_ok,
                    cold_median_us([&](cudaStream_t s) { kn::run_indexer_scores(p, s, false); }));
           }
           if (verify && !select_only && want("scores", "g6")) {
