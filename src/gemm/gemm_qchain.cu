@@ -402,9 +402,10 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
     const uint64_t t_start = dev::globaltimer_ns();
     // Slots not holding QA weights (kDirect: q_norm's staged rows use those slots in every CTA).
     const int first_free = qa_unit || kDirect ? p.qa_slot0 : ST;
-    for (int it = 0; it < qb_iters; ++it) {
-      const int s = it % ST;
-      if (it >= ST) mbar_wait(bar_empty + 8u * s, static_cast<uint32_t>((it / ST - 1) & 1));
+    RingPos rp;  // stage it
+    for (int it = 0; it < qb_iters; ++it, rp.advance(ST)) {
+      const int s = rp.slot;
+      if (it >= ST) mbar_wait(bar_empty + 8u * s, rp.parity ^ 1u);  // consumed in round it / ST - 1
       else if (s >= first_free) mbar_wait(bar_qn, 0u);  // q_norm is done (so the QA weights are consumed)
       if (it > 0 && it < ST)  // the first fill paced (kRingPaceNs)
         while (dev::globaltimer_ns() < t_start + static_cast<uint64_t>(it) * kRingPaceNs) {
@@ -754,9 +755,10 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
   for (int mt = 0; mt < kQbMt; ++mt)
 #pragma unroll
     for (int i = 0; i < R; ++i) acc[mt][i] = 0.0f;
-  for (int it = 0; it < qb_iters; ++it) {
-    const int s = it % ST;
-    mbar_wait(bar_full + 8u * s, static_cast<uint32_t>((it / ST) & 1));
+  RingPos rp;  // stage it
+  for (int it = 0; it < qb_iters; ++it, rp.advance(ST)) {
+    const int s = rp.slot;
+    mbar_wait(bar_full + 8u * s, rp.parity);
     if (ctid == 0 && (it == 0 || c < 2)) V4ATTN_STAMP_AT(stamp_rec, stamps::kQChain, it == 0 ? 9 : 16 + it);
     ops.w_slot = base + L.ring + static_cast<uint32_t>(s * kQbSlot);
     ops.xf_slot = base + L.xf + static_cast<uint32_t>(it * 2 * NP * kStageK);

@@ -485,9 +485,10 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
     setmaxnreg_dec<kProducerRegs>();
     if (warp == 0) {
       if (lane == 0) {
-        for (int it = prologue; it < n_iter; ++it) {
-          const int s = it % ST;
-          mbar_wait(bar_empty + 8u * s, static_cast<uint32_t>((it / ST - 1) & 1));  // slot consumed (it - ST)
+        RingPos rp;  // stage it - ST (the loop runs only when prologue == ST)
+        for (int it = prologue; it < n_iter; ++it, rp.advance(ST)) {
+          const int s = rp.slot;
+          mbar_wait(bar_empty + 8u * s, rp.parity);  // slot consumed (it - ST)
           const int kx = (kb_begin + it * kBlocksPerStage) * kGemmBlock;
           mbar_arrive_expect_tx(bar_full + 8u * s, kStageTx);
           load_weights(s, it);
@@ -498,9 +499,10 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
     } else {
       const int ctid = tid - 32;  // 0..95
       if (ctid == 0 && blockIdx.x < 2) V4ATTN_STAMP_BEGIN(stamp_rec, stamps::kGemmV2, 63);
-      for (int it = 0; it < n_iter; ++it) {
-        const int s = it % ST, x = it % kXfSlots;
-        mbar_wait(bar_full + 8u * s, static_cast<uint32_t>((it / ST) & 1));
+      RingPos rp;  // stage it
+      for (int it = 0; it < n_iter; ++it, rp.advance(ST)) {
+        const int s = rp.slot, x = it % kXfSlots;
+        mbar_wait(bar_full + 8u * s, rp.parity);
         // Measurement builds: 96 + it = the stage's data landed, 112 + it = its f16 slot is free.
         if (ctid == 0 && blockIdx.x < 2 && it < 16) V4ATTN_STAMP_AT(stamp_rec, stamps::kGemmV2, 96 + it);
         if (it >= kXfSlots) mbar_wait(bar_xfree + 8u * x, static_cast<uint32_t>((it / kXfSlots - 1) & 1));
@@ -567,42 +569,47 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
   // the old form's code alone moved the 24-32-row cycles by +-1 % (instruction-cache layout). Groups
   // of five stages were faster alone (11.8 / 17.5 us) but 7-9 % slower in the cycle: their longer
   // straight-line bodies miss the instruction cache; three sets in flight: even to +1.8 %.
-  auto run_stage_pair = [&](int it0) {
+  // rp0: stage it0's ring position (RingPos: no division by the run-time ST per stage).
+  auto run_stage_pair = [&](int it0, const RingPos& rp0) {
     if constexpr (NP <= kFullPipelineMaxNp) {
-      auto wait_stage = [&](int it) {
-        const int s = it % ST, x = it % kXfSlots;
-        mbar_wait(bar_full + 8u * s, static_cast<uint32_t>((it / ST) & 1));
+      RingPos rp1 = rp0;
+      rp1.advance(ST);
+      auto wait_stage = [&](int it, const RingPos& rp) {
+        const int x = it % kXfSlots;
+        mbar_wait(bar_full + 8u * rp.slot, rp.parity);
         mbar_wait(bar_xready + 8u * x, static_cast<uint32_t>((it / kXfSlots) & 1));
         if (ctid == 0 && (it == 0 || blockIdx.x < 2)) V4ATTN_STAMP_AT(stamp_rec, stamps::kGemmV2, it == 0 ? 2 : 16 + it);
       };
-      auto ops_of = [&](int it) {
-        const int s = it % ST, x = it % kXfSlots;
-        return wgmma_fp8::BlockOps<MT, NP>{base + L.w + static_cast<uint32_t>(s * BN * kStageK),
+      auto ops_of = [&](int it, const RingPos& rp) {
+        const int x = it % kXfSlots;
+        return wgmma_fp8::BlockOps<MT, NP>{base + L.w + static_cast<uint32_t>(rp.slot * BN * kStageK),
                                            base + L.xf + static_cast<uint32_t>(x * NP * kStageK * 2), wgc, w, ld_row,
                                            ld_chunk, t};
       };
-      wait_stage(it0);
+      wait_stage(it0, rp0);
       wgmma_fp8::run_stage_pair<MT, NP>(
-          ops_of(it0), ops_of(it0 + 1),
+          ops_of(it0, rp0), ops_of(it0 + 1, rp1),
           [&](int q, int mt, int j) {
             return sw_s[((wgc * MT + mt) * 2 + (w >> 1)) * msb + (it0 + q) * kBlocksPerStage + j];
           },
-          [&](int q, int j) { return sa_s + ((it0 + q) * kBlocksPerStage + j) * NP; }, [&] { wait_stage(it0 + 1); },
-          [&](int q) { mbar_arrive(bar_empty + 8u * ((it0 + q) % ST)); },
+          [&](int q, int j) { return sa_s + ((it0 + q) * kBlocksPerStage + j) * NP; }, [&] { wait_stage(it0 + 1, rp1); },
+          [&](int q) { mbar_arrive(bar_empty + 8u * (q == 0 ? rp0.slot : rp1.slot)); },
           [&](int q) { mbar_arrive(bar_xfree + 8u * ((it0 + q) % kXfSlots)); }, acc);
     }
   };
 
-  for (int it = 0; it < n_iter; ++it) {
+  RingPos rp;  // stage it
+  for (int it = 0; it < n_iter; ++it, rp.advance(ST)) {
     if constexpr (NP <= kFullPipelineMaxNp) {
       if (p.overlap == 2 && ST >= 2 && nkb / kBlocksPerStage - it >= 2) {  // stages it, it + 1 both full
-        run_stage_pair(it);
+        run_stage_pair(it, rp);
         ++it;
+        rp.advance(ST);
         continue;
       }
     }
-    const int s = it % ST, x = it % kXfSlots;
-    mbar_wait(bar_full + 8u * s, static_cast<uint32_t>((it / ST) & 1));
+    const int s = rp.slot, x = it % kXfSlots;
+    mbar_wait(bar_full + 8u * s, rp.parity);
     mbar_wait(bar_xready + 8u * x, static_cast<uint32_t>((it / kXfSlots) & 1));
     if (ctid == 0 && (it == 0 || blockIdx.x < 2)) V4ATTN_STAMP_AT(stamp_rec, stamps::kGemmV2, it == 0 ? 2 : 16 + it);
     const uint32_t w_slot = base + L.w + static_cast<uint32_t>(s * BN * kStageK);

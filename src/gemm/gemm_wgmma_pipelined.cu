@@ -455,9 +455,10 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
     setmaxnreg_dec<kProducerRegs>();
     if (warp == 0) {
       if (lane == 0) {
-        for (int it = prologue; it < n_iter; ++it) {
-          const int s = it % ST;
-          mbar_wait(bar_empty + 8u * s, static_cast<uint32_t>((it / ST - 1) & 1));  // slot consumed (it - ST)
+        RingPos rp;  // stage it - ST (the loop runs only when prologue == ST)
+        for (int it = prologue; it < n_iter; ++it, rp.advance(ST)) {
+          const int s = rp.slot;
+          mbar_wait(bar_empty + 8u * s, rp.parity);  // slot consumed (it - ST)
           const int kx = (kb_begin + it * kBlocksPerStage) * kGemmBlock;
           mbar_arrive_expect_tx(bar_full + 8u * s, stage_tx);
           tma_load_weights_3d(base + L.w + static_cast<uint32_t>(s * BN * kStageK), &p.tmap_w, bar_full + 8u * s, kx, row0,
@@ -470,9 +471,10 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
     } else {
       const int ctid = tid - 32;  // 0..95
       if (ctid == 0 && blockIdx.x < 2) V4ATTN_STAMP_BEGIN(stamp_rec, stamps::kGemmV3, 63);
-      for (int it = 0; it < n_iter; ++it) {
-        const int s = it % ST, x = it % kXfSlots;
-        mbar_wait(bar_full + 8u * s, static_cast<uint32_t>((it / ST) & 1));
+      RingPos rp;  // stage it
+      for (int it = 0; it < n_iter; ++it, rp.advance(ST)) {
+        const int s = rp.slot, x = it % kXfSlots;
+        mbar_wait(bar_full + 8u * s, rp.parity);
         // Measurement builds: 96 + it = the stage's data landed, 112 + it = its f16 slot is free.
         if (ctid == 0 && blockIdx.x < 2 && it < 16) V4ATTN_STAMP_AT(stamp_rec, stamps::kGemmV3, 96 + it);
         if (it >= kXfSlots) mbar_wait(bar_xfree + 8u * x, static_cast<uint32_t>((it / kXfSlots - 1) & 1));
