@@ -192,13 +192,14 @@ struct StageRef {
   uint32_t full_parity, xready_parity;
   int nb;                              // K blocks of the stage (0: not a stage of this CTA)
 };
+// pos: the ring position of the stage referred to (of the last stage when `it` is past it).
 template <int MT, int NP>
-__device__ __forceinline__ StageRef stage_ref(const ConsumerCtx& c, int it) {
+__device__ __forceinline__ StageRef stage_ref(const ConsumerCtx& c, int it, const RingPos& pos) {
   constexpr int BN = kConsumerWarpgroups * 64 * MT;
   StageRef r;
   const bool real = it < c.n_iter;
   const int ite = real ? it : c.n_iter - 1;
-  const int round = ite / c.stages, s = ite - round * c.stages, x = ite & 1;
+  const int s = pos.slot, x = ite & 1;
   r.w_slot = c.w_base + static_cast<uint32_t>(s * BN * kStageK);
   r.xf_slot = c.xf_base + static_cast<uint32_t>(x * NP * kStageK * 2);
   r.ss = c.ss_base + x * kBlocksPerStage * (BN / 32) * NP;
@@ -206,7 +207,7 @@ __device__ __forceinline__ StageRef stage_ref(const ConsumerCtx& c, int it) {
   r.empty = c.bar_empty + 8u * static_cast<uint32_t>(s);
   r.xready = c.bar_xready + 8u * static_cast<uint32_t>(x);
   r.xfree = c.bar_xfree + 8u * static_cast<uint32_t>(x);
-  r.full_parity = static_cast<uint32_t>(round & 1);
+  r.full_parity = pos.parity;
   r.xready_parity = static_cast<uint32_t>((ite >> 1) & 1);
   r.nb = real ? min(kBlocksPerStage, c.nkb - ite * kBlocksPerStage) : 0;
   return r;
@@ -572,11 +573,17 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
   uint32_t af[2][2][4];
   uint32_t q[4];  // weight bytes of the next unit to widen (ldmatrix one unit ahead)
 
+  RingPos rp_next;  // stage it0 (hopper::RingPos: no division by the run-time ring depth per stage)
   for (int it0 = 0; it0 < n_iter; it0 += kStagesPerIter<MT>) {
     if (ctid == 0 && blockIdx.x < 2) V4ATTN_STAMP_AT(stamp_rec, stamps::kGemmV3, 16 + it0);
+    const RingPos rp0 = rp_next;
+    RingPos rp1 = rp0;
+    rp1.advance(ST);
     StageRef sr[2];
-    sr[0] = stage_ref<MT, NP>(c, it0);
-    sr[1] = MT == 1 ? stage_ref<MT, NP>(c, it0 + 1) : sr[0];
+    sr[0] = stage_ref<MT, NP>(c, it0, rp0);
+    sr[1] = MT == 1 ? stage_ref<MT, NP>(c, it0 + 1, it0 + 1 < n_iter ? rp1 : rp0) : sr[0];
+    rp_next = rp1;
+    if constexpr (MT == 1) rp_next.advance(ST);
     load_unit<MT, NP, 0>(c, sr, q);
     widen_issue<MT, NP, 0>(c, sr, q, af, d);
     load_unit<MT, NP, 1>(c, sr, q);
