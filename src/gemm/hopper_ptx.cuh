@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "gemm/ring_pos.h"  // RingPos (host and device)
 #include "kernels/device_common.cuh"
 
 namespace v4attn::kernels::hopper {
@@ -66,22 +67,6 @@ __device__ __forceinline__ void tma_load_weights_3d(uint32_t dst, const void* ma
 __device__ __forceinline__ void prefetch_tensormap(const void* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
-// Stage `it` of a ring of `depth` slots sits in slot it % depth with barrier phase parity
-// (it / depth) & 1. A loop that walks the stages in order advances this instead: with the depth a
-// run-time value each `%` / `/` compiled to an integer division (~30 instructions and a dependent
-// I2F / MUFU.RCP / F2I chain) in every stage, right before the stage's barrier wait (Nsight Compute,
-// the fused Q chain's wq_b loop; docs/perf.md session 31).
-struct RingPos {
-  int slot = 0;
-  uint32_t parity = 0u;
-  __device__ __forceinline__ void advance(int depth) {
-    if (++slot == depth) {
-      slot = 0;
-      parity ^= 1u;
-    }
-  }
-};
-
 // Ordinary shared-memory stores of this thread become visible to the async proxy (wgmma operands).
 __device__ __forceinline__ void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
