@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""Find two costly code shapes inside the loops of compiled kernels, from `cuobjdump -sass` output.
+
+  integer division: I2F.RP / I2F.U32.RP (the start of the ~30-instruction sequence nvcc emits for `/`
+      or `%` by a run-time value) between a backward branch's target and the branch. Session 31 found
+      one before every stage's barrier wait of the GEMM ring loops (`it % ST` with a run-time ring
+      depth): removing them was -0.2..-1.9 % per cycle (docs/perf.md).
+  load then copy: a global load (LDG) whose destination register a MOV / IMAD.MOV reads within a
+      few instructions, inside a loop. A value loaded "one step ahead" that ptxas copies into the
+      loop-carried register at once waits for the load's whole latency there (session 31: the
+      indexer scores' slot-table load, 13 % of the kernel's stall samples).
+
+A loop is the address range [target, branch] of a backward BRA; spin loops around a barrier try-wait
+(SYNCS / a few instructions) count too, and a division inside one is still reported. Static only:
+whether a hazard costs time is for a profile to say (scripts/ncu_sass_summary.py).
+
+Usage: cuobjdump -sass build/.../file.cu.o > f.sass; scripts/sass_loop_hazards.py f.sass [--kernel SUBSTR]
+Exit status 0 with a report (also when nothing is found); 2 when the file holds no function.
+"""
+import argparse
+import re
+import sys
+
+INS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+BRA = re.compile(r"\bBRA(?:\.\S+)?\s+(?:\S+,\s*)?(?:`\(\S+\)\s*)?0x([0-9a-f]+)")
+DIV = re.compile(r"\bI2F(?:\.U32)?\.RP\b")
+LDG = re.compile(r"^(?:@!?U?P\w+\s+)?LDG\S*\s+(R\d+)")
+MOV = re.compile(r"^(?:@!?U?P\w+\s+)?(?:IMAD\.MOV(?:\.U32)?|MOV)\s+R\d+,\s*(.*)$")
+
+
+def functions(text):
+    for chunk in text.split("Function : ")[1:]:
+        name = chunk.split("\n", 1)[0].strip()
+        ins = [(int(a, 16), s.strip()) for a, s in INS.findall(chunk)]
+        if ins:
+            yield name, ins
+
+
+def loops_of(ins):
+    out = []
+    for addr, s in ins:
+        m = BRA.search(s)
+        if m:
+            target = int(m.group(1), 16)
+            if target <= addr:
+                out.append((target, addr))
+    return out
+
+
+def innermost(loops, addr):
+    best = None
+    for lo, hi in loops:
+        if lo <= addr <= hi and (best is None or hi - lo < best[1] - best[0]):
+            best = (lo, hi)
+    return best
+
+
+def hazards(ins, window):
+    loops = loops_of(ins)
+    found = []
+    for i, (addr, s) in enumerate(ins):
+        loop = innermost(loops, addr)
+        if loop is None:
+            continue
+        if DIV.search(s):
+            found.append(("integer division", addr, s, loop, None))
+            continue
+        m = LDG.match(s)
+        if not m:
+            continue
+        reg = m.group(1)
+        for j in range(i + 1, min(i + 1 + window, len(ins))):
+            s2 = ins[j][1]
+            mm = MOV.match(s2)
+            if mm and re.search(r"\b%s\b" % reg, mm.group(1)):
+                found.append(("load then copy", addr, s, loop, "%s (%d instructions later)" % (s2, j - i)))
+                break
+            if re.match(r"^(?:@!?U?P\w+\s+)?\S+\s+%s\b" % reg, s2):  # the register is written again
+                break
+    return found
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("sass", help="cuobjdump -sass output")
+    ap.add_argument("--kernel", default="", help="only functions whose mangled name contains this")
+    ap.add_argument("--window", type=int, default=24, help="instructions after a load to look for its copy (24)")
+    a = ap.parse_args()
+    text = open(a.sass, errors="replace").read()
+    funcs = [(n, ins) for n, ins in functions(text) if a.kernel in n]
+    if not funcs:
+        print("sass_loop_hazards: no function%s in %s (cuobjdump -sass output expected)" %
+              (" matching %r" % a.kernel if a.kernel else "", a.sass), file=sys.stderr)
+        return 2
+    total = 0
+    for name, ins in funcs:
+        found = hazards(ins, a.window)
+        total += len(found)
+        print("%s: %d instructions, %d hazard%s in loops" % (name, len(ins), len(found), "" if len(found) == 1 else "s"))
+        for kind, addr, s, (lo, hi), extra in found:
+            print("  %-16s 0x%04x  loop 0x%04x-0x%04x  %s%s" % (kind, addr, lo, hi, s, "  -> " + extra if extra else ""))
+    print("%d function%s, %d hazard%s" % (len(funcs), "" if len(funcs) == 1 else "s", total, "" if total == 1 else "s"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
