@@ -571,7 +571,7 @@ int main(int argc, char** argv) {
           for (int steps : {0, 1, 2, 4, 8, 12, 14, 16, 21, 24, 32}) {
             if (select_only) break;
             const std::string name = steps == 0 ? "auto" : "s" + std::to_string(steps);
-            if (steps > 4 ? only.empty() || !want("scores", name) : !want("scores", name)) continue;
+            if (!want("scores", name) || (steps > 4 && only.empty())) continue;
             const auto p = scores_params(pb, steps);
             row_of("scores", name, scores_bytes(pb), scores_ok,
                    cold_median_us([&](cudaStream_t s) { kn::run_indexer_scores(p, s, false); }));

@@ -19,9 +19,8 @@ TEST(RingPos, MatchesTheDivisionForEveryDepth) {
   }
 }
 
-// The producers wait for the slot's consumption in round it / depth - 1 (parity of a position
-// started at stage `depth`), v2's pairs use a copy advanced once for the second stage: both are
-// plain offsets of the same walk.
+// v2's pairs and v3's consumers take the second stage's position as a copy of the first's advanced
+// once, while the first's stays in use.
 TEST(RingPos, CopiesAdvanceIndependently) {
   const int depth = 6;
   RingPos a;
