@@ -101,7 +101,7 @@ def print_handoff(launches, t0):
 # are per-stage records, 15 a consumer record's start).
 QCHAIN_PATHS = [[14, 0, 1, 2, 3, 4, 5, 6, 7, 48, 49, 8, 9, 10, 11], [8, 12, 13]]
 OTHER_PATH = [14, 0, 1, 2, 5, 3, 6, 4]
-# GEMM v2 with the distributed q_norm (kQDist, 17-32 rows): wait, rows written (10), every row seen
+# GEMM v2 with the distributed q_norm (kQDist, `--qnorm-dist on`): wait, rows written (10), every row seen
 # (11), then the first stage ready (2) and the loop (3); 10 / 11 are absent in the other forms.
 V2_PATH = [14, 0, 1, 10, 11, 2, 5, 3, 6, 4]
 # The v3 selections (indexer_select_v3.cu): entry, wait, keys ready, per radix pass p histogram /
