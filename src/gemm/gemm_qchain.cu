@@ -496,10 +496,25 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
   // used there, so the loads stay in flight through phase 1. In shared memory (5 KB, the helpers
   // storing all q_rank of them while the consumers ran the QA loop) the fused chain was 0.2-0.4 us
   // slower per launch (bench_qchain) and the cycles 0.65-1.0 % (perf.md session 22 run 10).
-  const int qn_ch = wtid % (p.q_rank / 8);
+  const int row_chunks = p.q_rank / 8;
+  const int qn_ch = wtid % row_chunks;
   float wv[detail::kChunk];
 #pragma unroll
   for (int k = 0; k < detail::kChunk; ++k) wv[k] = __ldg(p.q_norm + qn_ch * 8 + k);
+  // The workers' row / chunk mappings of phase 1's act quant (per_row chunks of the CTA's K range
+  // per row) and phase 2's q_norm (row_chunks per q row) divide by run-time values: computed here,
+  // before the PDL wait, and pinned (dev::pin_here), they are paid while the CTA waits. Left to
+  // the compiler, each division (an I2F.RP / MUFU.RCP / F2I chain of ~30 instructions) ran right
+  // after the PDL wait or the q hand-off, i.e. on the layer's critical path (Nsight Compute of the
+  // chain at one row, session 32).
+  const int aq_per_row = qa_unit ? nkb * 4 : 1;
+  int aq_cr = wtid % aq_per_row, aq_sub = wtid / aq_per_row, aq_rpp = kWorkers / aq_per_row;
+  int qn_sub = wtid / row_chunks, qn_rpp = kWorkers / row_chunks;
+  dev::pin_here(aq_cr);
+  dev::pin_here(aq_sub);
+  dev::pin_here(aq_rpp);
+  dev::pin_here(qn_sub);
+  dev::pin_here(qn_rpp);
 
   dev::pdl_wait();  // x is the predecessor's output
   if (wtid == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kQChain, 1);
@@ -513,11 +528,10 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
   if (qa_unit) {
     {  // Act quant of the CTA's K range of x into the QA operand (f16) and its scales: worker w
        // takes chunk w % per_row of rows w / per_row + k * rows_per_pass.
-      const int per_row = nkb * 4;
-      const int cr = wtid % per_row, jb = cr >> 2, sub = cr & 3;
+      const int jb = aq_cr >> 2, sub = aq_cr & 3;
       uint8_t* xf_blk = smem + L.xf + (jb >> 2) * 2 * NP * kStageK;
-      const RowChunks<false, kActQuantAhead> rows{p.x + (kb_begin + jb) * 32 + sub * 8, p.x_stride, p.T,
-                                                  wtid / per_row, kWorkers / per_row};
+      const RowChunks<false, kActQuantAhead> rows{p.x + (kb_begin + jb) * 32 + sub * 8, p.x_stride, p.T, aq_sub,
+                                                  aq_rpp};
       rows.passes(rows.prefetch(), [&](int r, bool act, float (&v)[detail::kChunk]) {
         int e = 0;
         const uint2 codes = detail::act_quant_chunk<4>(v, e);
@@ -629,7 +643,6 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
   }
   named_barrier_sync(kBarWorkers, kWorkers);  // also: the QA operand (aliased) is no longer read
   {
-    const int row_chunks = p.q_rank / 8;
     const int ch = qn_ch, b = ch >> 2;
     // Where q_norm reads qkv_a's q columns: the reducers' global rows, or (kDirect) this CTA's own
     // sums of the partials staged in the QA weight slots ([T][q_rank] bf16).
@@ -639,7 +652,7 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
     if constexpr (kDirect) {
       // Worker w: chunk w % row_chunks of rows w / row_chunks + k * rows_per_pass, all splits' loads
       // first, then ((P0 + P1) + P2) + ... as the tile reducer adds them.
-      const int sub_r = wtid / row_chunks, rows_per_pass = kWorkers / row_chunks;
+      const int sub_r = qn_sub, rows_per_pass = qn_rpp;
       const int64_t tile_elems = static_cast<int64_t>(p.T) * p.n_qa;
 #pragma unroll 1
       for (int r = sub_r; sub_r < rows_per_pass && r < p.T; r += rows_per_pass) {
@@ -664,8 +677,7 @@ __global__ void __launch_bounds__(kThreads, 1) qchain_fused_kernel(const __grid_
       named_barrier_sync(kBarWorkers, kWorkers);
     }
     // (b)'s mapping, and its first passes' chunks loaded before (a) so that all the loads overlap.
-    const RowChunks<!kDirect, kQNormAhead> rows{q_src + ch * 8, q_stride, p.T, wtid / row_chunks,
-                                                kWorkers / row_chunks};
+    const RowChunks<!kDirect, kQNormAhead> rows{q_src + ch * 8, q_stride, p.T, qn_sub, qn_rpp};
     const auto first = rows.prefetch();
     // (a) One warp per row: the sum of squares in the LaneSum order (lane l: chunks l, l + 32, ...;
     //     all loads first), rstd into shared memory.

@@ -451,6 +451,13 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
       detail::ldg_f32x8(p.qn_w + tid * detail::kChunk, qd_wv);
   }
 
+  // This thread's walk over the activation-scale items, divided out before the wait (act_scale_walk).
+  [[maybe_unused]] wgmma_fp8::ActScaleWalk sa_walk{};
+  if constexpr (!kQNorm) {
+    if constexpr (kScalesInConsumers) sa_walk = wgmma_fp8::act_scale_walk<kConsumerThreads>(nkb, tid - kWarpgroupThreads);
+    else sa_walk = wgmma_fp8::act_scale_walk<kThreads>(nkb, tid);
+  }
+
   dev::pdl_wait();  // activation codes and scales are the predecessor's output
   if (tid == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kGemmV2, 1);
   if constexpr (kQDist) {
@@ -474,8 +481,8 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
     qnorm_quant_prologue<NP>(p, smem + L.xc, reinterpret_cast<float*>(smem + L.rstd), sa_s, nkb, tid);
   } else if constexpr (!kScalesInConsumers) {
     // activation scales [block][token]; tokens >= m get 0
-    wgmma_fp8::load_activation_scales<kThreads, NP>(p.a_scale + grp * p.a_scale_group_stride + kb_begin,
-                                                    p.a_scale_stride, p.m, nkb, sa_s, tid);
+    wgmma_fp8::load_activation_scales<NP>(p.a_scale + grp * p.a_scale_group_stride + kb_begin,
+                                                    p.a_scale_stride, p.m, nkb, sa_s, sa_walk);
   }
   sw_pre.store(msb, sw_s);
   __syncthreads();  // scale arrays visible to the consumers (kScalesInConsumers: the weight scales only)
@@ -537,8 +544,8 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
   setmaxnreg_inc<kConsumerRegs>();
   const int ctid = tid - kWarpgroupThreads;  // 0..255
   if constexpr (kScalesInConsumers) {  // activation scales [block][token]; tokens >= m get 0
-    wgmma_fp8::load_activation_scales<kConsumerThreads, NP>(p.a_scale + grp * p.a_scale_group_stride + kb_begin,
-                                                            p.a_scale_stride, p.m, nkb, sa_s, ctid);
+    wgmma_fp8::load_activation_scales<NP>(p.a_scale + grp * p.a_scale_group_stride + kb_begin,
+                                                            p.a_scale_stride, p.m, nkb, sa_s, sa_walk);
     named_barrier_sync(kConsumerBarrierId, kConsumerThreads);
   }
   const int wgc = ctid >> 7;                 // consumer warpgroup 0 / 1

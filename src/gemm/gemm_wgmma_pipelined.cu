@@ -396,6 +396,10 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
     sw_pre.store(msb, sw_s);
   }
 
+  // This thread's walk over the activation-scale items, divided out before the wait (act_scale_walk).
+  [[maybe_unused]] wgmma_fp8::ActScaleWalk sa_walk{};
+  if constexpr (!fused) sa_walk = wgmma_fp8::act_scale_walk<kThreads>(nkb, tid);
+
   dev::pdl_wait();  // activation codes and scales (fused: the bf16 activations) are the predecessor's output
   if (tid == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kGemmV3, 1);
 
@@ -446,8 +450,8 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
                   (kb_begin + it * kBlocksPerStage) * kGemmBlock, 0, grp);
   }
   if (!fused)  // activation scales [block][token]; tokens >= m get 0 (so their scale products are 0)
-    wgmma_fp8::load_activation_scales<kThreads, NP>(p.a_scale + grp * p.a_scale_group_stride + kb_begin, p.a_scale_stride,
-                                                    p.m, nkb, sa_s, tid);
+    wgmma_fp8::load_activation_scales<NP>(p.a_scale + grp * p.a_scale_group_stride + kb_begin, p.a_scale_stride,
+                                                    p.m, nkb, sa_s, sa_walk);
   __syncthreads();  // scale arrays (fused: and the activation codes) visible to the converters
   if (tid == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kGemmV3, 5);
 
@@ -613,6 +617,14 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
 
   // S > 1: this CTA's fp32 partial tile into its own shared memory, then the cluster reduces.
   constexpr int kStride = BN + 4;  // floats per partial row (conflict-free, 16-byte rows)
+  constexpr int kPieces = BN / 4;  // float4 pieces per token
+  // The CTA's share of the reduction, [lo, hi) of the m * kPieces pieces: divided here, before the
+  // cluster barrier (pinned: dev::pin_here), in 32 bits (m * kPieces * splits < 2^31), so that the
+  // division is not a dependent chain after the barrier (as 64-bit divisions it was a call to the
+  // division routine there, on the GEMM's critical path; session 32).
+  int red_lo = split * (p.m * kPieces) / p.splits, red_hi = (split + 1) * (p.m * kPieces) / p.splits;
+  dev::pin_here(red_lo);
+  dev::pin_here(red_hi);
   float* part = reinterpret_cast<float*>(smem + L.epi);
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
@@ -625,13 +637,9 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
   cluster_sync();  // every CTA's partial tile is written (release / acquire, cluster scope)
   if (ctid == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kGemmV3, 6);
   {
-    constexpr int kPieces = BN / 4;  // float4 pieces per token
     const int S = p.splits;
-    const int total = p.m * kPieces;
-    const int lo = static_cast<int>(static_cast<int64_t>(split) * total / S);
-    const int hi = static_cast<int>(static_cast<int64_t>(split + 1) * total / S);
     const uint32_t part_addr = base + L.epi;
-    for (int e = lo + ctid; e < hi; e += kConsumerThreads) {
+    for (int e = red_lo + ctid; e < red_hi; e += kConsumerThreads) {
       const int tok = e / kPieces, pc = e - tok * kPieces;
       const int n = row0 + 4 * pc;
       if (n >= p.n) continue;

@@ -8,7 +8,9 @@
 #include <cstdint>
 
 #include "gemm/hopper_ptx.cuh"
+#include "gemm/ring_pos.h"
 #include "gemm/wgmma_f16.cuh"
+#include "kernels/device_common.cuh"
 #include "v4attn/numerics.h"
 
 namespace v4attn::kernels::wgmma_fp8 {
@@ -270,27 +272,41 @@ struct WeightScalePrefetch {
   }
 };
 
+// This thread's hopper::ActScaleWalk over the activation-scale items, pinned where it is made (the
+// kernels make it before their PDL wait, so the divisions are paid while the CTA waits).
+using hopper::ActScaleWalk;
+template <int kThreads>
+__device__ __forceinline__ ActScaleWalk act_scale_walk(int nkb, int tid) {
+  ActScaleWalk w = ActScaleWalk::make(nkb, tid, kThreads);
+  dev::pin_here(w.tok);
+  dev::pin_here(w.b);
+  dev::pin_here(w.dtok);
+  dev::pin_here(w.db);
+  return w;
+}
+
 // Activation scales sa[b][token] (fp32, NP tokens per block) of the K blocks [0, nkb) from sa_g
 // (token r's block b at sa_g[r * stride + b]); tokens >= m get 0, so that their scale products are
 // 0. Every load of a round is issued before any use: one memory latency per round (this runs right
-// after the PDL wait, on the critical path).
-template <int kThreads, int NP>
+// after the PDL wait, on the critical path). `walk`: act_scale_walk<kThreads>(nkb, tid), made before
+// the wait.
+template <int NP>
 __device__ __forceinline__ void load_activation_scales(const uint8_t* sa_g, int64_t stride, int m, int nkb, float* sa_s,
-                                                       int tid) {
+                                                       ActScaleWalk walk) {
   constexpr int kBatch = 8;
-  const int total = NP * nkb;
-  for (int i0 = tid; i0 < total; i0 += kBatch * kThreads) {
+#pragma unroll 1
+  while (walk.tok < NP) {  // item i < NP * nkb
+    int tok[kBatch], b[kBatch];
     uint32_t v[kBatch];
 #pragma unroll
     for (int r = 0; r < kBatch; ++r) {
-      const int i = i0 + r * kThreads, tok = i / nkb, b = i - tok * nkb;
-      v[r] = i < total && tok < m ? sa_g[tok * stride + b] : 0u;
+      tok[r] = walk.tok, b[r] = walk.b;
+      v[r] = tok[r] < NP && tok[r] < m ? sa_g[tok[r] * stride + b[r]] : 0u;
+      walk.advance(nkb);
     }
 #pragma unroll
-    for (int r = 0; r < kBatch; ++r) {
-      const int i = i0 + r * kThreads, tok = i / nkb, b = i - tok * nkb;
-      if (i < total) sa_s[b * NP + tok] = tok < m ? num::f32_from_ue8m0(static_cast<uint8_t>(v[r])) : 0.0f;
-    }
+    for (int r = 0; r < kBatch; ++r)
+      if (tok[r] < NP) sa_s[b[r] * NP + tok[r]] = tok[r] < m ? num::f32_from_ue8m0(static_cast<uint8_t>(v[r])) : 0.0f;
   }
 }
 

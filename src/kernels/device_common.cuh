@@ -43,6 +43,12 @@ __device__ __forceinline__ void pdl_wait() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
+// The value is computed at this point of the program: an empty volatile asm that reads and
+// writes it is ordered with the other volatile asms (pdl_wait's griddepcontrol.wait among them), so
+// an integer division of launch constants placed before pdl_wait() is paid there, while the CTA
+// waits for its predecessor, and not on the critical path right after the wait (where ptxas would
+// otherwise schedule it, next to its first use).
+__device__ __forceinline__ void pin_here(int& v) { asm volatile("" : "+r"(v)); }
 // griddepcontrol.wait without the trigger of pdl_wait(): for a kernel that wants its successor
 // launched only after its last store (per-kernel opt-out of the trigger policy above).
 __device__ __forceinline__ void pdl_wait_no_trigger() {
