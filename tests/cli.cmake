@@ -163,15 +163,18 @@ if(V4ATTN_PYTHON3)
            COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/ncu_sass_summary.py"
                    "${CMAKE_SOURCE_DIR}/tests/data/ncu_sass_regions.csv" --count 7)
   set_tests_properties(scripts.ncu_sass_summary_no_such_count PROPERTIES WILL_FAIL TRUE)
-  # scripts/sass_loop_hazards.py on a 14-instruction cuobjdump fixture with one loop: the division and
-  # the load copied into another register inside it are reported, the same shapes before the loop
-  # and a load whose register is written again before the copy are not; a file without a function
-  # is refused.
+  # scripts/sass_loop_hazards.py on a cuobjdump fixture of two functions. The first (one loop, no PDL
+  # wait): the division and the load copied into another register inside the loop are reported, the
+  # same shapes before the loop and a load whose register is written again before the copy are not.
+  # The second: after its ACQBULK, a division and a call of a routine holding I2F.U64.RP are
+  # reported with their distance from the wait; a division before the wait, the routine's own body,
+  # a call of a routine without a division and a division inside a loop (reported as a loop hazard)
+  # are not. A file without a function is refused.
   add_test(NAME scripts.sass_loop_hazards
            COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/sass_loop_hazards.py"
                    "${CMAKE_SOURCE_DIR}/tests/data/sass_loop_hazards.sass")
   set_tests_properties(scripts.sass_loop_hazards PROPERTIES PASS_REGULAR_EXPRESSION
-    "_Z9fixture_kPi: 14 instructions, 2 hazards in loops\n  integer division 0x0040  loop 0x0040-0x00c0  I2F\\.U32\\.RP R5, R6\n  load then copy   0x0060  loop 0x0040-0x00c0  @!P3 LDG\\.E R17, desc\\[UR20\\]\\[R22\\.64\\]  -> IMAD\\.MOV\\.U32 R127, RZ, RZ, R17 \\(2 instructions later\\)\n1 function, 2 hazards")
+    "_Z9fixture_kPi: 14 instructions, 2 hazards in loops, 0 after the PDL wait\n  integer division 0x0040  loop 0x0040-0x00c0  I2F\\.U32\\.RP R5, R6\n  load then copy   0x0060  loop 0x0040-0x00c0  @!P3 LDG\\.E R17, desc\\[UR20\\]\\[R22\\.64\\]  -> IMAD\\.MOV\\.U32 R127, RZ, RZ, R17 \\(2 instructions later\\)\n_Z10fixture_w2Pi: 14 instructions, 1 hazard in loops, 2 after the PDL wait\n  integer division 0x0060  loop 0x0050-0x0070  I2F\\.RP R7, R9\n  division         0x0030  wait 0x0010 \\+2     I2F\\.U32\\.RP R5, R6\n  division call    0x0040  wait 0x0010 \\+3     CALL\\.REL\\.NOINC 0xa0\n2 functions, 5 hazards")
   add_test(NAME scripts.sass_loop_hazards_not_sass
            COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/sass_loop_hazards.py"
                    "${CMAKE_SOURCE_DIR}/tests/data/stamps_v2.txt")
