@@ -481,8 +481,8 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
     qnorm_quant_prologue<NP>(p, smem + L.xc, reinterpret_cast<float*>(smem + L.rstd), sa_s, nkb, tid);
   } else if constexpr (!kScalesInConsumers) {
     // activation scales [block][token]; tokens >= m get 0
-    wgmma_fp8::load_activation_scales<NP>(p.a_scale + grp * p.a_scale_group_stride + kb_begin,
-                                                    p.a_scale_stride, p.m, nkb, sa_s, sa_walk);
+    wgmma_fp8::load_activation_scales<NP>(p.a_scale + grp * p.a_scale_group_stride + kb_begin, p.a_scale_stride,
+                                          p.m, nkb, sa_s, sa_walk);
   }
   sw_pre.store(msb, sw_s);
   __syncthreads();  // scale arrays visible to the consumers (kScalesInConsumers: the weight scales only)
@@ -544,8 +544,8 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
   setmaxnreg_inc<kConsumerRegs>();
   const int ctid = tid - kWarpgroupThreads;  // 0..255
   if constexpr (kScalesInConsumers) {  // activation scales [block][token]; tokens >= m get 0
-    wgmma_fp8::load_activation_scales<NP>(p.a_scale + grp * p.a_scale_group_stride + kb_begin,
-                                                            p.a_scale_stride, p.m, nkb, sa_s, sa_walk);
+    wgmma_fp8::load_activation_scales<NP>(p.a_scale + grp * p.a_scale_group_stride + kb_begin, p.a_scale_stride,
+                                          p.m, nkb, sa_s, sa_walk);
     named_barrier_sync(kConsumerBarrierId, kConsumerThreads);
   }
   const int wgc = ctid >> 7;                 // consumer warpgroup 0 / 1

@@ -451,7 +451,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
   }
   if (!fused)  // activation scales [block][token]; tokens >= m get 0 (so their scale products are 0)
     wgmma_fp8::load_activation_scales<NP>(p.a_scale + grp * p.a_scale_group_stride + kb_begin, p.a_scale_stride,
-                                                    p.m, nkb, sa_s, sa_walk);
+                                          p.m, nkb, sa_s, sa_walk);
   __syncthreads();  // scale arrays (fused: and the activation codes) visible to the converters
   if (tid == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kGemmV3, 5);
 
