@@ -893,8 +893,8 @@ GpuPrepareStack::Impl::QNormAt GpuPrepareStack::Impl::qnorm_at(int L, int T) con
   // fuse_qnorm first; its kAuto row range is empty: measured slower at every row count it applies to
   // (perf.md session 13 run 14).
   if (fusion_applies(o.fuse_qnorm, T, 1, 0) && kn::gemm_v2_qnorm_supported(T, n, q_rank)) return QNormAt::kGemmEveryCta;
-  // qnorm_dist: its kAuto row range is empty too (GpuStackOptions::qnorm_dist says why).
-  if (fusion_applies(o.qnorm_dist, T, 1, 0) &&
+  // qnorm_dist: kAuto at exactly kQNormDistAutoRows rows (GpuStackOptions::qnorm_dist says why).
+  if (fusion_applies(o.qnorm_dist, T, kQNormDistAutoRows, kQNormDistAutoRows) &&
       kn::gemm_v2_qnorm_dist_supported(T, n, q_rank))
     return QNormAt::kGemmRowCtas;
   return QNormAt::kKernel;

@@ -669,7 +669,7 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
     int qb_side_mtiles = 0;                   // the index layers' wq_b GEMM at 64 (4) / 128 (2) CTAs
     bool fused_index_on_main = true;          // fused reindex layers: the indexer on main after the chain
     Fusion src_idx_main = Fusion::kAuto;      // three-lane: the compressor layers' indexer on main
-    Fusion qnorm_dist = Fusion::kAuto;        // q_norm shared by the wq_b GEMM's first CTAs (kAuto: never)
+    Fusion qnorm_dist = Fusion::kAuto;        // q_norm shared by the wq_b GEMM's first CTAs (kAuto: 24 rows)
     Fusion fuse_cmp_tail = Fusion::kAuto;     // the ratio-2 compressor's tail as one kernel (kAuto: on)
   };
   const Config configs[] = {{Schedule::kSerial, false, false},
@@ -709,7 +709,7 @@ void run_full_config(int tp, StepKind kind, int bs, std::vector<int> buckets) {
                             {Schedule::kThreeLane, false, true, Fusion::kOff, Fusion::kOff, Fusion::kAuto, Fusion::kAuto, Fusion::kOff, Fusion::kAuto, 0, true, Fusion::kOn},
                             {Schedule::kThreeLane, true, true, Fusion::kOff, Fusion::kOn, Fusion::kAuto, Fusion::kAuto, Fusion::kOn, Fusion::kAuto, 0, true, Fusion::kOff},
                             // The plain layers' q_norm shared by the wq_b GEMM's first CTAs (the
-                            // unfused chain; kAuto never takes it), plain and with the RoPE store.
+                            // unfused chain; kAuto takes it at 24 rows only), plain and with the RoPE store.
                             {Schedule::kThreeLane, true, true, Fusion::kOff, Fusion::kOff, Fusion::kAuto, Fusion::kAuto, Fusion::kOff, Fusion::kAuto, 0, true, Fusion::kAuto, Fusion::kOn},
                             {Schedule::kSerial, false, false, Fusion::kOn, Fusion::kOff, Fusion::kAuto, Fusion::kAuto, Fusion::kOff, Fusion::kAuto, 0, true, Fusion::kAuto, Fusion::kOn},
                             // The ratio-2 compressor's tail as three launches (c2, the wk GEMM, the

@@ -137,6 +137,8 @@ constexpr int kQaGemvAutoRows = 8;
 // bs 4 even, bs 8 +0.4 %, verify bs 1 (6 rows) +1.65 %: the wq_b GEMM, started only after the
 // scores, then ends after the selection).
 constexpr int kSrcIdxMainAutoRows = 1;
+// qnorm_dist's kAuto rows: exactly this many (GpuStackOptions::qnorm_dist has the measurements).
+constexpr int kQNormDistAutoRows = 24;
 // fuse_rope_store's kAuto rows: steps of kRopeStoreAutoMinRows..kRopeStoreAutoMaxRows rows (docs/perf.md,
 // three-lane, two repetitions, fused vs the q_rope_store kernel). Session 11 (the epilogue staged,
 // its table loaded before the PDL wait): verify bs 2 (12 rows) -2.0 %, decode bs 16 -2.4 %, verify
@@ -286,11 +288,15 @@ struct GpuStackOptions {
   // The distributed form of that (kernels::gemm_v2_qnorm_dist_supported): the wq_b GEMM's first T
   // CTAs normalise and quantise one row each into the buffers the q_norm kernel would write (same
   // bytes, tested), the other CTAs wait for those rows only (a counter), and the ring keeps its
-  // stages. Same layers (unfused chain, no indexer); fuse_qnorm kOn takes precedence. kOff and kAuto:
-  // never (session 25 had measured it -0.3..-0.8 % at 17-32 rows; since session 30's wq_b GEMM changes
-  // the q_norm kernel is faster there: verify bs 3 / 4 -1.1 / -1.3 %, decode bs 20 / 24 -1.5 %, decode
-  // bs 28 / 32 and verify bs 5 -0.2..-0.3 % with it, docs/perf.md session 30 runs 8-9); kOn: wherever
-  // v2 takes it. Experiment knob.
+  // stages. Same layers (unfused chain, no indexer); fuse_qnorm kOn takes precedence. kOff: never;
+  // kAuto: at exactly kQNormDistAutoRows rows; kOn: wherever v2 takes it. History of the rule (its sign
+  // has flipped with the wq_b GEMM's post-wait path, so re-measure it after changing that): session 25
+  // measured it -0.3..-0.8 % at 17-32 rows; after session 30's GEMM changes the q_norm kernel was
+  // faster everywhere (verify bs 3 / 4 -1.1 / -1.3 %, decode bs 20 / 24 -1.5 %); after session 32's
+  // (the activation-scale walk before the wait) the distributed form wins at 24 rows only: verify bs 4
+  // -0.6 / -0.9 / -1.0 %, decode bs 24 -0.9 / -0.6 / -0.6 / -0.3 % (six pairs over three runs), and
+  // loses or is even at 18, 20-23, 25, 26, 28, 30 and 32 rows (+0.0..+0.75 %; docs/perf.md session 32
+  // runs 6-7). Same bytes either way.
   Fusion qnorm_dist = Fusion::kAuto;
   // When a plain layer (work QA | QB | KV, no compressor / indexer) runs as the fused Q chain. kOff:
   // never, the five-kernel chain with its window-K on lane K; kAuto: at most kQChainAutoRows rows
