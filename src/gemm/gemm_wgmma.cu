@@ -341,8 +341,8 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
   static_assert(NP % 8 == 0 && NP >= 8 && NP <= 64, "NP is m rounded up to 8");
   // Past 16 rows the consumers load the activation scales after the role split (only they read
   // them), so the converters widen stage 0 as soon as its TMA lands instead of after the scales' L2
-  // round trip: decode bs 32 / verify bs 4 -0.6 / -1.0 % (session 30, with the distributed q_norm, since
-  // off by default: not re-measured with the q_norm kernel before the GEMM). At 1-16 rows the whole CTA
+  // round trip: decode bs 32 / verify bs 4 -0.6 / -1.0 % (session 30, with the distributed q_norm, which
+  // kAuto now takes at 24 rows only: not re-measured with the q_norm kernel before the GEMM). At 1-16 rows the whole CTA
   // loads them before the split as before: there the wq_b GEMM alone was ~2 % slower the other way.
   constexpr bool kScalesInConsumers = !kQNorm && NP > 16;
 
