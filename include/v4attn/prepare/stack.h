@@ -270,8 +270,8 @@ struct GpuStackOptions {
   int aq_warps = -1;
   // Index sources without a compressor (reindex layers): weights_proj, q pack and the scores on
   // main before the wq_b GEMM (which then launches after the scores' last store); lane S keeps
-  // the selection. Needs idx_gemm_on_main. Experiment knob: slower wherever measured (one row:
-  // the top-k cannot be placed beside the wq_b GEMM, docs/perf.md session 16; 12-32 rows +1.3 to
+  // the selection. Needs idx_gemm_on_main. Experiment knob: slower wherever measured (sessions 2
+  // and 17, docs/perf.md: the top-k cannot be placed beside the wq_b GEMM; 12-32 rows +1.3 to
   // +3.5 %, session 33 run 8: the scores, the top-k and the GEMM each fill the GPU there).
   bool idx_scores_on_main = false;
   // The wq_b GEMM (v2) writes q_pad with the RoPE itself (q_rope_store fused into its epilogue;
