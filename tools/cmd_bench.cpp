@@ -562,8 +562,8 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
   add_fusion_option(sub, "--qnorm-dist", o->qnorm_dist,
                     "q_norm of the unfused chain's layers without an indexer done by the wq_b GEMM's first CTAs (one row "
                     "each, into the q_norm kernel's buffers; the other CTAs wait for those rows): on, off (the q_norm "
-                    "kernel), or auto (on at exactly 24 rows, where it measured faster; the q_norm kernel elsewhere); "
-                    "same bytes");
+                    "kernel), or auto (on at exactly " + std::to_string(prepare::kQNormDistAutoRows) +
+                        " rows, where it measured faster; the q_norm kernel elsewhere); same bytes");
   add_fusion_option(sub, "--fuse-rope-store", o->fuse_rope_store,
                   "q_rope_store fused into the wq_b GEMM's epilogue in the layers that run the unfused chain: auto "
                   "(steps of " + std::to_string(prepare::kRopeStoreAutoMinRows) + "-" +

@@ -341,9 +341,10 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
   static_assert(NP % 8 == 0 && NP >= 8 && NP <= 64, "NP is m rounded up to 8");
   // Past 16 rows the consumers load the activation scales after the role split (only they read
   // them), so the converters widen stage 0 as soon as its TMA lands instead of after the scales' L2
-  // round trip: decode bs 32 / verify bs 4 -0.6 / -1.0 % (session 30, with the distributed q_norm, which
-  // kAuto now takes at 24 rows only: not re-measured with the q_norm kernel before the GEMM). At 1-16 rows the whole CTA
-  // loads them before the split as before: there the wq_b GEMM alone was ~2 % slower the other way.
+  // round trip: decode bs 32 / verify bs 4 -0.6 / -1.0 % (session 30, with the distributed q_norm,
+  // which kAuto now takes at 24 rows only: not re-measured with the q_norm kernel before the GEMM).
+  // At 1-16 rows the whole CTA loads them before the split as before: there the wq_b GEMM alone was
+  // ~2 % slower the other way.
   constexpr bool kScalesInConsumers = !kQNorm && NP > 16;
 
   extern __shared__ uint8_t smem_raw[];
@@ -454,8 +455,10 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
   // This thread's walk over the activation-scale items, divided out before the wait (act_scale_walk).
   [[maybe_unused]] wgmma_fp8::ActScaleWalk sa_walk{};
   if constexpr (!kQNorm) {
-    if constexpr (kScalesInConsumers) sa_walk = wgmma_fp8::act_scale_walk<kConsumerThreads>(nkb, tid - kWarpgroupThreads);
-    else sa_walk = wgmma_fp8::act_scale_walk<kThreads>(nkb, tid);
+    if constexpr (kScalesInConsumers)
+      sa_walk = wgmma_fp8::act_scale_walk<kConsumerThreads>(nkb, tid - kWarpgroupThreads);
+    else
+      sa_walk = wgmma_fp8::act_scale_walk<kThreads>(nkb, tid);
   }
 
   dev::pdl_wait();  // activation codes and scales are the predecessor's output
