@@ -12,7 +12,8 @@
 //  - warpgroup 0, warp 0, lane 0: producer, exactly as v2 (per 128-byte stage of K = 4 K blocks: one
 //    TMA box of weights [block_n x 128 B] and one of activation codes [NP x 128 B], 128B swizzle,
 //    onto the stage's `full` mbarrier; weight boxes of the first ring fill before dev::pdl_wait()).
-//  - warpgroup 0, warps 1..3: converters. Per stage: the activation codes widened to f16 into an Xf
+//  - warpgroup 0, warps 1..3 (from 32 rows, when the producer has no refill to issue: warps 0..3):
+//    converters. Per stage: the activation codes widened to f16 into an Xf
 //    slot (ring of 2; wgmma's 128B-swizzle K-major B layout, as v2), and the table of scale products
 //    ss[block][32-row group][token] = sa * sw (* 2^8 for integer-widened blocks, below), so that the
 //    consumers do one fma per accumulator and nothing else.
@@ -359,6 +360,15 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
   const int nkb = kb_end - kb_begin;  // 1..msb
   const int n_iter = (nkb + kBlocksPerStage - 1) / kBlocksPerStage;
   const int prologue = min(ST, n_iter);
+  // From 32 rows, when the whole K range fits the ring (prologue == n_iter: every weight stage goes
+  // out before the PDL wait, the activation boxes right after it) the producer has no refill to
+  // issue, and warp 0 converts too: 128 converter threads instead of 96 (uniform per CTA; the
+  // xready barriers are initialised for the count). bench_gemm wq_a|wkv m 32 / 64 -3 / -7 %, decode
+  // bs 32 -0.4 %; m 24 even and m 8 +1.7 %, so the smaller NP keep 96 (docs/perf.md session 34).
+  // (Two units per converter round, both loads first, was slower at every m: +1.2..+1.5 % per
+  // cycle -- the converters run at kProducerRegs registers.)
+  const bool producer_idle = NP >= 32 && prologue >= n_iter;
+  const int n_conv = producer_idle ? kWarpgroupThreads : kConverterThreads;
   constexpr bool fused = kFused;  // the CTA quantises x itself (no x TMA, no a_scale)
   const uint32_t stage_tx = fused ? kStageTxWeights : kStageTx;
 
@@ -369,7 +379,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
       mbar_init(bar_empty + 8u * s, kConsumerThreads);
     }
     for (int x = 0; x < kXfSlots; ++x) {
-      mbar_init(bar_xready + 8u * x, kConverterThreads);
+      mbar_init(bar_xready + 8u * x, static_cast<uint32_t>(n_conv));
       mbar_init(bar_xfree + 8u * x, kConsumerThreads);
     }
     fence_mbarrier_init();
@@ -456,9 +466,9 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
   if (tid == 0) V4ATTN_STAMP_AT(stamp_rec, stamps::kGemmV3, 5);
 
   if (warp < 4) {
-    // ======== warpgroup 0: producer (warp 0, lane 0) and converters (warps 1..3) ==================
+    // ======== warpgroup 0: producer (warp 0, lane 0) and converters (warps 1..3; 0..3 if producer_idle)
     setmaxnreg_dec<kProducerRegs>();
-    if (warp == 0) {
+    if (warp == 0 && !producer_idle) {
       if (lane == 0) {
         RingPos rp;  // stage it - ST (the loop runs only when prologue == ST)
         for (int it = prologue; it < n_iter; ++it, rp.advance(ST)) {
@@ -474,7 +484,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
         }
       }
     } else {
-      const int ctid = tid - 32;  // 0..95
+      const int ctid = producer_idle ? tid : tid - 32;  // 0 .. n_conv - 1
       if (ctid == 0 && blockIdx.x < 2) V4ATTN_STAMP_BEGIN(stamp_rec, stamps::kGemmV3, 63);
       RingPos rp;  // stage it
       for (int it = 0; it < n_iter; ++it, rp.advance(ST)) {
@@ -491,7 +501,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
         // 16 f16 of wgmma sp of block j, at the logical k the weights' widening of block j uses:
         // cvt blocks: byte pairs (4t, 4t+1) -> k 2t, 2t+1 and (4t+2, 4t+3) -> k 2t+8, 2t+9;
         // integer blocks: (4t, 4t+2) -> k 2t, 2t+1 and (4t+1, 4t+3) -> k 2t+8, 2t+9.
-        for (int u = ctid; u < NP * 2 * nb; u += kConverterThreads) {
+        for (int u = ctid; u < NP * 2 * nb; u += n_conv) {
           const int n = u % NP, q = u / NP;
           const int j = q >> 1, sp = q & 1;
           const uint4 v = *reinterpret_cast<const uint4*>(xc + n * kStageK + ((q ^ (n & 7)) << 4));
@@ -513,7 +523,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
         // Scale products of the stage: ss[x][j][rg][token] = sa[b][token] * sw[rg][b] (* 2^8 for an
         // integer-widened block). Powers of two: exact.
         float* ssx = ss_s + x * kBlocksPerStage * RG * NP;
-        for (int e = ctid; e < nb * RG * (NP / 4); e += kConverterThreads) {
+        for (int e = ctid; e < nb * RG * (NP / 4); e += n_conv) {
           const int tq = e % (NP / 4), r = e / (NP / 4), rg = r % RG, j = r / RG;
           const int b = it * kBlocksPerStage + j;
           float swv = sw_s[rg * msb + b];
