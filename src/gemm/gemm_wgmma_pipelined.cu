@@ -200,6 +200,7 @@ __device__ __forceinline__ StageRef stage_ref(const ConsumerCtx& c, int it, cons
   StageRef r;
   const bool real = it < c.n_iter;
   const int ite = real ? it : c.n_iter - 1;
+  static_assert(kXfSlots == 2, "x and xready_parity below are ite % kXfSlots and (ite / kXfSlots) & 1");
   const int s = pos.slot, x = ite & 1;
   r.w_slot = c.w_base + static_cast<uint32_t>(s * BN * kStageK);
   r.xf_slot = c.xf_base + static_cast<uint32_t>(x * NP * kStageK * 2);
@@ -364,9 +365,9 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
   // out before the PDL wait, the activation boxes right after it) the producer has no refill to
   // issue, and warp 0 converts too: 128 converter threads instead of 96 (uniform per CTA; the
   // xready barriers are initialised for the count). bench_gemm wq_a|wkv m 32 / 64 -3 / -7 %, decode
-  // bs 32 -0.4 %; m 24 even and m 8 +1.7 %, so the smaller NP keep 96 (docs/perf.md session 34).
+  // bs 32 -0.3..-0.4 %; m 24 even and m 8 +1.7 %, so the smaller NP keep 96 (docs/perf.md session 34).
   // (Two units per converter round, both loads first, was slower at every m: +1.2..+1.5 % per
-  // cycle -- the converters run at kProducerRegs registers.)
+  // cycle; not traced -- the converters run at kProducerRegs registers, a possible reason.)
   const bool producer_idle = NP >= 32 && prologue >= n_iter;
   const int n_conv = producer_idle ? kWarpgroupThreads : kConverterThreads;
   constexpr bool fused = kFused;  // the CTA quantises x itself (no x TMA, no a_scale)
