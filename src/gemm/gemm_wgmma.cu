@@ -398,6 +398,20 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
     mbar_arrive_expect_tx(bar_full + 8u * it, kStageTx);
     load_weights(it, it);
   };
+  // Weight scales of the tile's K range, decoded once: loaded before the PDL wait, stored after it
+  // with the activation scales (wgmma_fp8::WeightScalePrefetch says why).
+  wgmma_fp8::WeightScalePrefetch<kThreads> sw_pre;
+  sw_pre.prefetch(p.w_scale + grp * p.w_scale_group_stride + static_cast<int64_t>(row0 / 32) * p.k_blocks + kb_begin,
+                  p.k_blocks, row0, p.n, BN / 32, nkb, msb, sw_s, tid);
+  [[maybe_unused]] float qd_wv[detail::kChunk];  // kQDist: the q_norm weights of this thread's chunk (constants)
+  if constexpr (kQDist) {
+    if (static_cast<int>(blockIdx.x) < p.m && tid < p.k_blocks * kGemmBlock / detail::kChunk)
+      detail::ldg_f32x8(p.qn_w + tid * detail::kChunk, qd_wv);
+  }
+  // The first ring fill only now, behind the small loads the CTA needs right after its PDL wait (the
+  // weight scales, the q_norm weights): issued after it, they queued behind every CTA's fill
+  // (session 35; the fused chain's session-10 lesson). The RoPE rows, needed in the epilogue only,
+  // follow it.
   if (tid == 0) {
     const uint64_t t_start = p.prewait_pace_ns > 0 ? dev::globaltimer_ns() : 0;
     for (int it = 0; it < early; ++it) {
@@ -407,11 +421,6 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
       issue_weight_stage(it);
     }
   }
-  // Weight scales of the tile's K range, decoded once: loaded before the PDL wait, stored after it
-  // with the activation scales (wgmma_fp8::WeightScalePrefetch says why).
-  wgmma_fp8::WeightScalePrefetch<kThreads> sw_pre;
-  sw_pre.prefetch(p.w_scale + grp * p.w_scale_group_stride + static_cast<int64_t>(row0 / 32) * p.k_blocks + kb_begin,
-                  p.k_blocks, row0, p.n, BN / 32, nkb, msb, sw_s, tid);
 
   if constexpr (kRope) {
     // The table rows of the step's positions and a written / not-written flag per row, into their
@@ -446,11 +455,6 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
     }
   }
 
-  [[maybe_unused]] float qd_wv[detail::kChunk];  // kQDist: the q_norm weights of this thread's chunk (constants)
-  if constexpr (kQDist) {
-    if (static_cast<int>(blockIdx.x) < p.m && tid < p.k_blocks * kGemmBlock / detail::kChunk)
-      detail::ldg_f32x8(p.qn_w + tid * detail::kChunk, qd_wv);
-  }
 
   // This thread's walk over the activation-scale items, divided out before the wait (act_scale_walk).
   [[maybe_unused]] wgmma_fp8::ActScaleWalk sa_walk{};

@@ -390,13 +390,6 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
   __syncthreads();
   [[maybe_unused]] unsigned int stamp_rec = 0u;  // measurement builds only (phase_stamps.cuh)
   if (tid == 0) V4ATTN_STAMP_BEGIN(stamp_rec, stamps::kGemmV3, 0);
-  if (tid == 0) {
-    for (int it = 0; it < prologue; ++it) {
-      mbar_arrive_expect_tx(bar_full + 8u * it, stage_tx);
-      tma_load_weights_3d(base + L.w + static_cast<uint32_t>(it * BN * kStageK), &p.tmap_w, bar_full + 8u * it,
-                          (kb_begin + it * kBlocksPerStage) * kGemmBlock, row0, grp);
-    }
-  }
   // Weight scales of the tile's K range, loaded and stored before the PDL wait. (v2 stores its first
   // element after the wait, beside the activation scales; here that measured slower at 24 rows --
   // verify bs 4 +0.4 to +0.8 % over five repetitions, docs/perf.md session 13 -- and is not used.)
@@ -404,6 +397,15 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
     wgmma_fp8::WeightScalePrefetch<kThreads> sw_pre;
     sw_pre.prefetch(p.w_scale + grp * p.w_scale_group_stride + static_cast<int64_t>(row0 / 32) * p.k_blocks + kb_begin,
                     p.k_blocks, row0, p.n, RG, nkb, msb, sw_s, tid);
+    // The first ring fill only now, behind the weight-scale loads (issued after it, they queued
+    // behind every CTA's fill; session 35).
+    if (tid == 0) {
+      for (int it = 0; it < prologue; ++it) {
+        mbar_arrive_expect_tx(bar_full + 8u * it, stage_tx);
+        tma_load_weights_3d(base + L.w + static_cast<uint32_t>(it * BN * kStageK), &p.tmap_w, bar_full + 8u * it,
+                            (kb_begin + it * kBlocksPerStage) * kGemmBlock, row0, grp);
+      }
+    }
     sw_pre.store(msb, sw_s);
   }
 
