@@ -408,20 +408,6 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
     if (static_cast<int>(blockIdx.x) < p.m && tid < p.k_blocks * kGemmBlock / detail::kChunk)
       detail::ldg_f32x8(p.qn_w + tid * detail::kChunk, qd_wv);
   }
-  // The first ring fill only now, behind the small loads the CTA needs right after its PDL wait (the
-  // weight scales, the q_norm weights): issued after it, they queued behind every CTA's fill
-  // (session 35; the fused chain's session-10 lesson). The RoPE rows, needed in the epilogue only,
-  // follow it.
-  if (tid == 0) {
-    const uint64_t t_start = p.prewait_pace_ns > 0 ? dev::globaltimer_ns() : 0;
-    for (int it = 0; it < early; ++it) {
-      if (p.prewait_pace_ns > 0 && it > 0)  // paced: stage it at t_start + it * pace
-        while (dev::globaltimer_ns() < t_start + static_cast<uint64_t>(it) * static_cast<uint64_t>(p.prewait_pace_ns)) {
-        }
-      issue_weight_stage(it);
-    }
-  }
-
   if constexpr (kRope) {
     // The table rows of the step's positions and a written / not-written flag per row, into their
     // own region before the PDL wait (positions and table are step inputs and constants, not the
@@ -455,6 +441,18 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma_kernel(const __gri
     }
   }
 
+  // The first ring fill only now, behind the small loads of the prologue (the weight scales, the
+  // q_norm weights, the RoPE rows): issued after it, they queued behind every CTA's fill (session 35;
+  // the fused chain's session-10 lesson).
+  if (tid == 0) {
+    const uint64_t t_start = p.prewait_pace_ns > 0 ? dev::globaltimer_ns() : 0;
+    for (int it = 0; it < early; ++it) {
+      if (p.prewait_pace_ns > 0 && it > 0)  // paced: stage it at t_start + it * pace
+        while (dev::globaltimer_ns() < t_start + static_cast<uint64_t>(it) * static_cast<uint64_t>(p.prewait_pace_ns)) {
+        }
+      issue_weight_stage(it);
+    }
+  }
 
   // This thread's walk over the activation-scale items, divided out before the wait (act_scale_walk).
   [[maybe_unused]] wgmma_fp8::ActScaleWalk sa_walk{};
