@@ -20,11 +20,12 @@
 //  - warpgroups 1, 2: consumers, MT m64 tiles each. The work of a warpgroup is a sequence of units
 //    u = (K block b, tile mt) in the order b = 0, 1, ..., tiles inner. Unit u: ldmatrix.x4 of the
 //    weight bytes, widening to f16 A fragments, two chained wgmma m64nNPk16 (the first with
-//    scale-d = 0) into a block-sum register set, commit. Two block-sum sets (and two A fragment
-//    sets) alternate: the wgmmas of unit u + 1 are issued BEFORE waiting for unit u
-//    (wgmma.wait_group 1), so the tensor core works on u + 1 while the CUDA cores fold u's block
-//    sums into the accumulators and widen the weights of u + 2 (their ldmatrix is issued before
-//    u's fmas, and u's scale products are loaded before its wait). The fma order per accumulator is
+//    scale-d = 0) into a block-sum register set, commit. D = kDepth block-sum sets (and A fragment
+//    sets) rotate: the wgmmas of units u + 1 .. u + D - 1 are issued BEFORE waiting for unit u
+//    (wgmma.wait_group D - 1), so the tensor core works on them while the CUDA cores fold u's block
+//    sums into the accumulators and widen the weights of u + D (their ldmatrix is issued before
+//    u's fmas, and u's scale products are loaded before its wait). D = 3 with one m64 tile per
+//    warpgroup up to 32 rows, else 2 (session 35). The fma order per accumulator is
 //    still b = 0, 1, 2, ... (the units of one tile are folded in block order). The loop runs in
 //    straight-line iterations of 8 units (one stage at MT = 2, two at MT = 1) that drain the last
 //    unit with wait_group 0: ptxas serializes every wgmma of a kernel (C7514) when a wgmma stays
@@ -105,6 +106,11 @@ constexpr int kConverterThreads = 96;                                       // w
 constexpr int kStageK = 128;                           // K bytes per stage (one 128B-swizzle row)
 constexpr int kBlocksPerStage = kStageK / kGemmBlock;  // 4
 constexpr int kXfSlots = 2;
+// Block-sum (and A fragment) register sets of a consumer warpgroup = units in flight: three with one
+// m64 tile per warpgroup up to 32 rows, else two (session 35, bench_gemm wq_a|wkv: three sets -2 % at
+// 24-32 rows, +1.4 / +2.6 % at 48 / 64, idx_wq_b (two tiles) +1.5 % at 32-48).
+template <int MT, int NP>
+constexpr int kDepth = MT == 1 && NP <= 32 ? 3 : 2;
 constexpr int kMaxStages = 8;
 constexpr int kSmemLimit = 227 * 1024;  // sm_90 opt-in dynamic shared memory per block
 constexpr int kSmemAlign = 1024;        // 128B-swizzle atoms (TMA destination, wgmma operand)
@@ -217,15 +223,15 @@ __device__ __forceinline__ StageRef stage_ref(const ConsumerCtx& c, int it, cons
 
 // The main loop of a consumer warpgroup runs in iterations of 8 units, a unit being (K block,
 // m64 tile): MT = 2: one stage (4 blocks x 2 tiles), MT = 1: two stages (2 x 4 blocks). Unit K
-// (0..7, static) of an iteration uses register set K & 1.
+// (0..7, static) of an iteration uses register set K % kDepth.
 template <int MT>
 constexpr int kStagesPerIter = MT == 2 ? 1 : 2;
-template <int MT, int K>
+template <int MT, int NP, int K>
 struct Unit {
   static constexpr int stage = MT == 2 ? 0 : K >> 2;  // stage of the iteration
   static constexpr int j = MT == 2 ? K >> 1 : K & 3;  // block of the stage
   static constexpr int mt = MT == 2 ? K & 1 : 0;      // tile of the warpgroup
-  static constexpr int buf = K & 1;
+  static constexpr int buf = K % kDepth<MT, NP>;
   static constexpr bool first_of_stage = j == 0 && mt == 0;
   static constexpr bool last_of_stage = j == kBlocksPerStage - 1 && mt == MT - 1;
 };
@@ -243,7 +249,7 @@ struct Unit {
 // and its block sums are never read; it does no barrier waits or arrivals.
 template <int MT, int NP, int K>
 __device__ __forceinline__ void load_unit(const ConsumerCtx& c, const StageRef (&sr)[2], uint32_t (&q)[4]) {
-  using U = Unit<MT, K>;
+  using U = Unit<MT, NP, K>;
   const StageRef& r = sr[U::stage];
   if (U::first_of_stage && r.nb > 0) mbar_wait(r.full, r.full_parity);
   const int chunk = 2 * U::j + c.ld_chunk;
@@ -252,8 +258,8 @@ __device__ __forceinline__ void load_unit(const ConsumerCtx& c, const StageRef (
 
 template <int MT, int NP, int K>
 __device__ __forceinline__ void widen_issue(const ConsumerCtx& c, const StageRef (&sr)[2], const uint32_t (&q)[4],
-                                            uint32_t (&af)[2][2][4], float (&d)[2][NP / 2]) {
-  using U = Unit<MT, K>;
+                                            uint32_t (&af)[kDepth<MT, NP>][2][4], float (&d)[kDepth<MT, NP>][NP / 2]) {
+  using U = Unit<MT, NP, K>;
   const StageRef& r = sr[U::stage];
   const bool stage_real = r.nb > 0;
   // q[0] / q[1]: rows g / g + 8, bytes 4t..4t+3 of the block's first 16 bytes (wgmma 0);
@@ -287,18 +293,20 @@ __device__ __forceinline__ void widen_issue(const ConsumerCtx& c, const StageRef
   if (U::last_of_stage && stage_real) mbar_arrive(r.empty);
 }
 
-// Step of unit K: issue unit K + 1 (its bytes are in q) into the other register set, load the
-// scale products of K, wait for unit K (wait_group 1: at most the group just issued stays in
-// flight; the last unit of the iteration drains with wait_group 0, because ptxas serializes wgmmas
-// that stay in flight across a loop back-edge when their block sums are read in the loop), load
-// the bytes of unit K + 2 into q, then fold K's block sums into its tile's accumulators,
-// acc = fma(blocksum, ss, acc), if K is a real unit.
+// Step of unit K (D = kDepth): issue unit K + D - 1 (its bytes are in q) into its register set
+// (the set of unit K - 1, folded in the step before), load the scale products of K, wait for unit K
+// (wait_group D - 1: at most the groups issued after K stay in flight; the last units of the
+// iteration drain down to wait_group 0, because ptxas serializes wgmmas that stay in flight across a
+// loop back-edge when their block sums are read in the loop), load the bytes of unit K + D into q,
+// then fold K's block sums into its tile's accumulators, acc = fma(blocksum, ss, acc), if K is a
+// real unit.
 template <int MT, int NP, int K>
 __device__ __forceinline__ void consume_unit(const ConsumerCtx& c, const StageRef (&sr)[2], uint32_t (&q)[4],
-                                             uint32_t (&af)[2][2][4], float (&d)[2][NP / 2], float (&acc)[MT][NP / 2]) {
-  using U = Unit<MT, K>;
+                                             uint32_t (&af)[kDepth<MT, NP>][2][4], float (&d)[kDepth<MT, NP>][NP / 2],
+                                             float (&acc)[MT][NP / 2]) {
+  using U = Unit<MT, NP, K>;
   constexpr int BN = kConsumerWarpgroups * 64 * MT;
-  if constexpr (K + 1 < 8) widen_issue<MT, NP, K + 1>(c, sr, q, af, d);
+  if constexpr (K + kDepth<MT, NP> - 1 < 8) widen_issue<MT, NP, K + kDepth<MT, NP> - 1>(c, sr, q, af, d);
   const StageRef& r = sr[U::stage];
   const bool real = U::j < r.nb;  // uniform across the warpgroup
   // ss[j][row group][token]: this thread's row group (tile mt) and token pair 2t, 2t + 1 (ready
@@ -308,12 +316,8 @@ __device__ __forceinline__ void consume_unit(const ConsumerCtx& c, const StageRe
   float2 sv[NP / 8];
 #pragma unroll
   for (int jj = 0; jj < NP / 8; ++jj) sv[jj] = *reinterpret_cast<const float2*>(ssp + 8 * jj);
-  if constexpr (K + 1 < 8) {
-    wgmma_wait<1>();
-  } else {
-    wgmma_wait<0>();
-  }
-  if constexpr (K + 2 < 8) load_unit<MT, NP, K + 2>(c, sr, q);
+  wgmma_wait<(kDepth<MT, NP> - 1 < 7 - K ? kDepth<MT, NP> - 1 : 7 - K)>();  // unit K done (units K + 1 .. stay in flight)
+  if constexpr (K + kDepth<MT, NP> < 8) load_unit<MT, NP, K + kDepth<MT, NP>>(c, sr, q);
   fence_registers(d[U::buf]);
   if (!real) return;  // a dummy unit
 #pragma unroll
@@ -579,15 +583,24 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int i = 0; i < R; ++i) acc[mt][i] = 0.0f;
-  // Both block-sum sets are defined (and pinned by the register fences) before the first wgmma:
+  // Every block-sum set is defined (and pinned by the register fences) before the first wgmma:
   // a plain definition that the compiler sinks between a wgmma and its wait makes ptxas serialize
   // every wgmma of the kernel (warning C7515).
-  float d[2][R];
+  float d[kDepth<MT, NP>][R];
+  if constexpr (kDepth<MT, NP> == 2) {  // (the two forms: each compiles as it was measured, docs/perf.md session 35)
 #pragma unroll
-  for (int i = 0; i < R; ++i) d[0][i] = d[1][i] = 0.0f;
-  fence_registers(d[0]);
-  fence_registers(d[1]);
-  uint32_t af[2][2][4];
+    for (int i = 0; i < R; ++i) d[0][i] = d[1][i] = 0.0f;
+    fence_registers(d[0]);
+    fence_registers(d[1]);
+  } else {
+#pragma unroll
+    for (int b = 0; b < kDepth<MT, NP>; ++b)
+#pragma unroll
+      for (int i = 0; i < R; ++i) d[b][i] = 0.0f;
+#pragma unroll
+    for (int b = 0; b < kDepth<MT, NP>; ++b) fence_registers(d[b]);
+  }
+  uint32_t af[kDepth<MT, NP>][2][4];
   uint32_t q[4];  // weight bytes of the next unit to widen (ldmatrix one unit ahead)
 
   RingPos rp_next;  // stage it0 (hopper::RingPos: no division by the run-time ring depth per stage)
@@ -604,6 +617,10 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_fp8_wgmma3_kernel(const __gr
     load_unit<MT, NP, 0>(c, sr, q);
     widen_issue<MT, NP, 0>(c, sr, q, af, d);
     load_unit<MT, NP, 1>(c, sr, q);
+    if constexpr (kDepth<MT, NP> == 3) {
+      widen_issue<MT, NP, 1>(c, sr, q, af, d);
+      load_unit<MT, NP, 2>(c, sr, q);
+    }
     consume_unit<MT, NP, 0>(c, sr, q, af, d, acc);
     consume_unit<MT, NP, 1>(c, sr, q, af, d, acc);
     consume_unit<MT, NP, 2>(c, sr, q, af, d, acc);
