@@ -1,0 +1,87 @@
+#!/usr/bin/env python3
+"""Which kernels two builds compile differently, from `cuobjdump -sass` output of each.
+
+Per function present in either file: `same` when the instruction sequences are equal after dropping
+addresses and encodings (so a rebuilt object with the same code compares equal), else `differs` with
+the instruction counts and the opcode histogram difference (e.g. `LOP3.LUT +3, NOP -6`: a register
+allocation change rather than new work). Session 35 used it to show that a kept combination of two
+measured variants (v3 with three block-sum sets at MT 1 / NP <= 32, two elsewhere) compiles every
+kernel exactly as one of the measured builds did: a claim about bytes of code, which a GPU run
+cannot give when the device time is spent.
+
+Usage:
+  cuobjdump -sass a.o > a.sass; cuobjdump -sass b.o > b.sass
+  scripts/sass_compare.py a.sass b.sass [--kernel SUBSTR] [--only-diff]
+Exit status 0 when every compared function is the same, 1 when some differ, 2 when a file holds no
+function.
+"""
+import argparse
+import collections
+import re
+import sys
+
+_FUNC = re.compile(r"^\s*Function : (\S+)\s*$")
+_INSN = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s*(.*?)\s*;")
+
+
+def read_functions(path):
+    """{mangled name: [instruction text without address / encoding]} of one cuobjdump -sass file."""
+    funcs, name = {}, None
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            m = _FUNC.match(line)
+            if m:
+                name = m.group(1)
+                funcs[name] = []
+                continue
+            if name is None:
+                continue
+            m = _INSN.match(line)
+            if m:
+                # branch / call targets are addresses: keep the opcode, drop the target
+                text = re.sub(r"\b(BRA|CALL\.REL\.NOINC|CALL\.REL|BSSY|JMP|BRX)\b(.*?)0x[0-9a-f]+", r"\1\2<addr>",
+                              m.group(1))
+                funcs[name].append(text)
+    return funcs
+
+
+def opcode(insn):
+    parts = insn.split()
+    if parts and parts[0].startswith("@"):
+        parts = parts[1:]
+    return parts[0] if parts else ""
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("a")
+    ap.add_argument("b")
+    ap.add_argument("--kernel", default="", help="compare only functions whose name contains this")
+    ap.add_argument("--only-diff", action="store_true", help="print only the functions that differ")
+    args = ap.parse_args()
+    fa, fb = read_functions(args.a), read_functions(args.b)
+    if not fa or not fb:
+        print("no function in %s" % (args.a if not fa else args.b), file=sys.stderr)
+        return 2
+    names = sorted(n for n in set(fa) | set(fb) if args.kernel in n)
+    n_diff = 0
+    for n in names:
+        if n not in fa or n not in fb:
+            n_diff += 1
+            print("only in %s: %s" % ("b" if n not in fa else "a", n))
+            continue
+        if fa[n] == fb[n]:
+            if not args.only_diff:
+                print("same     %5d  %s" % (len(fa[n]), n))
+            continue
+        n_diff += 1
+        ha = collections.Counter(opcode(i) for i in fa[n])
+        hb = collections.Counter(opcode(i) for i in fb[n])
+        delta = ", ".join("%s %+d" % (k, hb[k] - ha[k]) for k in sorted(set(ha) | set(hb)) if ha[k] != hb[k])
+        print("differs  %5d -> %5d  %s  [%s]" % (len(fa[n]), len(fb[n]), n, delta or "same opcodes, other operands"))
+    print("%d of %d functions differ" % (n_diff, len(names)))
+    return 1 if n_diff else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
