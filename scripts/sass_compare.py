@@ -17,39 +17,22 @@ function.
 """
 import argparse
 import collections
+import os
 import re
 import sys
 
-_FUNC = re.compile(r"^\s*Function : (\S+)\s*$")
-_INSN = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s*(.*?)\s*;")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ncu_sass_summary import opcode  # noqa: E402  (the predicate-stripping opcode of a SASS line)
+from sass_loop_hazards import functions  # noqa: E402  (the cuobjdump -sass reader: name, [(addr, text)])
+
+# Branch / call targets are addresses, which move when code before them changes size.
+_TARGET = re.compile(r"\b(BRA|CALL\.REL\.NOINC|CALL\.REL|BSSY|JMP|BRX)\b(.*?)0x[0-9a-f]+")
 
 
 def read_functions(path):
-    """{mangled name: [instruction text without address / encoding]} of one cuobjdump -sass file."""
-    funcs, name = {}, None
+    """{mangled name: [instruction text, addresses and branch targets dropped]} of one file."""
     with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            m = _FUNC.match(line)
-            if m:
-                name = m.group(1)
-                funcs[name] = []
-                continue
-            if name is None:
-                continue
-            m = _INSN.match(line)
-            if m:
-                # branch / call targets are addresses: keep the opcode, drop the target
-                text = re.sub(r"\b(BRA|CALL\.REL\.NOINC|CALL\.REL|BSSY|JMP|BRX)\b(.*?)0x[0-9a-f]+", r"\1\2<addr>",
-                              m.group(1))
-                funcs[name].append(text)
-    return funcs
-
-
-def opcode(insn):
-    parts = insn.split()
-    if parts and parts[0].startswith("@"):
-        parts = parts[1:]
-    return parts[0] if parts else ""
+        return {name: [_TARGET.sub(r"\1\2<addr>", s) for _, s in ins] for name, ins in functions(f.read())}
 
 
 def main():

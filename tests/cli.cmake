@@ -179,6 +179,26 @@ if(V4ATTN_PYTHON3)
            COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/sass_loop_hazards.py"
                    "${CMAKE_SOURCE_DIR}/tests/data/stamps_v2.txt")
   set_tests_properties(scripts.sass_loop_hazards_not_sass PROPERTIES WILL_FAIL TRUE)
+  # scripts/sass_compare.py: the fixture above against a copy whose first function differs only in a
+  # branch target (addresses are dropped: same) and whose second differs in one operand (differs, same
+  # opcodes; exit 1); a file against itself (exit 0); a file without a function is refused (exit 2).
+  add_test(NAME scripts.sass_compare
+           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/sass_compare.py"
+                   "${CMAKE_SOURCE_DIR}/tests/data/sass_loop_hazards.sass" "${CMAKE_SOURCE_DIR}/tests/data/sass_compare_b.sass")
+  set_tests_properties(scripts.sass_compare PROPERTIES PASS_REGULAR_EXPRESSION
+    "differs     14 ->    14  _Z10fixture_w2Pi  \\[same opcodes, other operands\\]\nsame        14  _Z9fixture_kPi\n1 of 2 functions differ")
+  add_test(NAME scripts.sass_compare_differ_exit
+           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/sass_compare.py"
+                   "${CMAKE_SOURCE_DIR}/tests/data/sass_loop_hazards.sass" "${CMAKE_SOURCE_DIR}/tests/data/sass_compare_b.sass")
+  set_tests_properties(scripts.sass_compare_differ_exit PROPERTIES WILL_FAIL TRUE)
+  add_test(NAME scripts.sass_compare_same
+           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/sass_compare.py"
+                   "${CMAKE_SOURCE_DIR}/tests/data/sass_loop_hazards.sass" "${CMAKE_SOURCE_DIR}/tests/data/sass_loop_hazards.sass")
+  set_tests_properties(scripts.sass_compare_same PROPERTIES PASS_REGULAR_EXPRESSION "\n0 of 2 functions differ")
+  add_test(NAME scripts.sass_compare_not_sass
+           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/sass_compare.py"
+                   "${CMAKE_SOURCE_DIR}/tests/data/sass_loop_hazards.sass" "${CMAKE_SOURCE_DIR}/tests/data/stamps_v2.txt")
+  set_tests_properties(scripts.sass_compare_not_sass PROPERTIES WILL_FAIL TRUE)
   add_test(NAME scripts.trace_layers_no_layers
            COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/trace_layers.py"
                    "${CMAKE_SOURCE_DIR}/tests/configs/missing_key.json")
