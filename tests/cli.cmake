@@ -199,6 +199,33 @@ if(V4ATTN_PYTHON3)
            COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/sass_compare.py"
                    "${CMAKE_SOURCE_DIR}/tests/data/sass_loop_hazards.sass" "${CMAKE_SOURCE_DIR}/tests/data/stamps_v2.txt")
   set_tests_properties(scripts.sass_compare_not_sass PROPERTIES WILL_FAIL TRUE)
+  # scripts/ptx_compare.py: a fixture pair whose kernel was renamed, renumbered and moved (same code once
+  # --map names it) and whose helper changed a constant (differs; exit 1); without --map the renamed
+  # kernel is in one file only; a file against itself (exit 0); a file without a function (exit 2).
+  add_test(NAME scripts.ptx_compare
+           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/ptx_compare.py"
+                   "${CMAKE_SOURCE_DIR}/tests/data/ptx_compare_a.ptx" "${CMAKE_SOURCE_DIR}/tests/data/ptx_compare_b.ptx"
+                   --map _Z6kernelPi=_Z7kernel2Pi)
+  set_tests_properties(scripts.ptx_compare PROPERTIES PASS_REGULAR_EXPRESSION
+    "differs     10 ->    10  _Z6helperi  \\[-1 \\+1 lines\\]\nsame        11  _Z7kernel2Pi\n1 of 2 functions differ")
+  add_test(NAME scripts.ptx_compare_differ_exit
+           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/ptx_compare.py"
+                   "${CMAKE_SOURCE_DIR}/tests/data/ptx_compare_a.ptx" "${CMAKE_SOURCE_DIR}/tests/data/ptx_compare_b.ptx"
+                   --map _Z6kernelPi=_Z7kernel2Pi)
+  set_tests_properties(scripts.ptx_compare_differ_exit PROPERTIES WILL_FAIL TRUE)
+  add_test(NAME scripts.ptx_compare_unmapped
+           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/ptx_compare.py"
+                   "${CMAKE_SOURCE_DIR}/tests/data/ptx_compare_a.ptx" "${CMAKE_SOURCE_DIR}/tests/data/ptx_compare_b.ptx")
+  set_tests_properties(scripts.ptx_compare_unmapped PROPERTIES PASS_REGULAR_EXPRESSION
+    "only in a: _Z6kernelPi\nonly in b: _Z7kernel2Pi\n3 of 3 functions differ")
+  add_test(NAME scripts.ptx_compare_same
+           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/ptx_compare.py"
+                   "${CMAKE_SOURCE_DIR}/tests/data/ptx_compare_a.ptx" "${CMAKE_SOURCE_DIR}/tests/data/ptx_compare_a.ptx")
+  set_tests_properties(scripts.ptx_compare_same PROPERTIES PASS_REGULAR_EXPRESSION "\n0 of 2 functions differ")
+  add_test(NAME scripts.ptx_compare_not_ptx
+           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/ptx_compare.py"
+                   "${CMAKE_SOURCE_DIR}/tests/data/ptx_compare_a.ptx" "${CMAKE_SOURCE_DIR}/tests/data/stamps_v2.txt")
+  set_tests_properties(scripts.ptx_compare_not_ptx PROPERTIES WILL_FAIL TRUE)
   add_test(NAME scripts.trace_layers_no_layers
            COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/trace_layers.py"
                    "${CMAKE_SOURCE_DIR}/tests/configs/missing_key.json")
