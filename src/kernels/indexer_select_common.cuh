@@ -5,18 +5,12 @@
 
 #include <cstdint>
 
+#include "kernels/indexer_select_keys.h"  // value_key
 #include "v4attn/numerics.h"
 
 namespace v4attn::kernels::select_keys {
 
 __device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
-
-// Order-preserving key of a selectable value (v > -inf, so never NaN); -0.0 maps like +0.0.
-__device__ __forceinline__ uint32_t value_key(float v) {
-  uint32_t u = num::f32_bits(v);
-  if (u == 0x80000000u) u = 0u;
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
 
 // Key of candidate block b < n_blocks: max over its positions below clen (num::max_f from -inf,
 // in position order, as the reference; the sign of a zero maximum does not matter, +0 and -0
