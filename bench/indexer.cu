@@ -30,12 +30,12 @@
 //    in one CTA, one read of their K).
 //  - top-k and candidate mask "v1" (one CTA per row), "v2" (many CTAs per row, workspace) and
 //    "v3" (one thread-block cluster per row, automatic cluster size), "v3-c1" .. "v3-c16" (1, 2,
-//    4, 8, 16 CTAs per row).
+//    4, 8, 16 CTAs per row), "v3w" (v3 whose radix select starts with the window exchange).
 //  - top-k "v3-masked" / "v3-masked-nc" (a later index source: the mask of 2048 random kept
 //    blocks fused, the kept groups compacted / every position walked), "v3-masked-c1" / "-c2" /
-//    "-c4" (compacted, 1 / 2 / 4 CTAs per row).
-//  - pair "v3" (the candidate source's top-k and mask in one launch, run_indexer_select_pair_v3)
-//    and "serial" (the v3 mask then the v3 top-k, two launches).
+//    "-c4" (compacted, 1 / 2 / 4 CTAs per row), "v3w-masked" (compacted, the window exchange).
+//  - pair "v3" (the candidate source's top-k and mask in one launch, run_indexer_select_pair_v3),
+//    "serial" (the v3 mask then the v3 top-k, two launches) and "v3w" (the pair, window exchange).
 //  - q pack "v2" (one thread per pair of values).
 //  - chain "idx": q pack -> scores (g6 for verify) -> top-k v2, and "idx+mask": with the
 //    candidate mask v2 before the top-k (the candidate source layer), captured once in a CUDA
@@ -261,10 +261,12 @@ struct SelVersion {
   int version;     // IndexerTopkParams / CandidateMaskParams::version
   bool workspace;  // v2
   int cluster;     // v3_cluster (0 = automatic)
+  bool window = false;  // v3_window (v3w: the radix select starts with the window exchange)
 };
 constexpr SelVersion kSelVersions[] = {
     {"v1", 0, false, 0},      {"v2", 0, true, 0},       {"v3", 3, false, 0},      {"v3-c1", 3, false, 1},
-    {"v3-c2", 3, false, 2},   {"v3-c4", 3, false, 4},   {"v3-c8", 3, false, 8},   {"v3-c16", 3, false, 16}};
+    {"v3-c2", 3, false, 2},   {"v3-c4", 3, false, 4},   {"v3-c8", 3, false, 8},   {"v3-c16", 3, false, 16},
+    {"v3w", 3, false, 0, true}};
 constexpr SelVersion kChainV2 = kSelVersions[1];
 constexpr SelVersion kChainV3 = kSelVersions[2];
 
@@ -291,6 +293,7 @@ kn::IndexerTopkParams topk_params(const Problem& pb, const SelVersion& v) {
   kn::IndexerTopkParams p = topk_params(pb, v.workspace);
   p.version = v.version;
   p.v3_cluster = v.cluster;
+  p.v3_window = v.window;
   return p;
 }
 kn::CandidateMaskParams mask_params(const Problem& pb, bool v2) {
@@ -314,6 +317,7 @@ kn::CandidateMaskParams mask_params(const Problem& pb, const SelVersion& v) {
   kn::CandidateMaskParams p = mask_params(pb, v.workspace);
   p.version = v.version;
   p.v3_cluster = v.cluster;
+  p.v3_window = v.window;
   return p;
 }
 
@@ -620,13 +624,17 @@ int main(int argc, char** argv) {
           // checked against the reference's apply_candidate_mask + topk_to_slots of the GPU scores.
           const HostMask fused_mask = want("topk", "v3-masked") || want("topk", "v3-masked-nc") ||
                                               want("topk", "v3-masked-c1") || want("topk", "v3-masked-c2") ||
-                                              want("topk", "v3-masked-c4")
+                                              want("topk", "v3-masked-c4") || want("topk", "v3w-masked")
                                           ? make_mask(pb, false)
                                                                                                  : HostMask{};
-          for (const int variant : {0, 1, 2, 3, 4}) {  // compacted (automatic cluster, 1, 2, 4 CTAs), walking
-            const bool compact = variant != 4;
-            const int cluster = compact ? (variant == 0 ? 0 : 1 << (variant - 1)) : 0;
-            const std::string name_s = !compact ? "v3-masked-nc" : cluster == 0 ? "v3-masked" : "v3-masked-c" + std::to_string(cluster);
+          // compacted (automatic cluster, 1, 2, 4 CTAs), walking every position, compacted with the window exchange
+          for (const int variant : {0, 1, 2, 3, 4, 5}) {
+            const bool compact = variant != 4, window = variant == 5;
+            const int cluster = compact && variant != 5 ? (variant == 0 ? 0 : 1 << (variant - 1)) : 0;
+            const std::string name_s = window     ? "v3w-masked"
+                                       : !compact   ? "v3-masked-nc"
+                                       : cluster == 0 ? "v3-masked"
+                                                      : "v3-masked-c" + std::to_string(cluster);
             const char* name = name_s.c_str();
             if (!want("topk", name)) continue;
             const HostMask& mask = fused_mask;
@@ -637,6 +645,7 @@ int main(int argc, char** argv) {
             tp.mask_block = kMaskBlock;
             tp.v3_compact = compact;
             tp.v3_cluster = cluster;
+            tp.v3_window = window;
             pb.d_out.fill_bytes(0xAB, stream);
             kn::run_indexer_topk(tp, stream, false);
             V4_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -648,11 +657,12 @@ int main(int argc, char** argv) {
           }
           // The candidate source's two selections: one pair launch (v3) against mask + top-k as two
           // launches ("serial"), both checked against the reference first.
-          for (const char* form : {"v3", "serial"}) {
+          for (const char* form : {"v3", "serial", "v3w"}) {
             if (!want("pair", form)) continue;
-            const bool one = std::string(form) == "v3";
-            const auto tp = topk_params(pb, kChainV3);
-            const auto mp = mask_params(pb, kChainV3);
+            const bool one = std::string(form) != "serial";
+            auto tp = topk_params(pb, kChainV3);
+            auto mp = mask_params(pb, kChainV3);
+            tp.v3_window = mp.v3_window = std::string(form) == "v3w";
             const auto issue = [&](cudaStream_t s) {
               if (one) {
                 (void)kn::run_indexer_select_pair_v3(tp, mp, s, false);

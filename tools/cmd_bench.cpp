@@ -245,6 +245,7 @@ struct BenchCliOptions {
   std::string gemm_small = "auto";
   bool no_idx_gemm_main = false;
   int select_cluster = 0;
+  bool select_window = false;
   bool no_select_pair = false;
   bool no_idx_x_on_k = false;
   bool qnorm_trigger_late = false;
@@ -405,6 +406,7 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
     j["idx_gemm_on_main"] = c.knobs.idx_gemm_on_main;
     j["select_cluster"] = c.knobs.select_cluster;
     j["select_pair"] = c.knobs.select_pair;
+    j["select_window"] = c.knobs.select_window;
     j["idx_x_on_k"] = c.knobs.idx_x_on_k;
     j["qnorm_trigger_late"] = c.knobs.qnorm_trigger_late;
     j["qb_prewait_stages"] = c.knobs.qb_prewait_stages;
@@ -645,6 +647,10 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
   sub->add_flag("--no-idx-x-on-k", o->no_idx_x_on_k,
                 "Three-lane, index sources with a compressor: weights_proj behind the compressor on lane S (default: on "
                 "lane K at the layer's start); same bytes");
+  sub->add_flag("--select-window", o->select_window,
+                "Selection v3: start the radix select with the window exchange (16-bit prefixes under each CTA's "
+                "largest score: one exchange fewer where the k-th score is within ~2 binades of the largest; else the "
+                "plain passes follow); same bytes (experiment knob, not yet measured: off)");
   sub->add_flag("--no-select-pair", o->no_select_pair,
                 "Selection v3, the candidate source: the candidate mask then the top-k as two launches (default: one "
                 "launch for both when they fit one wave; same bytes)");
@@ -698,6 +704,7 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
       c.knobs.idx_gemm_on_main = !o->no_idx_gemm_main && o->s_fork != "idx-gemms-on-k";
       c.knobs.select_cluster = o->select_cluster;
       c.knobs.select_pair = !o->no_select_pair;
+      c.knobs.select_window = o->select_window;
       c.knobs.idx_x_on_k = !o->no_idx_x_on_k;
       c.knobs.qnorm_trigger_late = o->qnorm_trigger_late;
       c.knobs.qb_prewait_stages = o->qb_prewait_stages;

@@ -81,6 +81,7 @@
 #include "kernels/device_common.cuh"
 #include "gemm/hopper_ptx.cuh"
 #include "kernels/indexer_select_common.cuh"
+#include "kernels/indexer_select_window.h"
 #include "runtime/phase_stamps.cuh"
 #include "runtime/cuda_utils.h"
 #include "runtime/launch.h"
@@ -112,6 +113,12 @@ constexpr int kDigitBits = 8;
 constexpr int kBins = 1 << kDigitBits;       // 256
 constexpr int kPasses = 32 / kDigitBits;     // 4
 constexpr int kBinWarps = kBins / 32;        // warps that own one bin per thread in the combine
+// Words per CTA slot of a receive buffer: the histogram, and in the window kernels (kWindow) the
+// window statistics after it (window_exchange).
+template <bool kWindow>
+constexpr int slot_words() {
+  return kWindow ? kBins + 4 : kBins;
+}
 constexpr int kMaxCluster = 16;
 constexpr int kTopkPer = 8;                  // top-k: consecutive positions per thread and round
 constexpr int kMaskPer = 2;                  // mask: consecutive blocks per thread and round
@@ -155,10 +162,11 @@ struct Args {
   bool compact = false;  // top-k with a candidate mask: resident chunks keep only groups with a valid key
 };
 
-// Dynamic shared memory: receive buffers [2][cluster][kBins], the keys [rounds_cap][round], and
-// with `compact` the first positions of the kept groups [rounds_cap][kThreads].
-inline size_t dyn_smem_bytes(int cluster, int rounds_cap, int per_thread, bool compact = false) {
-  return (size_t{2} * cluster * kBins + size_t(rounds_cap) * kThreads * (per_thread + (compact ? 1 : 0))) *
+// Dynamic shared memory: receive buffers [2][cluster][slot_words], the keys [rounds_cap][round],
+// and with `compact` the first positions of the kept groups [rounds_cap][kThreads].
+inline size_t dyn_smem_bytes(int cluster, int rounds_cap, int per_thread, bool compact = false, bool window = false) {
+  const size_t slot = window ? slot_words<true>() : slot_words<false>();
+  return (size_t{2} * cluster * slot + size_t(rounds_cap) * kThreads * (per_thread + (compact ? 1 : 0))) *
          sizeof(uint32_t);
 }
 
@@ -331,10 +339,217 @@ __device__ void local_histogram(const Chunk<N, kTail>& ch, const Load& load, con
   if constexpr (kTail) histogram_key(keys_sm[ch.tail_key_index()], pass, shift, prefix, lane, sm);  // resident
 }
 
+// ---- the window exchange (kWindow kernels) ----
+// A row's scores share their sign and exponent to within a few binades, so radix pass 0 (the top 8
+// bits of a key: sign and 7 exponent bits) puts nearly every key into one or two bins and decides
+// little: a selection took three exchanges (passes 0-2, the fourth skipped by the whole-bucket
+// short cut). The window exchange replaces passes 0 and 1 with one: each CTA counts the 16-bit
+// prefixes of its finite keys in the 256 prefixes up to its own largest finite key's (about two
+// binades) and sends that window's top with the histogram; the receivers align the windows under
+// the cluster's largest. When the k-th key lies in that global window (the k-th largest within
+// about 1/4 of the row's largest finite value, ignoring +inf keys, which rank above every bin), its
+// 16-bit prefix is decided in one exchange and pass 2 follows; otherwise pass 0 starts with nothing
+// decided (the same selection, one exchange later). Resident chunks only (the statistics walk reads
+// the keys from shared memory). The kernels without it are compiled exactly as before it existed.
+// The arithmetic (the windows' alignment, the decision) is in indexer_select_window.h, which its CPU
+// model test shares.
+using select_window::kInfKey;  // value_key(+inf); finite keys are below it, NaN has none
+
+// The statistics a CTA sends after its window histogram: x its largest finite key (0: none), y its
+// +inf keys, z its valid keys (w unused). At namespace scope like v3_sm; only the window kernels use it.
+__shared__ uint4 v3_wstats;
+
+
+// This CTA's statistics into v3_wstats (zero on entry; visible after the caller's barrier).
+template <int N, bool kTail, class Load>
+__device__ void window_stats(const Chunk<N, kTail>& ch, const Load& load, const uint32_t* keys_sm) {
+  uint32_t top = 0u, n_inf = 0u, n_valid = 0u;
+  const auto add = [&](uint32_t k) {
+    n_valid += k != 0u ? 1u : 0u;
+    n_inf += k >= kInfKey ? 1u : 0u;
+    top = k < kInfKey ? max(top, k) : top;
+  };
+  for (int q = 0; q < ch.rounds; ++q) {
+    uint32_t key[N];
+    round_keys(ch, load, keys_sm, q, key);
+#pragma unroll
+    for (int e = 0; e < N; ++e) add(key[e]);
+  }
+  if constexpr (kTail) add(keys_sm[ch.tail_key_index()]);
+  top = __reduce_max_sync(kFullMask, top);
+  n_inf = __reduce_add_sync(kFullMask, n_inf);
+  n_valid = __reduce_add_sync(kFullMask, n_valid);
+  if ((threadIdx.x & 31u) == 0u) {
+    if (top != 0u) atomicMax(&v3_wstats.x, top);
+    if (n_inf != 0u) atomicAdd(&v3_wstats.y, n_inf);
+    if (n_valid != 0u) atomicAdd(&v3_wstats.z, n_valid);
+  }
+}
+
+// Local histogram of the 16-bit prefixes of the finite keys >= lo (lo = select_window::base(top) << 16).
+template <int N, bool kTail, class Load>
+__device__ void window_histogram(const Chunk<N, kTail>& ch, const Load& load, const uint32_t* keys_sm, uint32_t lo,
+                                 Smem& sm) {
+  const unsigned lane = threadIdx.x & 31u;
+  const auto count = [&](uint32_t k) {  // histogram_key's warp-aggregated count
+    const bool take = select_window::counts(k, lo);
+    const uint32_t active = __ballot_sync(kFullMask, take);
+    if (take) {
+      const uint32_t digit = select_window::bin(k, lo);
+      const int leader = __ffs(active) - 1;
+      const uint32_t lead_digit = __shfl_sync(active, digit, leader);
+      if (__all_sync(active, digit == lead_digit)) {
+        if (lane == static_cast<unsigned>(leader)) atomicAdd(&sm.hloc[digit], __popc(active));
+      } else {
+        atomicAdd(&sm.hloc[digit], 1u);
+      }
+    }
+  };
+  for (int q = 0; q < ch.rounds; ++q) {  // CTA-uniform trip count: every lane iterates alike
+    uint32_t key[N];
+    round_keys(ch, load, keys_sm, q, key);
+#pragma unroll
+    for (int e = 0; e < N; ++e) count(key[e]);
+  }
+  if constexpr (kTail) count(keys_sm[ch.tail_key_index()]);  // resident
+}
+
+// What the window exchange decided.
+struct WindowOutcome {
+  bool done = false;   // `s` is the selection (every valid key, or a whole bucket)
+  bool found = false;  // else: the k-th key's 16-bit prefix is `prefix` (pass 2 next), or unknown (pass 0 next)
+  Selection s;
+  uint32_t k_rem = 0u, prefix = 0u, gt_before = 0u;
+};
+
+// The window exchange: the selection's first exchange (x = 0: receive buffer 0, barrier phase 0) in
+// the window kernels, for resident chunks. sm.hloc and v3_wstats zero and visible on entry;
+// clustered: the caller has issued cluster_arrive_relaxed(). Out of line: it runs once per launch,
+// and inlined it raised the pair kernels' spills from 20 to 84 bytes (ptxas -v), beside walks that
+// run per round; the call costs its arguments and result through the stack once.
+template <int N, bool kTail, class Load>
+__device__ __noinline__ WindowOutcome window_exchange(const Chunk<N, kTail>& ch, const Load& load, uint32_t k, Smem& sm,
+                                         uint32_t* recv, const uint32_t* keys_sm, int cluster, uint32_t rank,
+                                         const StampCtx& st) {
+  constexpr int kStride = slot_words<true>();
+  constexpr int kQuads = kStride / 4;  // the histogram's quads, then the statistics
+  const bool clustered = cluster > 1;
+  const int tid = static_cast<int>(threadIdx.x), lane = tid & 31, wid = tid >> 5;
+  window_stats(ch, load, keys_sm);
+  __syncthreads();  // v3_wstats: this CTA's largest finite key
+  window_histogram(ch, load, keys_sm, select_window::base(v3_wstats.x) << 16, sm);
+  __syncthreads();  // hloc complete
+  st.at(4);
+  if (clustered) cluster_wait_acquire();  // every CTA of the cluster runs
+
+  uint32_t* my_slot = recv + int64_t{rank} * kStride;  // buffer 0
+  const auto quad_of = [&](int q) { return q < kBins / 4 ? reinterpret_cast<const uint4*>(sm.hloc)[q] : v3_wstats; };
+  if (clustered) {
+    const uint32_t bar = smem_u32(&sm.mbar[0]);
+    if (tid == 0) hopper::mbar_arrive_expect_tx(bar, static_cast<uint32_t>(cluster * kStride * sizeof(uint32_t)));
+    for (int item = tid; item < cluster * kQuads; item += kThreads) {
+      const uint32_t r = static_cast<uint32_t>(item / kQuads);
+      const int quad = item % kQuads;
+      hopper::st_async_v4(map_to_cluster_rank(smem_u32(my_slot + 4 * quad), r), quad_of(quad),
+                          map_to_cluster_rank(bar, r));
+    }
+    hopper::mbar_wait_cluster(bar, 0u);
+    st.at(5);
+  } else {
+    for (int quad = tid; quad < kQuads; quad += kThreads) reinterpret_cast<uint4*>(my_slot)[quad] = quad_of(quad);
+    __syncthreads();
+  }
+
+  // The cluster's statistics (every thread: the same integers in every CTA): the largest finite
+  // key, the +inf and the valid keys, in all chunks and in the lower ranks' chunks.
+  uint32_t top_key = 0u, inf_all = 0u, inf_bef = 0u, val_all = 0u, val_bef = 0u;
+  for (int r = 0; r < cluster; ++r) {
+    const uint4 w = *reinterpret_cast<const uint4*>(recv + int64_t{r} * kStride + kBins);
+    const bool lower = static_cast<uint32_t>(r) < rank;
+    top_key = max(top_key, w.x);
+    inf_all += w.y;
+    val_all += w.z;
+    inf_bef += lower ? w.y : 0u;
+    val_bef += lower ? w.z : 0u;
+  }
+  // Combine: thread i < 256 owns the 16-bit prefix (top_key >> 16) - i and sums it over the ranks
+  // whose window holds it.
+  uint32_t tot = 0u, bef = 0u, incl_t = 0u, incl_b = 0u;
+  const uint32_t top = top_key >> 16, bin = top - static_cast<uint32_t>(tid);
+  if (tid < kBins) {
+    if (static_cast<uint32_t>(tid) <= top)
+      for (int r = 0; r < cluster; ++r) {
+        const uint32_t* slot = recv + int64_t{r} * kStride;
+        const uint32_t v = select_window::bin_count(slot, slot[kBins], bin);
+        tot += v;
+        bef += static_cast<uint32_t>(r) < rank ? v : 0u;
+      }
+    incl_t = tot;  // the scan of cluster_select's combine, over prefixes from the top
+    incl_b = bef;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const uint32_t nt = __shfl_up_sync(kFullMask, incl_t, off);
+      const uint32_t nb = __shfl_up_sync(kFullMask, incl_b, off);
+      if (lane >= off) incl_t += nt, incl_b += nb;
+    }
+    if (lane == 31) {
+      sm.comb[0][wid][0] = incl_t;
+      sm.comb[0][wid][1] = incl_b;
+    }
+  }
+  __syncthreads();  // every thread's pushes (its reads of hloc) are done: hloc may be zeroed
+  uint32_t all_t = 0u, warp_t = 0u, warp_b = 0u;
+#pragma unroll
+  for (int w = 0; w < kBinWarps; ++w) {
+    const uint32_t ct = sm.comb[0][w][0], cb = sm.comb[0][w][1];
+    all_t += ct;
+    if (w < wid) warp_t += ct, warp_b += cb;
+  }
+  WindowOutcome o;
+  if (val_all <= k) {  // at most k valid keys: all of them (cluster-uniform)
+    o.done = true;
+    o.s.thr = 0u;
+    o.s.k_eq = 0u;
+    o.s.gt_before = val_bef;
+    o.s.eq_before = 0u;
+    o.s.total = val_all;
+    return o;
+  }
+  if (tid >= kBins && tid < 2 * kBins) sm.hloc[tid - kBins] = 0u;  // for the next pass
+  if (!select_window::decides(inf_all, all_t, k)) {  // the k-th key is not in the window (cluster-uniform)
+    __syncthreads();  // hloc zeroed before pass 0 counts into it
+    return o;
+  }
+  if (tid < kBins) {
+    incl_t += warp_t + inf_all;  // the +inf keys rank above every bin
+    incl_b += warp_b + inf_bef;
+    const uint32_t above = incl_t - tot;
+    if (above < k && k <= incl_t) sm.found[0] = Found{bin, above, incl_b - bef, bef, tot};
+  }
+  __syncthreads();
+  st.at(6);
+  const Found f = sm.found[0];
+  o.k_rem = k - f.above;
+  o.gt_before = f.before_above;
+  o.prefix = f.bin;
+  if (f.total_d == o.k_rem) {  // the whole bucket is taken: {key >= its first key}, no ties
+    o.done = true;
+    o.s.thr = (f.bin << 16) - 1u;  // a finite key's prefix is >= 0x0080
+    o.s.k_eq = 0u;
+    o.s.gt_before = o.gt_before + f.before_d;
+    o.s.eq_before = 0u;
+    o.s.total = k;
+    return o;
+  }
+  o.found = true;
+  return o;
+}
+
 // The top k (k >= 1) of the row over the cluster. All threads of all CTAs of the cluster call it
 // with the same k and cluster-uniform chunk shapes. sm.hloc must be zero and visible (synced).
 // Clustered: the caller has issued cluster_arrive_relaxed() (matched here before the first push).
-template <int N, bool kTail, class Load>
+// kWindow: resident chunks start with the window exchange (above; v3_wstats zero and visible too).
+template <bool kWindow, int N, bool kTail, class Load>
 __device__ Selection cluster_select(const Chunk<N, kTail>& ch, const Load& load, uint32_t k, Smem& sm, uint32_t* recv,
                                     uint32_t* keys_sm, int cluster, uint32_t rank, const StampCtx& st) {
   const bool clustered = cluster > 1;
@@ -346,21 +561,35 @@ __device__ Selection cluster_select(const Chunk<N, kTail>& ch, const Load& load,
       store_round_keys(keys_sm, q, key);  // read back by this thread only: no barrier needed
     }
 
+  constexpr int kStride = slot_words<kWindow>();
   Selection s;
   uint32_t k_rem = k, prefix = 0u, gt_before = 0u;
-  for (int pass = 0; pass < kPasses; ++pass) {
-    const int b = pass & 1;
+  // The exchange of pass p is x = p + x0 (0, 1, ...): its receive buffer and barrier alternate by
+  // the parity of x. The window exchange is x = 0; after it pass 2 (x 1) or pass 0 (x 1).
+  int first_pass = 0, x0 = 0;
+  if constexpr (kWindow) {
+    if (ch.resident) {
+      const WindowOutcome w = window_exchange(ch, load, k, sm, recv, keys_sm, cluster, rank, st);
+      if (w.done) return w.s;
+      first_pass = w.found ? 2 : 0;
+      x0 = 1 - first_pass;
+      if (w.found) k_rem = w.k_rem, prefix = w.prefix, gt_before = w.gt_before;
+    }
+  }
+  for (int pass = first_pass; pass < kPasses; ++pass) {
+    const int x = pass + x0;
+    const int b = x & 1;
     const int shift = 32 - kDigitBits * (pass + 1);
     local_histogram(ch, load, keys_sm, pass, prefix, sm);
     __syncthreads();  // hloc complete
     st.at(4 + 4 * pass);
-    if (pass == 0 && clustered) cluster_wait_acquire();  // every CTA of the cluster runs
+    if (x == 0 && clustered) cluster_wait_acquire();  // every CTA of the cluster runs
 
     // Push hloc into slot `rank` of receive buffer b of every CTA (this one included).
-    uint32_t* my_slot = recv + (int64_t{b} * cluster + rank) * kBins;
+    uint32_t* my_slot = recv + (int64_t{b} * cluster + rank) * kStride;
     if (clustered) {
       // st.async completing on the receiver's barrier b: each CTA waits for the cluster's bytes
-      // only (no cluster barrier, no release fence on the pushes). Phase (pass >> 1) of barrier b.
+      // only (no cluster barrier, no release fence on the pushes). Phase (x >> 1) of barrier b.
       const uint32_t bar = smem_u32(&sm.mbar[b]);
       if (tid == 0) hopper::mbar_arrive_expect_tx(bar, static_cast<uint32_t>(cluster * kBins * sizeof(uint32_t)));
       for (int item = tid; item < cluster * (kBins / 4); item += kThreads) {
@@ -369,7 +598,7 @@ __device__ Selection cluster_select(const Chunk<N, kTail>& ch, const Load& load,
         const uint4 v = reinterpret_cast<const uint4*>(sm.hloc)[quad];
         hopper::st_async_v4(map_to_cluster_rank(smem_u32(my_slot + 4 * quad), r), v, map_to_cluster_rank(bar, r));
       }
-      hopper::mbar_wait_cluster(bar, static_cast<uint32_t>(pass >> 1) & 1u);  // every CTA's pushes into buffer b
+      hopper::mbar_wait_cluster(bar, static_cast<uint32_t>(x >> 1) & 1u);  // every CTA's pushes into buffer b
       st.at(5 + 4 * pass);
     } else {
       for (int quad = tid; quad < kBins / 4; quad += kThreads)
@@ -382,9 +611,9 @@ __device__ Selection cluster_select(const Chunk<N, kTail>& ch, const Load& load,
     uint32_t tot = 0u, bef = 0u, incl_t = 0u, incl_b = 0u;
     const uint32_t bin = static_cast<uint32_t>(kBins - 1 - tid);
     if (tid < kBins) {
-      const uint32_t* col = recv + int64_t{b} * cluster * kBins + bin;
+      const uint32_t* col = recv + int64_t{b} * cluster * kStride + bin;
       for (int r = 0; r < cluster; ++r) {
-        const uint32_t v = col[int64_t{r} * kBins];
+        const uint32_t v = col[int64_t{r} * kStride];
         tot += v;
         bef += static_cast<uint32_t>(r) < rank ? v : 0u;
       }
@@ -738,9 +967,10 @@ struct ScoreRow {
 // The walks of chunks with a tail, out of line: inlined beside the walks without one, their
 // registers reshaped those walks' allocation (~1 us slower at 24-32 rows, docs/perf.md session 19).
 // The compacted top-k's compaction of a chunk with a tail: returns the kept keys' count.
+template <bool kWindow>
 __device__ __noinline__ uint32_t topk_tail_compact(const Chunk<kTopkPer> ch, const ScoreRow r, int cluster,
                                                    int rounds_cap) {
-  uint32_t* keys_sm = recv_buffers() + 2 * cluster * kBins;
+  uint32_t* keys_sm = recv_buffers() + 2 * cluster * slot_words<kWindow>();
   int32_t* first_pos = reinterpret_cast<int32_t*>(keys_sm + int64_t{rounds_cap} * Chunk<kTopkPer>::kRound);
   const auto cht = with_tail(ch);
   const TailLoad tl = r.tail_load(cht.tail_elem(), cht.end);  // before round 0's
@@ -749,10 +979,11 @@ __device__ __noinline__ uint32_t topk_tail_compact(const Chunk<kTopkPer> ch, con
 }
 // The uncompacted top-k of a chunk with a tail (resident): keys loaded here, the tail's with round
 // 0's latency, then the selection and the ordered output; returns the row's selected count.
+template <bool kWindow>
 __device__ __noinline__ uint32_t topk_tail_walk(const Chunk<kTopkPer> ch, const ScoreRow r, int cluster, uint32_t rank,
                                                 uint32_t k, const SlotEmit emit, const StampCtx st) {
   uint32_t* recv = recv_buffers();
-  uint32_t* keys_sm = recv + 2 * cluster * kBins;
+  uint32_t* keys_sm = recv + 2 * cluster * slot_words<kWindow>();
   auto cht = with_tail(ch);
   const TailLoad tl = r.tail_load(cht.tail_elem(), cht.end);
   const auto load = [&](int q, uint32_t (&key)[kTopkPer]) { r.keys(cht.first(q), cht.end, key); };
@@ -763,18 +994,19 @@ __device__ __noinline__ uint32_t topk_tail_walk(const Chunk<kTopkPer> ch, const 
   }
   keys_sm[cht.tail_key_index()] = tail_key(tl);
   cht.preloaded = true;
-  const Selection s = cluster_select(cht, load, k, v3_sm, recv, keys_sm, cluster, rank, st);
+  const Selection s = cluster_select<kWindow>(cht, load, k, v3_sm, recv, keys_sm, cluster, rank, st);
   emit_selected(cht, load, keys_sm, s, v3_sm, NoPrefetch{}, emit, emit);
   return s.total;
 }
 
 // One CTA of row t's cluster (the top-k kernel, or the top-k half of the pair kernel). kTails:
 // chunks take a tail where they can (Chunk's kTail; the host's choice, kTailsMaxCluster); without,
-// none of the tail walks' code is in the kernel.
-template <bool kTails>
+// none of the tail walks' code is in the kernel. kWindow: the selection starts with the window
+// exchange (cluster_select).
+template <bool kTails, bool kWindow>
 __device__ __forceinline__ void topk_cta(const IndexerTopkParams& p, const Args& a, int64_t t, Smem& sm) {
   uint32_t* recv = recv_buffers();
-  uint32_t* keys_sm = recv + 2 * a.cluster * kBins;
+  uint32_t* keys_sm = recv + 2 * a.cluster * slot_words<kWindow>();
   const int tid = static_cast<int>(threadIdx.x);
   const uint32_t rank = a.cluster > 1 ? cluster_ctarank() : 0u;
   StampCtx st;
@@ -786,6 +1018,9 @@ __device__ __forceinline__ void topk_cta(const IndexerTopkParams& p, const Args&
   if (err && rank == 0 && tid == 0) dev::count_error(p.err_count);
   const uint32_t k = static_cast<uint32_t>(min(static_cast<int64_t>(p.topk), c));  // cluster-uniform
   for (int i = tid; i < kBins; i += kThreads) sm.hloc[i] = 0u;
+  if constexpr (kWindow) {
+    if (tid == 0) v3_wstats = make_uint4(0u, 0u, 0u, 0u);
+  }
   init_exchange(sm, a.cluster);
   if (k > 0 && a.cluster > 1) cluster_arrive_relaxed();
 
@@ -807,7 +1042,7 @@ __device__ __forceinline__ void topk_cta(const IndexerTopkParams& p, const Args&
       int32_t* first_pos = reinterpret_cast<int32_t*>(keys_sm + int64_t{a.rounds_cap} * Chunk<kTopkPer>::kRound);
       uint32_t n_keys = 0;
       if constexpr (kTails) {
-        if (tail) n_keys = topk_tail_compact(ch, sr, a.cluster, a.rounds_cap);
+        if (tail) n_keys = topk_tail_compact<kWindow>(ch, sr, a.cluster, a.rounds_cap);
       }
       if (!tail) n_keys = kTopkPer * compact_groups(ch, load, TailLoad{}, keys_sm, first_pos, sm);
       Chunk<kCompactPer> cc;  // flat indices into the kept groups' keys
@@ -822,7 +1057,7 @@ __device__ __forceinline__ void topk_cta(const IndexerTopkParams& p, const Args&
 #pragma unroll
         for (int e = 0; e < kCompactPer; ++e) key[e] = 0u;
       };
-      const Selection s = cluster_select(cc, no_load, k, sm, recv, keys_sm, a.cluster, rank, st);
+      const Selection s = cluster_select<kWindow>(cc, no_load, k, sm, recv, keys_sm, a.cluster, rank, st);
       const auto prefetch = [&](int64_t f0, uint32_t cand) {  // the candidates' slots
         SlotPrefetch<kCompactPer> pf;
 #pragma unroll
@@ -851,10 +1086,10 @@ __device__ __forceinline__ void topk_cta(const IndexerTopkParams& p, const Args&
       // does) measured slower in the cycle (docs/perf.md session 18, run 9).
       const SlotEmit emit{table, out, out_stride};
       if constexpr (kTails) {
-        if (tail) n_out = topk_tail_walk(ch, sr, a.cluster, rank, k, emit, st);
+        if (tail) n_out = topk_tail_walk<kWindow>(ch, sr, a.cluster, rank, k, emit, st);
       }
       if (!tail) {
-        const Selection s = cluster_select(ch, load, k, sm, recv, keys_sm, a.cluster, rank, st);
+        const Selection s = cluster_select<kWindow>(ch, load, k, sm, recv, keys_sm, a.cluster, rank, st);
         emit_selected(ch, load, keys_sm, s, sm, NoPrefetch{}, emit, NoTail{});
         n_out = s.total;
       }
@@ -868,18 +1103,19 @@ __device__ __forceinline__ void topk_cta(const IndexerTopkParams& p, const Args&
   dev::pdl_launch_dependents();  // after this thread's last store
 }
 
-template <bool kTails>
+template <bool kTails, bool kWindow>
 __global__ void __launch_bounds__(kThreads, kMinCtas)
     indexer_topk_v3_kernel(const __grid_constant__ IndexerTopkParams p, const Args a) {
-  topk_cta<kTails>(p, a, blockIdx.x / static_cast<unsigned>(a.cluster), v3_sm);
+  topk_cta<kTails, kWindow>(p, a, blockIdx.x / static_cast<unsigned>(a.cluster), v3_sm);
 }
 
 // ---- candidate mask ----
 using select_keys::block_key;  // indexer_select_common.cuh
 
+template <bool kWindow>
 __device__ __forceinline__ void mask_cta(const CandidateMaskParams& p, const Args& a, int64_t t, Smem& sm) {
   uint32_t* recv = recv_buffers();
-  uint32_t* keys_sm = recv + 2 * a.cluster * kBins;
+  uint32_t* keys_sm = recv + 2 * a.cluster * slot_words<kWindow>();
   const int tid = static_cast<int>(threadIdx.x);
   const uint32_t rank = a.cluster > 1 ? cluster_ctarank() : 0u;
   StampCtx st;
@@ -893,6 +1129,9 @@ __device__ __forceinline__ void mask_cta(const CandidateMaskParams& p, const Arg
   const int64_t n_blocks = (c + p.block - 1) / p.block;
   const uint32_t k = static_cast<uint32_t>(min(static_cast<int64_t>(p.topk_blocks), n_blocks));
   for (int i = tid; i < kBins; i += kThreads) sm.hloc[i] = 0u;
+  if constexpr (kWindow) {
+    if (tid == 0) v3_wstats = make_uint4(0u, 0u, 0u, 0u);
+  }
   init_exchange(sm, a.cluster);
   if (k > 0 && a.cluster > 1) cluster_arrive_relaxed();
 
@@ -912,7 +1151,7 @@ __device__ __forceinline__ void mask_cta(const CandidateMaskParams& p, const Arg
       for (int e = 0; e < kMaskPer; ++e)
         key[e] = b0 + e < ch.end ? block_key(row, c, p.block, b0 + e, n_blocks - 1, vec8) : 0u;
     };
-    const Selection s = cluster_select(ch, load, k, sm, recv, keys_sm, a.cluster, rank, st);
+    const Selection s = cluster_select<kWindow>(ch, load, k, sm, recv, keys_sm, a.cluster, rank, st);
     emit_selected(
         ch, load, keys_sm, s, sm, NoPrefetch{},
         [&](int64_t b0, uint32_t sel, uint32_t, int) {
@@ -931,21 +1170,22 @@ __device__ __forceinline__ void mask_cta(const CandidateMaskParams& p, const Arg
   dev::pdl_launch_dependents();
 }
 
+template <bool kWindow>
 __global__ void __launch_bounds__(kThreads, kMinCtas)
     candidate_mask_v3_kernel(const __grid_constant__ CandidateMaskParams p, const Args a) {
-  mask_cta(p, a, blockIdx.x / static_cast<unsigned>(a.cluster), v3_sm);
+  mask_cta<kWindow>(p, a, blockIdx.x / static_cast<unsigned>(a.cluster), v3_sm);
 }
 
 // The candidate source's two selections over the same scores in one launch: clusters [0, T) of the
 // grid run the top-k of rows 0..T-1, clusters [T, 2T) the candidate mask (both kinds of cluster
 // have the same size; a cluster never mixes them). Neither needs the other's output.
-template <bool kTails>
+template <bool kTails, bool kWindow>
 __global__ void __launch_bounds__(kThreads, kMinCtas)
     select_pair_v3_kernel(const __grid_constant__ IndexerTopkParams tp, const __grid_constant__ CandidateMaskParams mp,
                           const Args ta, const Args ma) {
   const int64_t c = blockIdx.x / static_cast<unsigned>(ta.cluster);
-  if (c < tp.T) topk_cta<kTails>(tp, ta, c, v3_sm);
-  else mask_cta(mp, ma, c - tp.T, v3_sm);
+  if (c < tp.T) topk_cta<kTails, kWindow>(tp, ta, c, v3_sm);
+  else mask_cta<kWindow>(mp, ma, c - tp.T, v3_sm);
 }
 
 }  // namespace v3
@@ -1005,6 +1245,7 @@ struct Plan {
   int rounds_cap = 1;
   size_t smem = 0;
   bool compact = false;  // top-k with a candidate mask: the compacted walk (room for first_pos)
+  bool window = false;   // the window kernels (their receive slots hold the window statistics)
 };
 
 // An attribute of the current device (cached per device and attribute).
@@ -1057,13 +1298,14 @@ int resident_rounds_cap(int64_t n_max, int cluster, int per_thread) {
 }
 
 Plan make_plan(const void* kernel, int requested, int64_t T, int64_t n_max, int per_thread, const char* who,
-               bool compact = false, int64_t max_ctas = 0) {
+               bool compact = false, int64_t max_ctas = 0, bool window = false) {
   auto plan_for = [&](int cluster) {
     Plan pl;
     pl.cluster = cluster;
     pl.rounds_cap = resident_rounds_cap(n_max, cluster, per_thread);
     pl.compact = compact;
-    pl.smem = v3::dyn_smem_bytes(cluster, pl.rounds_cap, per_thread, compact);
+    pl.window = window;
+    pl.smem = v3::dyn_smem_bytes(cluster, pl.rounds_cap, per_thread, compact, window);
     return pl;
   };
   if (requested != 0) {
@@ -1168,12 +1410,33 @@ bool topk_compacts(const IndexerTopkParams& p) { return p.candidate_mask != null
 
 }  // namespace
 
+namespace {
+// The kernel instantiations by chunk tails and the window exchange.
+using TopkKernel = void (*)(IndexerTopkParams, v3::Args);
+using MaskKernel = void (*)(CandidateMaskParams, v3::Args);
+using PairKernel = void (*)(IndexerTopkParams, CandidateMaskParams, v3::Args, v3::Args);
+TopkKernel topk_kernel(bool tails, bool window) {
+  if (tails) return window ? v3::indexer_topk_v3_kernel<true, true> : v3::indexer_topk_v3_kernel<true, false>;
+  return window ? v3::indexer_topk_v3_kernel<false, true> : v3::indexer_topk_v3_kernel<false, false>;
+}
+MaskKernel mask_kernel(bool window) {
+  return window ? v3::candidate_mask_v3_kernel<true> : v3::candidate_mask_v3_kernel<false>;
+}
+PairKernel pair_kernel(bool tails, bool window) {
+  if (tails) return window ? v3::select_pair_v3_kernel<true, true> : v3::select_pair_v3_kernel<true, false>;
+  return window ? v3::select_pair_v3_kernel<false, true> : v3::select_pair_v3_kernel<false, false>;
+}
+const void* ptr(TopkKernel k) { return reinterpret_cast<const void*>(k); }
+const void* ptr(MaskKernel k) { return reinterpret_cast<const void*>(k); }
+const void* ptr(PairKernel k) { return reinterpret_cast<const void*>(k); }
+}  // namespace
+
 void run_indexer_topk_v3(const IndexerTopkParams& p, cudaStream_t stream, bool pdl) {
   const char* who = "run_indexer_topk_v3";
   if (!check_topk_v3(p, who)) return;
-  const Plan pl = make_plan(reinterpret_cast<const void*>(v3::indexer_topk_v3_kernel<false>), p.v3_cluster, p.T,
-                            p.score_stride, v3::kTopkPer, who, topk_compacts(p));
-  const auto kernel = takes_tails(pl) ? v3::indexer_topk_v3_kernel<true> : v3::indexer_topk_v3_kernel<false>;
+  const Plan pl = make_plan(ptr(topk_kernel(false, p.v3_window)), p.v3_cluster, p.T, p.score_stride, v3::kTopkPer, who,
+                            topk_compacts(p), 0, p.v3_window);
+  const auto kernel = topk_kernel(takes_tails(pl), p.v3_window);
   LaunchConfig cfg;
   launch_plan(who, reinterpret_cast<const void*>(kernel), pl, p.T, stream, pdl, cfg);
   launch_kernel("indexer_topk_v3", kernel, cfg, p, args_of(pl, p.scores, p.score_stride));
@@ -1182,8 +1445,8 @@ void run_indexer_topk_v3(const IndexerTopkParams& p, cudaStream_t stream, bool p
 void run_candidate_mask_v3(const CandidateMaskParams& p, cudaStream_t stream, bool pdl) {
   const char* who = "run_candidate_mask_v3";
   if (!check_mask_v3(p, who)) return;
-  const auto kernel = v3::candidate_mask_v3_kernel;
-  const Plan pl = make_plan(reinterpret_cast<const void*>(kernel), p.v3_cluster, p.T, mask_blocks(p), v3::kMaskPer, who);
+  const auto kernel = mask_kernel(p.v3_window);
+  const Plan pl = make_plan(ptr(kernel), p.v3_cluster, p.T, mask_blocks(p), v3::kMaskPer, who, false, 0, p.v3_window);
   LaunchConfig cfg;
   launch_plan(who, reinterpret_cast<const void*>(kernel), pl, p.T, stream, pdl, cfg);
   launch_kernel("candidate_mask_v3", kernel, cfg, p, args_of(pl, p.scores, p.score_stride));
@@ -1220,19 +1483,21 @@ bool run_indexer_select_pair_v3(const IndexerTopkParams& tp, const CandidateMask
   require(tp.T == mp.T, who, "the top-k and the mask must cover the same rows (T " + std::to_string(tp.T) + " vs " +
                                  std::to_string(mp.T) + ")");
   require(tp.v3_cluster == mp.v3_cluster, who, "one cluster size for both halves (v3_cluster differs)");
+  require(tp.v3_window == mp.v3_window, who, "one selection form for both halves (v3_window differs)");
   require(tp.candidate_mask == nullptr || tp.candidate_mask != mp.mask, who,
           "the top-k cannot read the mask the same launch writes");
   if (!any_t) return true;
-  const void* pair_ptr = reinterpret_cast<const void*>(v3::select_pair_v3_kernel<false>);
+  const bool window = tp.v3_window;
+  const void* pair_ptr = ptr(pair_kernel(false, window));
   // The automatic cluster for 2T rows within one wave of 2 CTAs per SM (the pair's two halves);
   // when that is smaller than what the top-k alone takes (9..31 rows on 132 SMs), two launches
   // one after the other are faster than a pair of smaller clusters: then the caller's order
   // (mask, top-k) is kept. At 32 rows both take 4-CTA clusters: one launch of 256 CTAs (run 10).
-  const Plan alone = make_plan(reinterpret_cast<const void*>(v3::indexer_topk_v3_kernel<false>), tp.v3_cluster, tp.T,
-                               tp.score_stride, v3::kTopkPer, who, topk_compacts(tp));
+  const Plan alone = make_plan(ptr(topk_kernel(false, window)), tp.v3_cluster, tp.T, tp.score_stride, v3::kTopkPer, who,
+                               topk_compacts(tp), 0, window);
   const Plan pt = make_plan(pair_ptr, tp.v3_cluster, 2 * tp.T, tp.score_stride, v3::kTopkPer, who, topk_compacts(tp),
-                            2 * int64_t{sm_count()});
-  Plan pm = make_plan(pair_ptr, pt.cluster, mp.T, mask_blocks(mp), v3::kMaskPer, who);
+                            2 * int64_t{sm_count()}, window);
+  Plan pm = make_plan(pair_ptr, pt.cluster, mp.T, mask_blocks(mp), v3::kMaskPer, who, false, 0, window);
   const size_t smem = std::max(pt.smem, pm.smem);
   if (pt.cluster < alone.cluster || (pt.cluster > 8 && !cluster_fits(pair_ptr, pt.cluster, smem))) {
     run_candidate_mask_v3(mp, stream, pdl);
@@ -1240,7 +1505,7 @@ bool run_indexer_select_pair_v3(const IndexerTopkParams& tp, const CandidateMask
     return false;
   }
   pm.smem = smem;
-  const auto pair = takes_tails(pt) ? v3::select_pair_v3_kernel<true> : v3::select_pair_v3_kernel<false>;
+  const auto pair = pair_kernel(takes_tails(pt), window);
   LaunchConfig cfg;
   launch_plan(who, reinterpret_cast<const void*>(pair), pm, 2 * tp.T, stream, pdl, cfg);
   launch_kernel("select_pair_v3", pair, cfg, tp, mp, args_of(pt, tp.scores, tp.score_stride),

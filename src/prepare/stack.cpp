@@ -1291,6 +1291,7 @@ void GpuPrepareStack::Impl::issue_idx_select(int L, int T, cudaStream_t s) {
     p.workspace_bytes = select_ws_bytes;
     p.version = o.select_version == 3 ? 3 : 0;  // 0: v2 with the workspace
     p.v3_cluster = o.select_cluster;
+    p.v3_window = o.select_window;
     if (!pair) kn::run_candidate_mask(p, s, pdl_rest());
   }
   kn::IndexerTopkParams p;
@@ -1315,6 +1316,7 @@ void GpuPrepareStack::Impl::issue_idx_select(int L, int T, cudaStream_t s) {
   p.workspace_bytes = select_ws_bytes;
   p.version = o.select_version == 3 ? 3 : 0;  // 0: v2 with the workspace
   p.v3_cluster = o.select_cluster;
+  p.v3_window = o.select_window;
   if (pair) (void)kn::run_indexer_select_pair_v3(p, mp, s, pdl_rest());
   else kn::run_indexer_topk(p, s, pdl_rest());
 }

@@ -4,12 +4,16 @@
 // tail) is poisoned before the call and compared whole, so an unwritten element or a write past the
 // end fails. Each case runs under several cluster sizes (1, 2, 8, 16 CTAs per row and the
 // automatic choice): the chunk edges, the cross-CTA tie counts and the DSMEM exchange differ per
-// cluster size, the result must not.
+// cluster size, the result must not. The check helpers also run both forms of the radix select:
+// plain, and starting with the window exchange (v3_window; its own paths: TopkWindowExchangePaths,
+// MaskWindowExchangePaths).
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
+#include <iterator>
 #include <limits>
 #include <numeric>
 #include <random>
@@ -19,6 +23,8 @@
 
 #include "gpu_test_util.h"
 #include "kernels/device_common.cuh"
+#include "kernels/indexer_select_keys.h"
+#include "kernels/indexer_select_window.h"
 #include "runtime/cuda_utils.h"
 #include "runtime/launch.h"
 #include "v4attn/kernels/indexer_kernels.h"
@@ -32,8 +38,10 @@ using namespace v4attn;
 constexpr uint8_t kPoison = test_util::kOutputPoison;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr int kClusters[] = {0, 1, 2, 8, 16};  // 0 = automatic
+constexpr bool kWindowForms[] = {false, true};  // v3_window
 
 std::string cl_name(int cluster) { return cluster == 0 ? "cluster auto" : "cluster " + std::to_string(cluster); }
+std::string form_name(bool window) { return window ? "window exchange" : "radix passes"; }
 
 // ---- buffers ------------------------------------------------------------------------------------
 using test_util::ErrorCount;
@@ -177,6 +185,7 @@ enum class Entry { kDispatch, kDirect, kV1, kV2 };
 
 struct TopkRun {
   int cluster = 0;
+  bool window = false;  // v3_window
   Launch mode = Launch::kPlain;
   Entry entry = Entry::kDispatch;
   unsigned long long* errors = nullptr;  // null: expect no error counted
@@ -224,6 +233,7 @@ std::vector<int32_t> gpu_topk(const TopkProblem& pb, const TopkRun& run = {}) {
   kernels::IndexerTopkParams& p = d.tp;
   p.err_count = err.get();
   p.v3_cluster = run.cluster;
+  p.v3_window = run.window;
   if (run.entry != Entry::kDispatch) p.version = 0;  // direct: ignored; v1 / v2: by the workspace
   if (run.entry == Entry::kV2) {
     ws.resize(std::max<size_t>(kernels::indexer_topk_workspace_bytes(pb.T, pb.stride, pb.topk), 16));
@@ -247,15 +257,18 @@ std::vector<int32_t> gpu_topk(const TopkProblem& pb, const TopkRun& run = {}) {
   return got;
 }
 
-// Every cluster size against `want`.
+// Every cluster size, both forms, against `want`.
 void check_topk_all_clusters(const TopkProblem& pb, const std::vector<int32_t>& want, const std::string& what,
                              Launch mode = Launch::kPlain) {
-  for (int cl : kClusters) {
-    TopkRun run;
-    run.cluster = cl;
-    run.mode = mode;
-    expect_same_bytes(gpu_topk(pb, run), want, what + ", " + cl_name(cl) + ", " + launch_name(mode), pb.out_stride);
-  }
+  for (bool window : kWindowForms)
+    for (int cl : kClusters) {
+      TopkRun run;
+      run.cluster = cl;
+      run.window = window;
+      run.mode = mode;
+      expect_same_bytes(gpu_topk(pb, run), want,
+                        what + ", " + cl_name(cl) + ", " + form_name(window) + ", " + launch_name(mode), pb.out_stride);
+    }
 }
 
 // Row lengths cycled over the rows of a batch of T.
@@ -283,7 +296,8 @@ std::vector<uint8_t> reference_mask(const MaskProblem& pb) {
 }
 
 std::vector<uint8_t> gpu_mask(const MaskProblem& pb, int cluster, Launch mode = Launch::kPlain,
-                              Entry entry = Entry::kDispatch, unsigned long long* errors = nullptr) {
+                              Entry entry = Entry::kDispatch, unsigned long long* errors = nullptr,
+                              bool window = false) {
   auto d_scores = to_device(pb.scores);
   auto d_clen = to_device(pb.clen);
   PoisonedOutput<uint8_t> out(static_cast<size_t>(pb.T * pb.mask_stride));
@@ -300,6 +314,7 @@ std::vector<uint8_t> gpu_mask(const MaskProblem& pb, int cluster, Launch mode = 
   p.mask_stride = pb.mask_stride;
   p.err_count = err.get();
   p.v3_cluster = cluster;
+  p.v3_window = window;
   if (entry == Entry::kDispatch) p.version = 3;
   if (entry == Entry::kV2) {
     ws.resize(std::max<size_t>(kernels::candidate_mask_workspace_bytes(pb.T, pb.stride, pb.block, pb.topk_blocks), 16));
@@ -324,9 +339,147 @@ std::vector<uint8_t> gpu_mask(const MaskProblem& pb, int cluster, Launch mode = 
 
 void check_mask_all_clusters(const MaskProblem& pb, const std::string& what, Launch mode = Launch::kPlain) {
   const auto want = reference_mask(pb);
-  for (int cl : kClusters)
-    expect_same_bytes(gpu_mask(pb, cl, mode), want, what + ", " + cl_name(cl) + ", " + launch_name(mode),
-                      pb.mask_stride);
+  for (bool window : kWindowForms)
+    for (int cl : kClusters)
+      expect_same_bytes(gpu_mask(pb, cl, mode, Entry::kDispatch, nullptr, window), want,
+                        what + ", " + cl_name(cl) + ", " + form_name(window) + ", " + launch_name(mode),
+                        pb.mask_stride);
+}
+
+// ---- the window exchange (cluster_select with v3_window) ----------------------------------------
+// The window form first counts, in one exchange, the 16-bit key prefixes of each CTA's finite keys in
+// the 256 prefixes up to the CTA's own largest finite key, aligned under the cluster's largest; it
+// falls back to radix pass 0 when the k-th key is not in that window (further down, or among the
+// +inf keys), and selects every valid key when there are at most k. The rows below are built so
+// that each path is taken, and which one a row takes is derived here from the data by the same rule
+// (window_path) and asserted, so that a change of the data cannot leave a path untested.
+enum class WindowPath { kAll, kWindow, kFallback };
+WindowPath window_path(const float* row, int64_t n, int64_t k) {
+  using kernels::select_window::kInfKey;
+  std::vector<uint32_t> keys;
+  uint32_t top = 0;
+  int64_t n_inf = 0;
+  for (int64_t j = 0; j < n; ++j)
+    if (row[j] > -kInf) {  // NaN and -inf are never selected
+      const uint32_t key = kernels::select_keys::value_key(row[j]);
+      keys.push_back(key);
+      if (key >= kInfKey) ++n_inf;
+      else top = std::max(top, key);
+    }
+  if (static_cast<int64_t>(keys.size()) <= k) return WindowPath::kAll;
+  std::nth_element(keys.begin(), keys.begin() + (k - 1), keys.end(), std::greater<uint32_t>());
+  const uint32_t kth = keys[static_cast<size_t>(k - 1)];
+  return n_inf < k && kth < kInfKey && (kth >> 16) >= kernels::select_window::base(top) ? WindowPath::kWindow
+                                                                                       : WindowPath::kFallback;
+}
+
+// One row per window case, 65536 positions each (16 chunks of 4096 in the 16-CTA clusters).
+struct WindowRow {
+  const char* name;
+  WindowPath path;  // for the unmasked top-k with k = 512
+};
+const WindowRow kWindowRows[] = {
+    {"one outlier far above the rest", WindowPath::kFallback},
+    {"CTA maxima a fraction of a binade apart", WindowPath::kWindow},
+    {"negative, narrow", WindowPath::kWindow},
+    {"negative, the k-th far below the largest", WindowPath::kFallback},
+    {"+inf keys below k", WindowPath::kWindow},
+    {"+inf keys past k (ties among them)", WindowPath::kFallback},
+    {"k-th in the window's lowest bin, with ties", WindowPath::kWindow},
+    {"k-th one prefix below the window, with ties", WindowPath::kFallback},
+    {"fewer valid keys than k", WindowPath::kAll},
+    {"valid keys in the last quarter only", WindowPath::kWindow},
+};
+std::vector<float> window_rows(std::mt19937_64& rng) {
+  const int64_t n = 65536, T = std::size(kWindowRows);
+  std::vector<float> s(static_cast<size_t>(T * n));
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::uniform_real_distribution<float> u01(0.0f, 1.0f);
+  for (int64_t t = 0; t < T; ++t) {
+    float* row = s.data() + t * n;
+    for (int64_t j = 0; j < n; ++j) {
+      float v = 0.0f;
+      switch (t) {
+        case 0: v = 1.0f + 0.01f * nd(rng); break;
+        case 1: v = std::exp2(-0.1f * static_cast<float>(j / 4096)) * (0.5f + 0.5f * u01(rng)); break;
+        case 2: v = -(1.0f + 0.2f * u01(rng)); break;
+        case 3: v = -(1.0f + 1000.0f * u01(rng)); break;
+        case 4: case 5: case 9: v = nd(rng); break;
+        case 6: case 7: v = 0.3f; break;
+        case 8: v = -kInf; break;
+      }
+      row[j] = v;
+    }
+    if (t == 0) row[777] = 1e6f;
+    if (t == 3) for (int i = 0; i < 10; ++i) row[(i * 6007 + 13) % n] = -0.001f;
+    if (t == 4 || t == 5)
+      for (int i = 0; i < (t == 4 ? 100 : 600); ++i) row[(static_cast<int64_t>(i) * 104729 + 7) % n] = kInf;
+    if (t == 6 || t == 7) {
+      // 2.0 is the largest finite key (prefix P = 0xc000); 510 values of 1.5; 30 ties at K* with
+      // prefix P - 255 (the window's lowest bin, row 6) or P - 256 (just below it, row 7).
+      const float kstar = num::f32_from_bits(t == 6 ? 0x3f010000u : 0x3f00ffffu);
+      row[40000] = 2.0f;
+      for (int i = 0; i < 510; ++i) row[(static_cast<int64_t>(i) * 127 + 11) % n] = 1.5f;
+      for (int i = 0; i < 30; ++i) {
+        int64_t j = (static_cast<int64_t>(i) * 2111 + 5) % n;
+        while (row[j] != 0.3f) j = (j + 1) % n;
+        row[j] = kstar;
+      }
+    }
+    if (t == 8) for (int i = 0; i < 300; ++i) row[(static_cast<int64_t>(i) * 211 + 3) % n] = nd(rng);
+    if (t == 9) for (int64_t j = 0; j < 49152; ++j) row[j] = -kInf;
+  }
+  return s;
+}
+
+TEST(GpuIndexerSelectV3, TopkWindowExchangePaths) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5e1e3201);
+  const int64_t T = std::size(kWindowRows);
+  auto pb = make_topk_problem(std::vector<int32_t>(static_cast<size_t>(T), 65536), 65536, 512, 576, rng,
+                              Flavour::kNormal);
+  pb.scores = window_rows(rng);
+  for (int64_t t = 0; t < T; ++t)
+    ASSERT_EQ(window_path(pb.scores.data() + t * pb.stride, pb.stride, pb.topk), kWindowRows[t].path)
+        << "row " << t << " (" << kWindowRows[t].name << ") does not take the path it is meant to";
+  check_topk_all_clusters(pb, reference_topk(pb), "window rows, k 512");
+  // A k whose k-th key is shared by more CTAs (row 1: a wide band under CTA maxima that differ).
+  pb.topk = 8192;
+  pb.out_stride = 8192;
+  check_topk_all_clusters(pb, reference_topk(pb), "window rows, k 8192");
+  // The compacted walk (a candidate mask keeping 1 block in 4; the 1e6 outlier's block kept).
+  pb.topk = 512;
+  pb.out_stride = 576;
+  pb.mask_block = 8;
+  pb.mask_stride = 8192 + 64;
+  pb.mask.assign(static_cast<size_t>(T * pb.mask_stride), 0);
+  for (auto& m : pb.mask) m = (rng() % 4 == 0) ? 1 : 0;
+  pb.mask[777 / 8] = 1;
+  check_topk_all_clusters(pb, reference_topk(pb), "window rows, masked", Launch::kPdlLate);
+}
+
+TEST(GpuIndexerSelectV3, MaskWindowExchangePaths) {
+  V4_REQUIRE_GPU();
+  std::mt19937_64 rng(0x5e1e3202);
+  MaskProblem pb;
+  pb.T = std::size(kWindowRows);
+  pb.stride = 65536;
+  pb.mask_stride = 8192 + 64;
+  pb.clen.assign(static_cast<size_t>(pb.T), 65536);
+  pb.scores = window_rows(rng);
+  // The blocks' maxima (the newest block pinned to +inf): which rows reach the k-th block in the
+  // window, for the budget of 2048 blocks.
+  int paths[3] = {0, 0, 0};
+  for (int64_t t = 0; t < pb.T; ++t) {
+    std::vector<float> bmax(8192, -kInf);
+    for (int64_t j = 0; j < 65536; ++j) bmax[j / 8] = num::max_f(bmax[j / 8], pb.scores[t * pb.stride + j]);
+    bmax[8191] = kInf;
+    ++paths[static_cast<int>(window_path(bmax.data(), 8192, pb.topk_blocks))];
+  }
+  EXPECT_GT(paths[static_cast<int>(WindowPath::kWindow)], 0);
+  EXPECT_GT(paths[static_cast<int>(WindowPath::kFallback)], 0);
+  EXPECT_GT(paths[static_cast<int>(WindowPath::kAll)], 0);
+  check_mask_all_clusters(pb, "mask window rows");
 }
 
 // =================================================================================================
@@ -365,14 +518,17 @@ TEST(GpuIndexerSelectV3, TopkPdlLaunches) {
   std::mt19937_64 rng(0x5e1e3003);
   const auto pb = make_topk_problem({65536, 65535, 65534, 65533, 65532, 65531}, 65536, 512, 512, rng, Flavour::kNormal);
   const auto want = reference_topk(pb);
-  for (Launch mode : {Launch::kPdl, Launch::kPdlLate})
-    for (int cl : {0, 16}) {
-      TopkRun run;
-      run.cluster = cl;
-      run.mode = mode;
-      expect_same_bytes(gpu_topk(pb, run), want, std::string("verify rows ") + launch_name(mode) + " " + cl_name(cl),
-                        pb.out_stride);
-    }
+  for (bool window : kWindowForms)
+    for (Launch mode : {Launch::kPdl, Launch::kPdlLate})
+      for (int cl : {0, 16}) {
+        TopkRun run;
+        run.cluster = cl;
+        run.window = window;
+        run.mode = mode;
+        expect_same_bytes(gpu_topk(pb, run), want,
+                          std::string("verify rows ") + launch_name(mode) + " " + cl_name(cl) + " " + form_name(window),
+                          pb.out_stride);
+      }
 }
 
 TEST(GpuIndexerSelectV3, TopkAllEqualRowsTakeTheLowestPositions) {
@@ -388,15 +544,18 @@ TEST(GpuIndexerSelectV3, TopkAllEqualRowsTakeTheLowestPositions) {
   for (int64_t j = 0; j < 40000; ++j) pb.scores[3 * pb.stride + j] = (j % 3 == 0) ? -0.0f : 0.0f;
   pb.scores[3 * pb.stride + 39999] = 1e-30f;
   const auto want = reference_topk(pb);
-  for (int cl : kClusters) {
-    TopkRun run;
-    run.cluster = cl;
-    const auto got = gpu_topk(pb, run);
-    expect_same_bytes(got, want, "all equal, " + cl_name(cl), pb.out_stride);
-    // Independent of the reference: row 0 is the slots of positions 0..511.
-    for (int i = 0; i < 512; ++i)
-      ASSERT_EQ(got[i], pb.table.v[pb.req[0] * pb.table.stride + i]) << cl_name(cl) << " " << i;
-  }
+  for (bool window : kWindowForms)
+    for (int cl : kClusters) {
+      TopkRun run;
+      run.cluster = cl;
+      run.window = window;
+      const auto got = gpu_topk(pb, run);
+      expect_same_bytes(got, want, "all equal, " + cl_name(cl) + ", " + form_name(window), pb.out_stride);
+      // Independent of the reference: row 0 is the slots of positions 0..511.
+      for (int i = 0; i < 512; ++i)
+        ASSERT_EQ(got[i], pb.table.v[pb.req[0] * pb.table.stride + i])
+            << cl_name(cl) << " " << form_name(window) << " " << i;
+    }
 }
 
 // Ties that straddle CTA chunks: K* occurs in several chunks and the budget k_eq ends inside a
@@ -492,9 +651,13 @@ TEST(GpuIndexerSelectV3, TopkCompactedMaskEdges) {
       }
     const std::string what = "compacted, keep rule " + std::to_string(keep);
     check_topk_all_clusters(pb, reference_topk(pb), what);
-    TopkRun run;
-    run.mode = Launch::kPdlLate;
-    expect_same_bytes(gpu_topk(pb, run), reference_topk(pb), what + ", pdl late", pb.out_stride);
+    for (bool window : kWindowForms) {
+      TopkRun run;
+      run.mode = Launch::kPdlLate;
+      run.window = window;
+      expect_same_bytes(gpu_topk(pb, run), reference_topk(pb), what + ", pdl late, " + form_name(window),
+                        pb.out_stride);
+    }
   }
   auto pb = make_topk_problem({200000, 3000, 150001}, 200000, 512, 512, rng, Flavour::kNormal);
   pb.mask_stride = 25000;
@@ -537,10 +700,14 @@ TEST(GpuIndexerSelectV3, TopkChunkTails) {
     const auto pb = make_topk_problem(clen, stride, 512, 576, rng, f);
     const auto want = reference_topk(pb);
     check_topk_all_clusters(pb, want, std::string("tails ") + flavour_name(f));
-    TopkRun run;
-    run.mode = Launch::kPdlLate;
-    run.cluster = 8;
-    expect_same_bytes(gpu_topk(pb, run), want, std::string("tails, pdl late, ") + flavour_name(f), pb.out_stride);
+    for (bool window : kWindowForms) {
+      TopkRun run;
+      run.mode = Launch::kPdlLate;
+      run.cluster = 8;
+      run.window = window;
+      expect_same_bytes(gpu_topk(pb, run), want,
+                        std::string("tails, pdl late, ") + flavour_name(f) + ", " + form_name(window), pb.out_stride);
+    }
   }
   // One row per launch (65537 positions and a little more): the 8-CTA chunks' tail positions
   // (the last per - 8192 of each chunk of per positions) made the row's largest scores, with ties
@@ -568,19 +735,22 @@ TEST(GpuIndexerSelectV3, TopkChunkTails) {
       const auto want = reference_topk(pb);
       const std::string what = "tails with a mask, block " + std::to_string(mask_block) +
                                (compact ? ", compacted" : ", uncompacted");
-      for (int cl : kClusters) {
-        TopkOnDevice d(pb);
-        d.tp.v3_cluster = cl;
-        d.tp.v3_compact = compact;
-        ErrorCount err;
-        d.tp.err_count = err.get();
-        TestStream stream;
-        kernels::run_indexer_topk(d.tp, stream.s, false);
-        V4_CUDA_CHECK_LAUNCH();
-        V4_CUDA_CHECK(cudaStreamSynchronize(stream.s));
-        EXPECT_EQ(err.read(), 0u) << what;
-        expect_same_bytes(d.out.download_checked(), want, what + ", " + cl_name(cl), pb.out_stride);
-      }
+      for (bool window : kWindowForms)
+        for (int cl : kClusters) {
+          TopkOnDevice d(pb);
+          d.tp.v3_cluster = cl;
+          d.tp.v3_compact = compact;
+          d.tp.v3_window = window;
+          ErrorCount err;
+          d.tp.err_count = err.get();
+          TestStream stream;
+          kernels::run_indexer_topk(d.tp, stream.s, false);
+          V4_CUDA_CHECK_LAUNCH();
+          V4_CUDA_CHECK(cudaStreamSynchronize(stream.s));
+          EXPECT_EQ(err.read(), 0u) << what;
+          expect_same_bytes(d.out.download_checked(), want, what + ", " + cl_name(cl) + ", " + form_name(window),
+                            pb.out_stride);
+        }
     }
   }
 }
@@ -610,15 +780,17 @@ TEST(GpuIndexerSelectV3, TopkPaddedAndBadRowsAreContainedAndCounted) {
   pb.clen[3] = 5000;
   pb.clen[4] = -7;
   pb.clen[6] = 4096;
-  for (int cl : kClusters) {
-    unsigned long long errors = 0;
-    TopkRun run;
-    run.cluster = cl;
-    run.errors = &errors;
-    const auto got = gpu_topk(pb, run);
-    EXPECT_EQ(errors, 4u) << cl_name(cl);
-    expect_same_bytes(got, want, "contained rows, " + cl_name(cl), pb.out_stride);
-  }
+  for (bool window : kWindowForms)
+    for (int cl : kClusters) {
+      unsigned long long errors = 0;
+      TopkRun run;
+      run.cluster = cl;
+      run.window = window;
+      run.errors = &errors;
+      const auto got = gpu_topk(pb, run);
+      EXPECT_EQ(errors, 4u) << cl_name(cl) << " " << form_name(window);
+      expect_same_bytes(got, want, "contained rows, " + cl_name(cl) + ", " + form_name(window), pb.out_stride);
+    }
 }
 
 TEST(GpuIndexerSelectV3, TopkDecodeShapesWithPaddedRows) {
@@ -844,11 +1016,12 @@ struct PairResult {
 
 // The top-k of `pb` and the mask of its scores (block 8, budget 2048) through
 // run_indexer_select_pair_v3, both outputs poisoned.
-PairResult gpu_pair(const TopkProblem& pb, const MaskProblem& mp, int cluster, Launch mode) {
+PairResult gpu_pair(const TopkProblem& pb, const MaskProblem& mp, int cluster, Launch mode, bool window = false) {
   SelectionOnDevice d(pb, mp);
   ErrorCount err;
   d.tp.err_count = d.mp.err_count = err.get();
   d.tp.v3_cluster = d.mp.v3_cluster = cluster;
+  d.tp.v3_window = d.mp.v3_window = window;
   PairResult r;
   {
     TestStream stream;
@@ -890,18 +1063,19 @@ TEST(GpuIndexerSelectV3, PairMatchesTheTwoSelections) {
     const auto mp = mask_of(pb);
     const auto want_t = reference_topk(pb);
     const auto want_m = reference_mask(mp);
-    for (int cl : kClusters)
-      for (Launch mode : {Launch::kPlain, Launch::kPdlLate}) {
-        if (mode == Launch::kPdlLate && cl != 0 && cl != 16) continue;
-        const std::string what = "pair T " + std::to_string(T) + " " + flavour_name(f) + ", " + cl_name(cl) + ", " +
-                                 launch_name(mode);
-        const PairResult r = gpu_pair(pb, mp, cl, mode);
-        expect_same_bytes(r.topk, want_t, what + " (top-k)", pb.out_stride);
-        expect_same_bytes(r.mask, want_m, what + " (mask)", mp.mask_stride);
-        // An explicit cluster size is one launch whatever T; automatic: the documented rule.
-        const bool want_one = cl != 0 || kernels::select_v3_pair_is_one_launch(T, pb.stride, sms);
-        EXPECT_EQ(r.one_launch, want_one) << what;
-      }
+    for (bool window : kWindowForms)
+      for (int cl : kClusters)
+        for (Launch mode : {Launch::kPlain, Launch::kPdlLate}) {
+          if (mode == Launch::kPdlLate && cl != 0 && cl != 16) continue;
+          const std::string what = "pair T " + std::to_string(T) + " " + flavour_name(f) + ", " + cl_name(cl) + ", " +
+                                   form_name(window) + ", " + launch_name(mode);
+          const PairResult r = gpu_pair(pb, mp, cl, mode, window);
+          expect_same_bytes(r.topk, want_t, what + " (top-k)", pb.out_stride);
+          expect_same_bytes(r.mask, want_m, what + " (mask)", mp.mask_stride);
+          // An explicit cluster size is one launch whatever T; automatic: the documented rule.
+          const bool want_one = cl != 0 || kernels::select_v3_pair_is_one_launch(T, pb.stride, sms);
+          EXPECT_EQ(r.one_launch, want_one) << what;
+        }
   }
 }
 
@@ -919,14 +1093,15 @@ TEST(GpuIndexerSelectV3, PairRowsWithChunkTails) {
     const auto mp = mask_of(pb);
     const auto want_t = reference_topk(pb);
     const auto want_m = reference_mask(mp);
-    for (int cl : kClusters)
-      for (Launch mode : {Launch::kPlain, Launch::kPdlLate}) {
-        const std::string what = "pair with tails, T " + std::to_string(pb.T) + ", " + cl_name(cl) + ", " +
-                                 launch_name(mode);
-        const PairResult r = gpu_pair(pb, mp, cl, mode);
-        expect_same_bytes(r.topk, want_t, what + " (top-k)", pb.out_stride);
-        expect_same_bytes(r.mask, want_m, what + " (mask)", mp.mask_stride);
-      }
+    for (bool window : kWindowForms)
+      for (int cl : kClusters)
+        for (Launch mode : {Launch::kPlain, Launch::kPdlLate}) {
+          const std::string what = "pair with tails, T " + std::to_string(pb.T) + ", " + cl_name(cl) + ", " +
+                                   form_name(window) + ", " + launch_name(mode);
+          const PairResult r = gpu_pair(pb, mp, cl, mode, window);
+          expect_same_bytes(r.topk, want_t, what + " (top-k)", pb.out_stride);
+          expect_same_bytes(r.mask, want_m, what + " (mask)", mp.mask_stride);
+        }
   }
 }
 
@@ -942,13 +1117,17 @@ TEST(GpuIndexerSelectV3, PairShortRowsAndAFusedMask) {
   for (auto& b : pb.mask) b = static_cast<uint8_t>(rng() % 4 == 0);
   const auto want_t = reference_topk(pb);  // with the other mask applied
   const auto want_m = reference_mask(mp);
-  SelectionOnDevice d(pb, mp);  // pb.mask: the top-k's fused (other) mask
-  TestStream stream;
-  EXPECT_TRUE(kernels::run_indexer_select_pair_v3(d.tp, d.mp, stream.s, false));
-  V4_CUDA_CHECK_LAUNCH();
-  V4_CUDA_CHECK(cudaStreamSynchronize(stream.s));
-  expect_same_bytes(d.out.download_checked(), want_t, "pair with a fused other mask (top-k)", pb.out_stride);
-  expect_same_bytes(d.mask.download_checked(), want_m, "pair with a fused other mask (mask)", mp.mask_stride);
+  for (bool window : kWindowForms) {
+    SelectionOnDevice d(pb, mp);  // pb.mask: the top-k's fused (other) mask
+    d.tp.v3_window = d.mp.v3_window = window;
+    TestStream stream;
+    EXPECT_TRUE(kernels::run_indexer_select_pair_v3(d.tp, d.mp, stream.s, false));
+    V4_CUDA_CHECK_LAUNCH();
+    V4_CUDA_CHECK(cudaStreamSynchronize(stream.s));
+    const std::string what = "pair with a fused other mask, " + form_name(window);
+    expect_same_bytes(d.out.download_checked(), want_t, what + " (top-k)", pb.out_stride);
+    expect_same_bytes(d.mask.download_checked(), want_m, what + " (mask)", mp.mask_stride);
+  }
 }
 
 // =================================================================================================
@@ -1097,6 +1276,9 @@ TEST(GpuIndexerSelectV3, HostRefusesBadParams) {
   m = pair_m;
   m.v3_cluster = 4;
   refuse_pair(pair_t, m, "pair: different v3_cluster");
+  m = pair_m;
+  m.v3_window = true;
+  refuse_pair(pair_t, m, "pair: different v3_window");
   p = pair_t;
   p.candidate_mask = pair_m.mask;
   p.mask_stride = 1024;

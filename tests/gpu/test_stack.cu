@@ -481,6 +481,7 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
     int scores_mask_tile = 0;
     bool select_pair = true;
     bool idx_x_on_k = true;  // the stack's default
+    bool select_window = false;
   };
   using SF = LayerIssue::SFork;
   std::vector<Config> configs;
@@ -550,6 +551,9 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
   with([](Config& c) { c.idx_x_on_k = false; }, Schedule::kThreeLane, false);
   with([](Config& c) { c.idx_x_on_k = false; }, Schedule::kSourcesSide);
   with([](Config& c) { c.select_pair = false, c.select_cluster = 16; }, Schedule::kSerial, false);
+  // Session 36: the selections' window exchange, the pair launch and the two launches, eager too.
+  with([](Config& c) { c.select_window = true; });
+  with([](Config& c) { c.select_window = true, c.select_pair = false; }, Schedule::kThreeLane, false);
   // (The fused Q chain and x quantised inside the QA GEMM need the automatic fp8 GEMMs, not v1:
   // GpuStackFull compares them.)
 
@@ -567,7 +571,8 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
         std::to_string(c.side_priority) + (c.qnorm_trigger_late ? " qnorm-late" : "") +
         (c.idx_scores_on_main ? " idx-scores-main" : "") + " qb-prewait " + std::to_string(c.qb_prewait_stages) + " qb-overlap " + std::to_string(c.qb_overlap) + " qb-pace " + std::to_string(c.qb_prewait_pace_ns) + " aq-warps " + std::to_string(c.aq_warps) +
         (c.scores_masked ? "" : " scores-unmasked") + " mask-tile " + std::to_string(c.scores_mask_tile) +
-        (c.select_pair ? "" : " select-unpaired") + (c.idx_x_on_k ? "" : " idx-x-on-s");
+        (c.select_pair ? "" : " select-unpaired") + (c.idx_x_on_k ? "" : " idx-x-on-s") +
+        (c.select_window ? " select-window" : "");
     SCOPED_TRACE(name);
     // A fresh stack per configuration: the device inputs of padded rows depend on the step count.
     go.schedule = c.schedule;
@@ -593,6 +598,7 @@ TEST_P(GpuStackSchedules, AllSchedulesGraphsAndPdlGiveIdenticalBytes) {
     go.select_cluster = c.select_cluster;
     go.select_pair = c.select_pair;
     go.idx_x_on_k = c.idx_x_on_k;
+    go.select_window = c.select_window;
     GpuPrepareStack gpu(plan, go);
     gpu.prefill_device_random(ctx);
     for (int step = 0; step < 2; ++step) {

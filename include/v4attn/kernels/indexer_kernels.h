@@ -179,6 +179,7 @@ struct CandidateMaskParams {
   size_t workspace_bytes = 0;             // >= candidate_mask_workspace_bytes(T, score_stride, ...)
   int version = 0;                        // 0: v2 with a workspace, else v1; 3: v3 (no workspace)
   int v3_cluster = 0;                     // v3 tuning: CTAs per row (1, 2, 4, 8, 16); 0 = automatic
+  bool v3_window = false;                 // v3: the window exchange first (as IndexerTopkParams'; same bytes)
 };
 // Workspace bytes for run_candidate_mask with T rows of score_stride positions (monotone in every
 // argument). 0 when v2 cannot run such a launch (T > kSelectMaxRows): run_candidate_mask then
@@ -238,6 +239,10 @@ struct IndexerTopkParams {
   // a selectable key and the radix passes walk those (~1/4 of the row under V4.1's mask). false:
   // every position is walked (tuning / A-B knob; same bytes).
   bool v3_compact = true;
+  // v3: the radix select starts with the window exchange (indexer_select_v3.cu: the top 16 bits of
+  // the k-th key in one exchange, where the k-th key lies within ~2 binades of the row's largest
+  // finite value; else passes 0-3 as without it). Same bytes. Not yet measured on a GPU: off.
+  bool v3_window = false;
 };
 // Workspace bytes for run_indexer_topk with T rows of score_stride positions and this topk
 // (monotone in every argument). 0 when v2 cannot run such a launch (T > kSelectMaxRows):
