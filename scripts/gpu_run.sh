@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Runs on the lent GPU machine from the repo root with the staged binaries in .gpu/: every GPU
-# test, compute-sanitizer memcheck + racecheck, then the benchmarks. Logs go to $OUT; a short
-# table is printed last. Usage: .gpu/gpu_run.sh [tests|sanitize|bench|main]...
+# Runs on the lent GPU machine from the repo root with the binaries scripts/gpu_stage.sh packed into
+# .gpu/bins.tar.xz (unpacked here into .gpu/): every GPU test, compute-sanitizer memcheck +
+# racecheck, then the benchmarks. Logs go to $OUT; a short table is printed last.
+# Usage: .gpu/gpu_run.sh [tests|sanitize|bench|main|stack]...
 set -uo pipefail
+if [[ -f .gpu/bins.tar.xz && ! -x .gpu/v4attn ]]; then
+  tar -C .gpu -xJf .gpu/bins.tar.xz && mv .gpu/bin/* .gpu/ && rmdir .gpu/bin || { echo "gpu_run: cannot unpack .gpu/bins.tar.xz" >&2; exit 1; }
+fi
 FINAL_OUT=${OUT:-/tmp/v4attn_out}
 OUT=$(mktemp -d)  # logs land here, then go back as one archive (the device tool returns <= 8 files)
 mkdir -p "$FINAL_OUT"
