@@ -23,8 +23,12 @@ function.
 """
 import argparse
 import difflib
+import os
 import re
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sass_compare import report  # noqa: E402  (the per-function report and exit status, shared)
 
 _START = re.compile(r"^(?:\.visible\s+|\.weak\s+)?(?:\.entry|\.func)\b")
 _NAME = re.compile(r"([A-Za-z_$][\w$]*)\s*\(")
@@ -111,25 +115,18 @@ def main():
     da = table(fa, renamed)
     db = table(fb, lambda n: n)
     names = sorted(n for n in (set(da) & set(db) if args.common else set(da) | set(db)) if args.kernel in n)
-    n_diff = 0
-    for n in names:
-        if n not in da or n not in db:
-            n_diff += 1
-            print("only in %s: %s" % ("b" if n not in da else "a", n))
-            continue
-        if da[n] == db[n]:
-            if not args.only_diff:
-                print("same     %5d  %s" % (len(da[n]), n))
-            continue
-        n_diff += 1
-        delta = list(difflib.unified_diff(da[n], db[n], "a", "b", n=0, lineterm=""))
-        minus = sum(1 for l in delta if l.startswith("-") and not l.startswith("---"))
-        plus = sum(1 for l in delta if l.startswith("+") and not l.startswith("+++"))
-        print("differs  %5d -> %5d  %s  [-%d +%d lines]" % (len(da[n]), len(db[n]), n, minus, plus))
-        if args.diff:
-            print("\n".join(delta))
-    print("%d of %d functions differ" % (n_diff, len(names)))
-    return 1 if n_diff else 0
+
+    def delta(a, b):
+        return list(difflib.unified_diff(a, b, "a", "b", n=0, lineterm=""))
+
+    def lines_delta(a, b):
+        d = delta(a, b)
+        minus = sum(1 for l in d if l.startswith("-") and not l.startswith("---"))
+        plus = sum(1 for l in d if l.startswith("+") and not l.startswith("+++"))
+        return "-%d +%d lines" % (minus, plus)
+
+    return report(da, db, names, lines_delta, args.only_diff,
+                  (lambda a, b: print("\n".join(delta(a, b)))) if args.diff else None)
 
 
 if __name__ == "__main__":

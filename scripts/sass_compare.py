@@ -47,6 +47,20 @@ def main():
         print("no function in %s" % (args.a if not fa else args.b), file=sys.stderr)
         return 2
     names = sorted(n for n in set(fa) | set(fb) if args.kernel in n)
+
+    def opcodes_delta(a, b):
+        ha = collections.Counter(opcode(i) for i in a)
+        hb = collections.Counter(opcode(i) for i in b)
+        delta = ", ".join("%s %+d" % (k, hb[k] - ha[k]) for k in sorted(set(ha) | set(hb)) if ha[k] != hb[k])
+        return delta or "same opcodes, other operands"
+
+    return report(fa, fb, names, opcodes_delta, args.only_diff)
+
+
+def report(fa, fb, names, describe, only_diff=False, after_diff=None):
+    """Print, per name, `only in a/b`, `same N` or `differs N -> M  name  [describe(a, b)]` (then
+    after_diff(a, b), if given), then the count; the exit status: 1 when some differ, else 0.
+    fa / fb: {name: [instruction or line]}. Shared with scripts/ptx_compare.py."""
     n_diff = 0
     for n in names:
         if n not in fa or n not in fb:
@@ -54,14 +68,13 @@ def main():
             print("only in %s: %s" % ("b" if n not in fa else "a", n))
             continue
         if fa[n] == fb[n]:
-            if not args.only_diff:
+            if not only_diff:
                 print("same     %5d  %s" % (len(fa[n]), n))
             continue
         n_diff += 1
-        ha = collections.Counter(opcode(i) for i in fa[n])
-        hb = collections.Counter(opcode(i) for i in fb[n])
-        delta = ", ".join("%s %+d" % (k, hb[k] - ha[k]) for k in sorted(set(ha) | set(hb)) if ha[k] != hb[k])
-        print("differs  %5d -> %5d  %s  [%s]" % (len(fa[n]), len(fb[n]), n, delta or "same opcodes, other operands"))
+        print("differs  %5d -> %5d  %s  [%s]" % (len(fa[n]), len(fb[n]), n, describe(fa[n], fb[n])))
+        if after_diff is not None:
+            after_diff(fa[n], fb[n])
     print("%d of %d functions differ" % (n_diff, len(names)))
     return 1 if n_diff else 0
 

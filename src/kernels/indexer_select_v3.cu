@@ -484,7 +484,11 @@ __device__ __noinline__ WindowOutcome window_exchange(const Chunk<N, kTail>& ch,
         tot += v;
         bef += static_cast<uint32_t>(r) < rank ? v : 0u;
       }
-    incl_t = tot;  // the scan of cluster_select's combine, over prefixes from the top
+    // cluster_select's combine scan, over prefixes from the top. A copy, as are the warp sums below
+    // and window_histogram's count: shared as helpers they changed the PTX of the kernels without
+    // the window (register numbering, operand order), whose sameness is what lets this form exist
+    // unmeasured. One form can serve both once a GPU run has chosen.
+    incl_t = tot;
     incl_b = bef;
 #pragma unroll
     for (int off = 1; off < 32; off <<= 1) {
