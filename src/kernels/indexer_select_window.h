@@ -41,6 +41,8 @@ V4_HD uint32_t bin_count(const uint32_t* hist, uint32_t r_top_key, uint32_t pref
 // Whether the exchange decides the k-th key's prefix: it is neither among the +inf keys (inf_all,
 // which rank above every bin) nor below the cluster's window (in_window: the finite keys counted
 // under the cluster's largest top). Else the selection runs radix pass 0.
-V4_HD bool decides(uint32_t inf_all, uint32_t in_window, uint32_t k) { return inf_all < k && k <= inf_all + in_window; }
+V4_HD bool decides(uint32_t inf_all, uint32_t in_window, uint32_t k) {
+  return inf_all < k && k <= inf_all + in_window;
+}
 
 }  // namespace v4attn::kernels::select_window
