@@ -226,6 +226,20 @@ if(V4ATTN_PYTHON3)
            COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/ptx_compare.py"
                    "${CMAKE_SOURCE_DIR}/tests/data/ptx_compare_a.ptx" "${CMAKE_SOURCE_DIR}/tests/data/stamps_v2.txt")
   set_tests_properties(scripts.ptx_compare_not_ptx PROPERTIES WILL_FAIL TRUE)
+  # scripts/ab_cycles.py: the interleaved commands of two variants over two shapes (--dry-run, no GPU
+  # needed), and its usage errors (exit 2).
+  add_test(NAME scripts.ab_cycles_dry_run
+           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/ab_cycles.py" --bin v4attn --variant base=
+                   "--variant" "win=--select-window --select-cluster 8" --shape verify:1 --shape decode:32 --reps 2 --dry-run)
+  set_tests_properties(scripts.ab_cycles_dry_run PROPERTIES PASS_REGULAR_EXPRESSION
+    "^v4attn bench --mode verify --bs 1 --cycles 20 --trace-cycles 0 --schedule three-lane --json [^ ]+\nv4attn bench --mode verify --bs 1 [^\n]+ --select-window --select-cluster 8\nv4attn bench --mode verify --bs 1 [^\n]+json [^ ]+\nv4attn bench --mode verify --bs 1 [^\n]+ --select-window --select-cluster 8\nv4attn bench --mode decode --bs 32 ")
+  add_test(NAME scripts.ab_cycles_bad_shape
+           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/ab_cycles.py" --variant base= --shape verify:x --dry-run)
+  set_tests_properties(scripts.ab_cycles_bad_shape PROPERTIES WILL_FAIL TRUE)
+  add_test(NAME scripts.ab_cycles_same_names
+           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/ab_cycles.py" --variant a= --variant a=--eager
+                   --shape decode:1 --dry-run)
+  set_tests_properties(scripts.ab_cycles_same_names PROPERTIES WILL_FAIL TRUE)
   add_test(NAME scripts.trace_layers_no_layers
            COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/trace_layers.py"
                    "${CMAKE_SOURCE_DIR}/tests/configs/missing_key.json")

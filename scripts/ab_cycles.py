@@ -1,0 +1,117 @@
+#!/usr/bin/env python3
+"""A / B of `v4attn bench` cycle times: one or more variants (extra bench arguments) per shape, run
+interleaved (A B A B ...) so that drift of the card's clocks or heat lands on both alike, each run
+the median of its --cycles graph replays; prints per shape and variant the runs' medians, their
+median, and its change against the first variant, and whether the output digests agree (every
+scheduling / launch knob must leave the same bytes; a GEMM-version knob may not: --allow-digest-change).
+
+Usage (on the GPU machine, binaries unpacked by .gpu/gpu_run.sh or given with --bin):
+  scripts/ab_cycles.py --bin .gpu/v4attn --variant base= --variant win=--select-window \\
+      --shape verify:1 --shape decode:1 --shape verify:4 --shape decode:32 --reps 2 [--json F]
+A variant is NAME=ARGS (ARGS split like a shell would; empty: the defaults). A shape is MODE:BS.
+--dry-run prints the commands instead of running them (no GPU needed). Exit status 0; 1 when a run
+fails or digests disagree (unless allowed); 2 on bad usage.
+"""
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+
+
+def parse_variant(text):
+    if "=" not in text:
+        raise argparse.ArgumentTypeError("a variant is NAME=ARGS, not %r" % text)
+    name, args = text.split("=", 1)
+    if not name:
+        raise argparse.ArgumentTypeError("a variant needs a name: %r" % text)
+    return name, shlex.split(args)
+
+
+def parse_shape(text):
+    mode, _, bs = text.partition(":")
+    if mode not in ("decode", "verify") or not bs.isdigit() or int(bs) < 1:
+        raise argparse.ArgumentTypeError("a shape is decode:BS or verify:BS (BS >= 1), not %r" % text)
+    return mode, int(bs)
+
+
+def bench_command(binary, mode, bs, cycles, extra, json_path):
+    return [binary, "bench", "--mode", mode, "--bs", str(bs), "--cycles", str(cycles), "--trace-cycles", "0",
+            "--schedule", "three-lane", "--json", json_path] + extra
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bin", default="build/v4attn", help="the v4attn executable (default build/v4attn)")
+    ap.add_argument("--variant", action="append", type=parse_variant, required=True, metavar="NAME=ARGS",
+                    help="a variant: its name and its extra bench arguments (repeat; the first is the reference)")
+    ap.add_argument("--shape", action="append", type=parse_shape, required=True, metavar="MODE:BS")
+    ap.add_argument("--reps", type=int, default=2, help="runs per shape and variant, interleaved (default 2)")
+    ap.add_argument("--cycles", type=int, default=20, help="timed graph replays per run (default 20)")
+    ap.add_argument("--allow-digest-change", action="store_true",
+                    help="do not fail when variants' output digests differ (GEMM-version knobs)")
+    ap.add_argument("--json", metavar="F", help="also write the results to F")
+    ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    args = ap.parse_args()
+    if args.reps < 1 or args.cycles < 1:
+        ap.error("--reps and --cycles must be >= 1")
+    names = [n for n, _ in args.variant]
+    if len(set(names)) != len(names):
+        ap.error("variant names must differ")
+
+    failed = False
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        jpath = os.path.join(tmp, "bench.json")
+        for mode, bs in args.shape:
+            runs = {n: [] for n in names}
+            digests = {n: set() for n in names}
+            for rep in range(args.reps):
+                for name, extra in args.variant:
+                    cmd = bench_command(args.bin, mode, bs, args.cycles, extra, jpath)
+                    if args.dry_run:
+                        print(" ".join(shlex.quote(c) for c in cmd))
+                        continue
+                    print("[ab] %s bs %d, %s, run %d/%d" % (mode, bs, name, rep + 1, args.reps), file=sys.stderr,
+                          flush=True)
+                    r = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                    if r.returncode != 0:
+                        print("[ab] failed (exit %d): %s\n%s" % (r.returncode, " ".join(cmd), r.stderr[-2000:]),
+                              file=sys.stderr)
+                        failed = True
+                        continue
+                    with open(jpath, encoding="utf-8") as f:
+                        sched = json.load(f)["schedules"][0]
+                    runs[name].append(sched["cycle_us"]["median"])
+                    digests[name].add(sched["digest"])
+            if args.dry_run:
+                continue
+            ref = statistics.median(runs[names[0]]) if runs[names[0]] else None
+            all_digests = set().union(*digests.values())
+            if len(all_digests) > 1 and not args.allow_digest_change:
+                failed = True
+            for n in names:
+                med = statistics.median(runs[n]) if runs[n] else None
+                rows.append({"mode": mode, "bs": bs, "variant": n, "runs_us": runs[n], "median_us": med,
+                             "vs_first_pct": None if med is None or not ref else 100.0 * (med - ref) / ref,
+                             "digests": sorted(digests[n])})
+    if args.dry_run:
+        return 0
+    print("%-10s %-14s %-28s %10s %9s  %s" % ("shape", "variant", "runs (us)", "median", "vs first", "digest"))
+    for r in rows:
+        runs = " / ".join("%.1f" % v for v in r["runs_us"])
+        med = "%.1f" % r["median_us"] if r["median_us"] is not None else "-"
+        pct = "%+.2f %%" % r["vs_first_pct"] if r["vs_first_pct"] is not None else "-"
+        print("%-10s %-14s %-28s %10s %9s  %s" % ("%s %d" % (r["mode"], r["bs"]), r["variant"], runs, med, pct,
+                                                 ",".join(r["digests"])))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"bin": args.bin, "cycles": args.cycles, "reps": args.reps, "rows": rows}, f, indent=2)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
