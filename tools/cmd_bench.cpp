@@ -650,7 +650,7 @@ void register_bench_command(CLI::App& app, CommandResult& result) {
   sub->add_flag("--select-window", o->select_window,
                 "Selection v3: start the radix select with the window exchange (16-bit prefixes under each CTA's "
                 "largest score: one exchange fewer where the k-th score is within ~2 binades of the largest; else the "
-                "plain passes follow); same bytes (experiment knob, not yet measured: off)");
+                "plain passes follow); the same bytes by design (experiment knob, not yet run on a GPU: off)");
   sub->add_flag("--no-select-pair", o->no_select_pair,
                 "Selection v3, the candidate source: the candidate mask then the top-k as two launches (default: one "
                 "launch for both when they fit one wave; same bytes)");

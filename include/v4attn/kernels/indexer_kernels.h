@@ -241,7 +241,8 @@ struct IndexerTopkParams {
   bool v3_compact = true;
   // v3: the radix select starts with the window exchange (indexer_select_v3.cu: the top 16 bits of
   // the k-th key in one exchange, where the k-th key lies within ~2 binades of the row's largest
-  // finite value; else passes 0-3 as without it). Same bytes. Not yet measured on a GPU: off.
+  // finite value; else passes 0-3 as without it). The same bytes by design (its GPU tests are not
+  // yet run). Not yet measured on a GPU: off.
   bool v3_window = false;
 };
 // Workspace bytes for run_indexer_topk with T rows of score_stride positions and this topk

@@ -231,9 +231,9 @@ struct GpuStackOptions {
   int select_version = 3;
   int select_cluster = 0;  // v3: CTAs per row (cluster size) 1, 2, 4, 8, 16; 0: automatic
   // v3: the radix select starts with the window exchange (kernels::IndexerTopkParams::v3_window:
-  // one exchange fewer where the k-th score lies within ~2 binades of the row's largest). Same
-  // bytes (GpuIndexerSelectV3.*, GpuStackSchedules). Built in session 36 without a GPU run: off until
-  // measured.
+  // one exchange fewer where the k-th score lies within ~2 binades of the row's largest). The same
+  // bytes by design (GpuIndexerSelectV3.* in both forms, GpuStackSchedules: written, not yet run on a
+  // GPU). Built in session 36 without a GPU run: off until measured.
   bool select_window = false;
   // v3, the candidate source: its top-k and its candidate mask (same scores, neither reads the
   // other) in one launch (kernels::run_indexer_select_pair_v3: when both fit one wave, else the two
