@@ -350,7 +350,8 @@ __device__ void local_histogram(const Chunk<N, kTail>& ch, const Load& load, con
 // about 1/4 of the row's largest finite value, ignoring +inf keys, which rank above every bin), its
 // 16-bit prefix is decided in one exchange and pass 2 follows; otherwise pass 0 starts with nothing
 // decided (the same selection, one exchange later). Resident chunks only (the statistics walk reads
-// the keys from shared memory). The kernels without it are compiled exactly as before it existed.
+// the keys from shared memory). The kernels without it compile to the PTX they had before it, but
+// for the declared size of CandidateMaskParams (its new flag; scripts/ptx_compare.py).
 // The arithmetic (the windows' alignment, the decision) is in indexer_select_window.h, which its CPU
 // model test shares.
 using select_window::kInfKey;  // value_key(+inf); finite keys are below it, NaN has none
@@ -358,7 +359,6 @@ using select_window::kInfKey;  // value_key(+inf); finite keys are below it, NaN
 // The statistics a CTA sends after its window histogram: x its largest finite key (0: none), y its
 // +inf keys, z its valid keys (w unused). At namespace scope like v3_sm; only the window kernels use it.
 __shared__ uint4 v3_wstats;
-
 
 // This CTA's statistics into v3_wstats (zero on entry; visible after the caller's barrier).
 template <int N, bool kTail, class Load>
