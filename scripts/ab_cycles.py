@@ -8,7 +8,11 @@ scheduling / launch knob must leave the same bytes; a GEMM-version knob may not:
 Usage (on the GPU machine, binaries unpacked by .gpu/gpu_run.sh or given with --bin):
   scripts/ab_cycles.py --bin .gpu/v4attn --variant base= --variant win=--select-window \\
       --shape verify:1 --shape decode:1 --shape verify:4 --shape decode:32 --reps 2 [--json F]
-A variant is NAME=ARGS (ARGS split like a shell would; empty: the defaults). A shape is MODE:BS.
+A variant is NAME=ARGS (ARGS split like a shell would; empty: the defaults), or NAME@BIN=ARGS to run
+another executable for it (a baseline revision's build, e.g. the one `scripts/gpu_stage.sh --base REV`
+packs as .gpu/base-<hash>/v4attn):
+  scripts/ab_cycles.py --variant base@.gpu/base-bb4a38e/v4attn= --variant head= --shape verify:4
+A shape is MODE:BS.
 --dry-run prints the commands instead of running them (no GPU needed). Exit status 0; 1 when a run
 fails or digests disagree (unless allowed); 2 on bad usage.
 """
@@ -23,12 +27,16 @@ import tempfile
 
 
 def parse_variant(text):
+    """NAME=ARGS or NAME@BIN=ARGS -> (name, binary or None, [args])."""
     if "=" not in text:
-        raise argparse.ArgumentTypeError("a variant is NAME=ARGS, not %r" % text)
-    name, args = text.split("=", 1)
+        raise argparse.ArgumentTypeError("a variant is NAME=ARGS or NAME@BIN=ARGS, not %r" % text)
+    head, args = text.split("=", 1)
+    name, at, binary = head.partition("@")
     if not name:
         raise argparse.ArgumentTypeError("a variant needs a name: %r" % text)
-    return name, shlex.split(args)
+    if at and not binary:
+        raise argparse.ArgumentTypeError("NAME@BIN needs an executable after '@': %r" % text)
+    return name, (binary or None), shlex.split(args)
 
 
 def parse_shape(text):
@@ -36,6 +44,14 @@ def parse_shape(text):
     if mode not in ("decode", "verify") or not bs.isdigit() or int(bs) < 1:
         raise argparse.ArgumentTypeError("a shape is decode:BS or verify:BS (BS >= 1), not %r" % text)
     return mode, int(bs)
+
+
+def build_name(doc):
+    """The commit a bench JSON says its binary was built from ("commit+modified"), or "?" (older builds)."""
+    b = doc.get("build")
+    if not isinstance(b, dict):
+        return "?"
+    return str(b.get("commit", "?")) + ("+modified" if b.get("modified") else "")
 
 
 def bench_command(binary, mode, bs, cycles, extra, json_path):
@@ -46,8 +62,9 @@ def bench_command(binary, mode, bs, cycles, extra, json_path):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bin", default="build/v4attn", help="the v4attn executable (default build/v4attn)")
-    ap.add_argument("--variant", action="append", type=parse_variant, required=True, metavar="NAME=ARGS",
-                    help="a variant: its name and its extra bench arguments (repeat; the first is the reference)")
+    ap.add_argument("--variant", action="append", type=parse_variant, required=True, metavar="NAME[@BIN]=ARGS",
+                    help="a variant: its name, optionally its own executable, and its extra bench arguments "
+                         "(repeat; the first is the reference)")
     ap.add_argument("--shape", action="append", type=parse_shape, required=True, metavar="MODE:BS")
     ap.add_argument("--reps", type=int, default=2, help="runs per shape and variant, interleaved (default 2)")
     ap.add_argument("--cycles", type=int, default=20, help="timed graph replays per run (default 20)")
@@ -58,20 +75,21 @@ def main():
     args = ap.parse_args()
     if args.reps < 1 or args.cycles < 1:
         ap.error("--reps and --cycles must be >= 1")
-    names = [n for n, _ in args.variant]
+    names = [n for n, _, _ in args.variant]
     if len(set(names)) != len(names):
         ap.error("variant names must differ")
 
     failed = False
     rows = []
+    builds = {}  # variant -> the builds its runs reported (bench --json "build"; older binaries: none)
     with tempfile.TemporaryDirectory() as tmp:
         jpath = os.path.join(tmp, "bench.json")
         for mode, bs in args.shape:
             runs = {n: [] for n in names}
             digests = {n: set() for n in names}
             for rep in range(args.reps):
-                for name, extra in args.variant:
-                    cmd = bench_command(args.bin, mode, bs, args.cycles, extra, jpath)
+                for name, binary, extra in args.variant:
+                    cmd = bench_command(binary or args.bin, mode, bs, args.cycles, extra, jpath)
                     if args.dry_run:
                         print(" ".join(shlex.quote(c) for c in cmd))
                         continue
@@ -84,14 +102,19 @@ def main():
                         failed = True
                         continue
                     with open(jpath, encoding="utf-8") as f:
-                        sched = json.load(f)["schedules"][0]
+                        doc = json.load(f)
+                    sched = doc["schedules"][0]
                     runs[name].append(sched["cycle_us"]["median"])
                     digests[name].add(sched["digest"])
+                    builds.setdefault(name, set()).add(build_name(doc))
             if args.dry_run:
                 continue
             ref = statistics.median(runs[names[0]]) if runs[names[0]] else None
             all_digests = set().union(*digests.values())
             if len(all_digests) > 1 and not args.allow_digest_change:
+                print("[ab] %s bs %d: the variants' output digests differ (%s); a scheduling or launch knob "
+                      "must leave the same bytes (--allow-digest-change for GEMM versions)"
+                      % (mode, bs, ", ".join(sorted(all_digests))), file=sys.stderr)
                 failed = True
             for n in names:
                 med = statistics.median(runs[n]) if runs[n] else None
@@ -107,9 +130,14 @@ def main():
         pct = "%+.2f %%" % r["vs_first_pct"] if r["vs_first_pct"] is not None else "-"
         print("%-10s %-14s %-28s %10s %9s  %s" % ("%s %d" % (r["mode"], r["bs"]), r["variant"], runs, med, pct,
                                                  ",".join(r["digests"])))
+    for n, binary, _ in args.variant:
+        print("build of %s: %s (%s)" % (n, ", ".join(sorted(builds.get(n, {"-"}))), binary or args.bin))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"bin": args.bin, "cycles": args.cycles, "reps": args.reps, "rows": rows}, f, indent=2)
+            json.dump({"bin": args.bin, "cycles": args.cycles, "reps": args.reps,
+                       "variants": [{"name": n, "bin": b or args.bin, "args": e,
+                                     "builds": sorted(builds.get(n, set()))} for n, b, e in args.variant],
+                       "rows": rows}, f, indent=2)
     return 1 if failed else 0
 
 

@@ -2,16 +2,22 @@
 # Runs on the lent GPU machine from the repo root with the binaries scripts/gpu_stage.sh packed into
 # .gpu/bins.tar.xz (unpacked here into .gpu/): every GPU test, compute-sanitizer memcheck +
 # racecheck, then the benchmarks. Logs go to $OUT; a short table is printed last.
-# Usage: .gpu/gpu_run.sh [tests|sanitize|bench|main|stack]...
+# Usage: .gpu/gpu_run.sh [tests|sanitize|bench|main|stack|unpack]...
+# (`unpack` only unpacks, for a command that runs its own steps next, e.g. scripts/ab_cycles.py over
+# .gpu/v4attn and a baseline .gpu/base-<hash>/v4attn that scripts/gpu_stage.sh --base REV packed.)
 set -uo pipefail
+steps=("$@"); [[ ${#steps[@]} -eq 0 ]] && steps=(tests sanitize bench)
+for s in "${steps[@]}"; do
+  case $s in tests|sanitize|bench|main|stack|unpack) ;; *) echo "gpu_run: unknown step '$s'" >&2; exit 2 ;; esac
+done
 if [[ -f .gpu/bins.tar.xz && ! -x .gpu/v4attn ]]; then
   tar -C .gpu -xJf .gpu/bins.tar.xz && mv .gpu/bin/* .gpu/ && rmdir .gpu/bin || { echo "gpu_run: cannot unpack .gpu/bins.tar.xz" >&2; exit 1; }
 fi
+[[ ${steps[*]} == unpack ]] && exit 0
 FINAL_OUT=${OUT:-/tmp/v4attn_out}
 OUT=$(mktemp -d)  # logs land here, then go back as one archive (the device tool returns <= 8 files)
 mkdir -p "$FINAL_OUT"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/cuda/extras/CUPTI/lib64:${LD_LIBRARY_PATH:-}
-steps=("$@"); [[ ${#steps[@]} -eq 0 ]] && steps=(tests sanitize bench)
 summary=()
 run() {  # name, log, command...
   local name=$1 log=$2; shift 2
@@ -31,6 +37,7 @@ for s in "${steps[@]}"; do
     bench)
       for b in .gpu/bench_*; do n=$(basename "$b"); run "$n" "$n.log" "$b" --json "$OUT/$n.json"; done ;;
     main) run "v4attn main" main.log .gpu/v4attn main ;;
+    unpack) ;;
     stack)
       for cfg in "verify 1" "verify 4" "decode 1" "decode 8" "decode 32"; do
         set -- $cfg

@@ -24,7 +24,8 @@ endfunction()
 
 # --- help and version: exit 0, text on stdout, nothing on stderr ---
 v4attn_cli_test(help --exit 0 --stderr-lines 0 --stdout "Subcommands:" --stdout "^ +plan " -- --help)
-v4attn_cli_test(version --exit 0 --stderr-lines 0 --stdout "^v4attn [0-9]+\\.[0-9]+" -- --version)
+v4attn_cli_test(version --exit 0 --stderr-lines 0
+  --stdout "^v4attn [0-9]+\\.[0-9]+\\.[0-9]+ \\(commit ([0-9a-f]{12}|unknown)[,)]" -- --version)
 v4attn_cli_test(plan_help --exit 0 --stderr-lines 0 --stdout "--config FILE" --stdout "--tp" -- plan --help)
 v4attn_cli_test(main_help --exit 0 --stderr-lines 0 --stdout "Usage: v4attn main" -- main --help)
 
@@ -233,6 +234,46 @@ if(V4ATTN_PYTHON3)
                    "--variant" "win=--select-window --select-cluster 8" --shape verify:1 --shape decode:32 --reps 2 --dry-run)
   set_tests_properties(scripts.ab_cycles_dry_run PROPERTIES PASS_REGULAR_EXPRESSION
     "^v4attn bench --mode verify --bs 1 --cycles 20 --trace-cycles 0 --schedule three-lane --json [^ ]+\nv4attn bench --mode verify --bs 1 [^\n]+ --select-window --select-cluster 8\nv4attn bench --mode verify --bs 1 [^\n]+json [^ ]+\nv4attn bench --mode verify --bs 1 [^\n]+ --select-window --select-cluster 8\nv4attn bench --mode decode --bs 32 ")
+  # A variant with its own executable (a baseline build): its runs use that binary, the others --bin.
+  add_test(NAME scripts.ab_cycles_variant_bin
+           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/ab_cycles.py" --bin v4attn
+                   --variant base@.gpu/base-bb4a38e/v4attn= --variant head= --shape verify:4 --reps 1 --dry-run)
+  set_tests_properties(scripts.ab_cycles_variant_bin PROPERTIES PASS_REGULAR_EXPRESSION
+    "^\\.gpu/base-bb4a38e/v4attn bench --mode verify --bs 4 [^\n]+\nv4attn bench --mode verify --bs 4 ")
+  add_test(NAME scripts.ab_cycles_variant_empty_bin
+           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/ab_cycles.py" --variant base@=
+                   --shape decode:1 --dry-run)
+  set_tests_properties(scripts.ab_cycles_variant_empty_bin PROPERTIES WILL_FAIL TRUE)
+  # Its real path over a stand-in bench (tests/data/fake_v4attn_bench.py: no GPU): interleaved runs, their
+  # median, the change against the first variant, the builds; differing digests or a failing run fail.
+  set(_fake_bench "${CMAKE_SOURCE_DIR}/tests/data/fake_v4attn_bench.py")
+  add_test(NAME scripts.ab_cycles_fake_runs
+           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/ab_cycles.py" --bin "${_fake_bench}" --variant a=
+                   "--variant" "b=--fake-us 10 --fake-no-build" --shape verify:1 --shape decode:2 --reps 2)
+  set_tests_properties(scripts.ab_cycles_fake_runs PROPERTIES PASS_REGULAR_EXPRESSION
+    "verify 1 +a +1000\\.0 / 1001\\.0 +1000\\.5 +\\+0\\.00 % +d0\nverify 1 +b +1010\\.5 / 1011\\.5 +1011\\.0 +\\+1\\.05 % +d0\ndecode 2 +a +1002\\.0 / 1003\\.0 .*build of a: 0123456789ab .*build of b: \\? ")
+  add_test(NAME scripts.ab_cycles_fake_digest_differs
+           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/ab_cycles.py" --bin "${_fake_bench}" --variant a=
+                   "--variant" "b=--fake-digest d1" --shape verify:1 --reps 1)
+  set_tests_properties(scripts.ab_cycles_fake_digest_differs PROPERTIES WILL_FAIL TRUE)
+  add_test(NAME scripts.ab_cycles_fake_digest_allowed
+           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/ab_cycles.py" --bin "${_fake_bench}" --variant a=
+                   "--variant" "b=--fake-digest d1" --shape verify:1 --reps 1 --allow-digest-change)
+  set_tests_properties(scripts.ab_cycles_fake_digest_allowed PROPERTIES PASS_REGULAR_EXPRESSION "verify 1 +b .* d1\n")
+  add_test(NAME scripts.ab_cycles_fake_run_fails
+           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/ab_cycles.py" --bin "${_fake_bench}" --variant a=
+                   "--variant" "b=--fake-fail" --shape verify:1 --reps 1)
+  set_tests_properties(scripts.ab_cycles_fake_run_fails PROPERTIES WILL_FAIL TRUE)
+  # The GPU staging helpers refuse bad arguments before they build or unpack anything.
+  add_test(NAME scripts.gpu_stage_bad_argument
+           COMMAND sh "${_v4attn_cli_expect}" --exit 2 --stderr-lines 1 --stderr "unknown argument '--bogus'"
+                   -- bash "${CMAKE_SOURCE_DIR}/scripts/gpu_stage.sh" --bogus)
+  add_test(NAME scripts.gpu_stage_bad_base
+           COMMAND sh "${_v4attn_cli_expect}" --exit 2 --stderr-lines 1 --stderr "unknown revision 'no-such-rev'"
+                   -- bash "${CMAKE_SOURCE_DIR}/scripts/gpu_stage.sh" --base no-such-rev)
+  add_test(NAME scripts.gpu_run_bad_step
+           COMMAND sh "${_v4attn_cli_expect}" --exit 2 --stderr-lines 1 --stderr "unknown step 'bogus'"
+                   -- bash "${CMAKE_SOURCE_DIR}/scripts/gpu_run.sh" tests bogus)
   add_test(NAME scripts.ab_cycles_bad_shape
            COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/ab_cycles.py" --variant base= --shape verify:x --dry-run)
   set_tests_properties(scripts.ab_cycles_bad_shape PROPERTIES WILL_FAIL TRUE)

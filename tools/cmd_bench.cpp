@@ -27,6 +27,7 @@
 #include "cli.h"
 #include "runtime/cuda_utils.h"
 #include "runtime/phase_stamps.h"
+#include "v4attn/build_info.h"
 #include "v4attn/config.h"
 #include "v4attn/plan.h"
 #include "v4attn/kernels/qchain.h"
@@ -319,6 +320,7 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
 
   out << "v4attn bench: " << prop.name << ", config " << cfg.source << " (" << cfg.n_layers << " layers), tp "
       << plan.parallel.tp << " (" << stack.local_heads() << " heads, " << stack.index_heads() << " index heads)\n";
+  out << "build: v4attn " << build_string() << "\n";
   out << (c.verify ? "verify" : "decode") << " step: bs " << c.bs << " x " << v << " row" << (v > 1 ? "s" : "") << " = "
       << info.rows << " rows at context " << c.context << "; " << (c.graph ? "CUDA graph replay" : "eager launches")
       << ", PDL " << (c.knobs.pdl ? (c.knobs.pdl_everywhere ? "all" : "on") : "off") << ", GEMM " << kernels::gemm_version_name(c.knobs.gemm) << ", S fork "
@@ -380,6 +382,12 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
   if (!c.json_path.empty()) {
     nlohmann::ordered_json j;
     j["device"] = prop.name;
+    {
+      const BuildInfo& b = build_info();
+      j["build"] = {{"version", b.version}, {"commit", b.commit}, {"modified", b.dirty},
+                    {"phase_stamps", b.phase_stamps}, {"pdl_trigger_at_wait", b.pdl_trigger_at_wait},
+                    {"gencode", b.gencode}};
+    }
     j["config"] = cfg.source;
     j["tp"] = plan.parallel.tp;
     j["mode"] = c.verify ? "verify" : "decode";

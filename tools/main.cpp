@@ -8,11 +8,8 @@
 #include <string>
 
 #include "cli.h"
+#include "v4attn/build_info.h"
 #include "v4attn/config.h"
-
-#ifndef V4ATTN_VERSION
-#define V4ATTN_VERSION "unknown"
-#endif
 
 namespace {
 
@@ -44,7 +41,7 @@ int run(int argc, char** argv) {
   CLI::App app{"DeepSeek-V4.1-Flash attention engine: decode and target-verify prepare and "
                "attention on Hopper, with a bit-exact CPU reference.",
                "v4attn"};
-  app.set_version_flag("--version", std::string("v4attn ") + V4ATTN_VERSION);
+  app.set_version_flag("--version", "v4attn " + v4attn::build_string());
   app.require_subcommand(1);
   CommandResult result;
   for (Registrar add : kCommands) add(app, result);
