@@ -7,6 +7,8 @@
 
 namespace v4attn {
 
+struct ModelConfig;
+
 struct RopeParams {
   double base = 10000.0;        // rope_theta (ratio-0 layers) or compress_rope_theta (ratio > 0)
   bool yarn = false;            // YaRN only for ratio > 0 layers
@@ -15,6 +17,11 @@ struct RopeParams {
   double beta_fast = 32.0;
   double beta_slow = 1.0;
 };
+
+// The table parameters of a config's layers (spec section 2): compressed = the ratio > 0 layers'
+// table (compress_rope_theta with YaRN), else the ratio-0 layers' (rope_theta, no YaRN). The one
+// definition the CPU reference and the GPU stack both build their tables from.
+RopeParams rope_params_for(const ModelConfig& c, bool compressed);
 
 struct YarnBounds {
   int low = 0;

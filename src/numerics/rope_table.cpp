@@ -5,9 +5,21 @@
 #include <numbers>
 #include <stdexcept>
 
+#include "v4attn/config.h"
 #include "v4attn/numerics.h"
 
 namespace v4attn {
+
+RopeParams rope_params_for(const ModelConfig& c, bool compressed) {
+  RopeParams p;
+  p.base = compressed ? c.compress_rope_theta : c.rope_theta;
+  p.yarn = compressed;
+  p.factor = c.rope_factor;
+  p.original_seq_len = c.original_seq_len;
+  p.beta_fast = c.beta_fast;
+  p.beta_slow = c.beta_slow;
+  return p;
+}
 
 YarnBounds yarn_bounds(const RopeParams& p) {
   const double dim = 64.0;

@@ -41,17 +41,6 @@ constexpr int kScoreHeads = kn::kIndexerHeads;  // the scores kernel's head coun
 
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
-RopeParams rope_params(const ModelConfig& c, bool compressed) {  // as ref::RefStack
-  RopeParams p;
-  p.base = compressed ? c.compress_rope_theta : c.rope_theta;
-  p.yarn = compressed;
-  p.factor = c.rope_factor;
-  p.original_seq_len = c.original_seq_len;
-  p.beta_fast = c.beta_fast;
-  p.beta_slow = c.beta_slow;
-  return p;
-}
-
 int effective_rows_per_request(const ModelPlan& plan, const GpuStackOptions& o) {
   return o.rows_per_request == 0 ? plan.config.verify_rows_per_request() : o.rows_per_request;
 }
@@ -450,8 +439,8 @@ void GpuPrepareStack::Impl::init() {
 
   // RoPE tables and slot tables.
   {
-    const std::vector<float> base = build_rope_table(rope_params(c, false), max_pos);
-    const std::vector<float> comp_t = build_rope_table(rope_params(c, true), max_pos);
+    const std::vector<float> base = build_rope_table(rope_params_for(c, false), max_pos);
+    const std::vector<float> comp_t = build_rope_table(rope_params_for(c, true), max_pos);
     rope[0] = alloc<float>(base.size());
     rope[1] = alloc<float>(comp_t.size());
     upload(rope[0], base.data(), base.size());

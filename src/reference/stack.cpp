@@ -35,17 +35,6 @@ double ms_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
-RopeParams rope_params(const ModelConfig& c, bool compressed) {
-  RopeParams p;
-  p.base = compressed ? c.compress_rope_theta : c.rope_theta;
-  p.yarn = compressed;
-  p.factor = c.rope_factor;
-  p.original_seq_len = c.original_seq_len;
-  p.beta_fast = c.beta_fast;
-  p.beta_slow = c.beta_slow;
-  return p;
-}
-
 std::string lname(int layer) {
   char buf[16];
   std::snprintf(buf, sizeof buf, "L%02d.", layer);
@@ -102,8 +91,8 @@ RefStack::RefStack(const ModelPlan& plan, const StackOptions& options) : plan_(p
 
   pool_ = make_request_pool(options_.n_requests, options_.max_context, options_.rows_per_request, c.window_size);
   full_slots_ = pool_.full_pool_slots();
-  rope_base_ = build_rope_table(rope_params(c, false), pool_.max_context);
-  rope_compressed_ = build_rope_table(rope_params(c, true), pool_.max_context);
+  rope_base_ = build_rope_table(rope_params_for(c, false), pool_.max_context);
+  rope_compressed_ = build_rope_table(rope_params_for(c, true), pool_.max_context);
 
   int64_t weight_bytes = 0;
   for (const LayerPlan& l : plan_.layers) weight_bytes += l.weight_bytes();

@@ -18,6 +18,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "v4attn/config.h"
 #include "v4attn/numerics.h"
 #include "v4attn/rope_table.h"
 
@@ -288,6 +289,50 @@ TEST(RopeTable, SizesAndInvalidLengths) {
   // A shorter table is a prefix of a longer one (entries depend on the position only).
   const std::vector<float> a = v4attn::build_rope_table(p, 300), b = v4attn::build_rope_table(p, 1000);
   for (size_t k = 0; k < a.size(); ++k) ASSERT_EQ(bits_of(a[k]), bits_of(b[k])) << k;
+}
+
+}  // namespace
+
+namespace {
+
+bool same_params(const RopeParams& a, const RopeParams& b) {
+  return a.base == b.base && a.yarn == b.yarn && a.factor == b.factor && a.original_seq_len == b.original_seq_len &&
+         a.beta_fast == b.beta_fast && a.beta_slow == b.beta_slow;
+}
+
+// rope_params_for is what both the CPU reference and the GPU stack build their tables from: the
+// released config's keys, read by the config loader, must land in the right fields (ratio > 0 layers:
+// compress_rope_theta with YaRN; ratio 0: rope_theta without), the same as this file's own reading.
+TEST(RopeParamsFor, ReleasedConfigGivesTheSpecsTwoTables) {
+  const v4attn::ModelConfig c = v4attn::load_config(std::string(V4ATTN_SOURCE_DIR) + "/configs/deepseek-v4.1-flash.json");
+  const RopeParams comp = v4attn::rope_params_for(c, true);
+  const RopeParams win = v4attn::rope_params_for(c, false);
+  EXPECT_TRUE(same_params(comp, compressed_params()));
+  EXPECT_TRUE(same_params(win, window_only_params()));
+  EXPECT_EQ(comp.base, 160000.0);
+  EXPECT_TRUE(comp.yarn);
+  EXPECT_EQ(win.base, 10000.0);
+  EXPECT_FALSE(win.yarn);
+}
+
+// Every field follows its key: a config with each value changed gives tables parameters that change with it.
+TEST(RopeParamsFor, EachFieldFollowsItsKey) {
+  v4attn::ModelConfig c = v4attn::load_config(std::string(V4ATTN_SOURCE_DIR) + "/configs/deepseek-v4.1-flash.json");
+  c.rope_theta = 12345.0;
+  c.compress_rope_theta = 54321.0;
+  c.rope_factor = 8.0;
+  c.original_seq_len = 4096;
+  c.beta_fast = 16.0;
+  c.beta_slow = 2.0;
+  for (bool compressed : {false, true}) {
+    const RopeParams p = v4attn::rope_params_for(c, compressed);
+    EXPECT_EQ(p.base, compressed ? 54321.0 : 12345.0);
+    EXPECT_EQ(p.yarn, compressed);
+    EXPECT_EQ(p.factor, 8.0);
+    EXPECT_EQ(p.original_seq_len, 4096);
+    EXPECT_EQ(p.beta_fast, 16.0);
+    EXPECT_EQ(p.beta_slow, 2.0);
+  }
 }
 
 }  // namespace
