@@ -103,6 +103,15 @@ V4_HD bf16_t bf16_from_f32(float f) {  // round to nearest even; NaN -> canonica
 }
 V4_HD float f32_from_bf16(bf16_t b) { return f32_from_bits(static_cast<uint32_t>(b) << 16); }
 V4_HD float round_bf16(float f) { return f32_from_bf16(bf16_from_f32(f)); }
+// Finite (not +-inf, not NaN): the exponent field is not all ones.
+V4_HD bool bf16_is_finite(bf16_t b) { return (b & 0x7f80u) != 0x7f80u; }
+// The index of the first non-finite value of p[0..n), or -1 when all are finite (host-side input
+// checks: cache-layouts.md asks non-finite activations to be refused where the host can see them).
+inline int64_t first_non_finite_bf16(const bf16_t* p, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    if (!bf16_is_finite(p[i])) return i;
+  return -1;
+}
 
 // ---- round-to-nearest-even integer shift helper (shift in 1..31) -----------------------------
 V4_HD uint32_t shr_rne(uint32_t v, uint32_t shift) {

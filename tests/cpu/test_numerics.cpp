@@ -202,6 +202,22 @@ TEST(NumericsBf16, AllBitPatternsRoundTrip) {
   }
 }
 
+TEST(NumericsBf16, IsFiniteOnEveryBitPattern) {
+  std::vector<uint16_t> all(65536);
+  for (uint32_t b = 0; b < 65536; ++b) {
+    all[b] = static_cast<uint16_t>(b);
+    ASSERT_EQ(num::bf16_is_finite(static_cast<uint16_t>(b)), std::isfinite(num::f32_from_bf16(static_cast<uint16_t>(b))))
+        << std::hex << b;
+  }
+  // first_non_finite_bf16: the first of +inf (0x7f80), at index 0x7f80; none in a finite run; -1 when empty.
+  EXPECT_EQ(num::first_non_finite_bf16(all.data(), static_cast<int64_t>(all.size())), 0x7f80);
+  EXPECT_EQ(num::first_non_finite_bf16(all.data(), 0x7f80), -1);
+  EXPECT_EQ(num::first_non_finite_bf16(all.data() + 0xff80, 1), 0);  // -inf
+  EXPECT_EQ(num::first_non_finite_bf16(all.data() + 0x7fc0, 1), 0);  // quiet NaN
+  EXPECT_EQ(num::first_non_finite_bf16(all.data() + 0x7f7f, 1), -1);  // the largest finite
+  EXPECT_EQ(num::first_non_finite_bf16(nullptr, 0), -1);
+}
+
 TEST(NumericsBf16, RandomFp32AgainstValueReference) {
   std::mt19937 rng(0xbf16);
   std::uniform_int_distribution<uint32_t> any;

@@ -930,6 +930,17 @@ TEST(GpuStack, RefusesBadStepsAndMismatchedState) {
   EXPECT_THROW(gpu.load_reference_caches(other), std::invalid_argument);
   EXPECT_THROW(gpu.topk(3), std::invalid_argument);  // a reuse layer has no top-k of its own
   EXPECT_THROW(gpu.comp_slots(4), std::invalid_argument);  // a reindex layer owns no pool
+  // Host inputs with a non-finite value (here: one NaN in layer 3, one +inf in layer 5) are refused.
+  for (const uint16_t bad : {uint16_t{0x7fc0}, uint16_t{0x7f80}, uint16_t{0xff80}}) {
+    const prepare::HostInputFn x_bad = [&](int layer, const StepMeta& meta) {
+      std::vector<num::bf16_t> x(static_cast<size_t>(meta.rows) * plan.config.dim, num::bf16_from_f32(0.5f));
+      if (layer == (bad == 0x7fc0 ? 3 : 5)) x[static_cast<size_t>(plan.config.dim) + 17] = bad;  // row 1, element 17
+      return x;
+    };
+    EXPECT_THROW(gpu.set_step(StepKind::kDecode, make_decode_batch({10, 20}), x_bad), std::invalid_argument);
+  }
+  // None of the refused steps was set.
+  EXPECT_THROW(gpu.step_info(), std::invalid_argument);
   // Still usable after the refusals.
   gpu.set_step(StepKind::kDecode, make_decode_batch({10, 20}));
   gpu.run_eager();
