@@ -25,7 +25,7 @@ layer's time goes, phase by phase (session 16's view of the fused chain); --foll
 reindex layers' fused chains, followed by their top-k, apart from the plain layers'). The selection kinds
 topk_v3 / mask_v3 (session 18) follow their own path: 0 entry, 1 wait, 2 keys compacted, per radix
 pass p 4+4p histogram, 5+4p the cluster's histograms received, 6+4p digit chosen, 20 output written,
-21 end. bench_indexer writes such a file too (V4ATTN_STAMPS_OUT=st bench_indexer --only topk:v3 ...).
+21 end; the window exchange (--select-window, session 37) 22 / 23 / 24 before the passes it leaves. bench_indexer writes such a file too (V4ATTN_STAMPS_OUT=st bench_indexer --only topk:v3 ...).
 The index tail's other kernels (session 24) stamp 0 entry, 1 after the PDL wait, 4 end: gemv (GEMM v6,
 the indexer's wq_b at <= 16 rows), q_pack, scores -- with the selection's stamps, a reindex layer's
 whole tail after its fused chain, kernel by kernel (--handoff, --intervals gemv / q_pack / scores).
@@ -106,7 +106,8 @@ OTHER_PATH = [14, 0, 1, 2, 5, 3, 6, 4]
 V2_PATH = [14, 0, 1, 10, 11, 2, 5, 3, 6, 4]
 # The v3 selections (indexer_select_v3.cu): entry, wait, keys ready, per radix pass p histogram /
 # cluster's histograms received / digit chosen (4+4p, 5+4p, 6+4p), compaction done, end.
-SELECT_PATH = [0, 1, 2] + [4 * p + d for p in range(1, 5) for d in range(3)] + [20, 21]
+# The window exchange (window kernels) stamps 22 / 23 / 24 (histogram, received, prefix chosen) first.
+SELECT_PATH = [0, 1, 2, 22, 23, 24] + [4 * p + d for p in range(1, 5) for d in range(3)] + [20, 21]
 
 
 def phase_paths(kind, present):

@@ -95,7 +95,8 @@ namespace v3 {
 
 // Measurement builds (phase_stamps.cuh): thread 0 of every CTA stamps 0 entry, 1 after the PDL
 // wait, 2 keys ready, per radix pass p: 4+4p local histogram done, 5+4p the cluster's histograms
-// received, 6+4p digit chosen; 20 compaction done, 21 end.
+// received, 6+4p digit chosen; the window exchange (window kernels): 22 its histogram done, 23 the
+// cluster's received, 24 the prefix chosen (when it decides); 20 compaction done, 21 end.
 struct StampCtx {
   unsigned int rec = 0u;
   uint32_t kind = 0u;
@@ -120,6 +121,7 @@ constexpr int slot_words() {
   return kWindow ? kBins + 4 : kBins;
 }
 constexpr int kMaxCluster = 16;
+static_assert(kMaxCluster == select_window_path::kMaxRanks, "the path record has one entry per rank");
 constexpr int kTopkPer = 8;                  // top-k: consecutive positions per thread and round
 constexpr int kMaskPer = 2;                  // mask: consecutive blocks per thread and round
 constexpr size_t kMaxKeyBytes = 96 * 1024;   // resident key capacity per CTA
@@ -359,6 +361,10 @@ using select_window::kInfKey;  // value_key(+inf); finite keys are below it, NaN
 // The statistics a CTA sends after its window histogram: x its largest finite key (0: none), y its
 // +inf keys, z its valid keys (w unused). At namespace scope like v3_sm; only the window kernels use it.
 __shared__ uint4 v3_wstats;
+// Which way this CTA's window exchange went (select_window_path::k*; kNone until it runs), for the
+// params' v3_window_paths record (diagnostics and the GPU tests: the fallback gives the same bytes,
+// so only this record shows that the window decides where it should).
+__shared__ uint32_t v3_wpath;
 
 // This CTA's statistics into v3_wstats (zero on entry; visible after the caller's barrier).
 template <int N, bool kTail, class Load>
@@ -418,6 +424,7 @@ __device__ void window_histogram(const Chunk<N, kTail>& ch, const Load& load, co
 struct WindowOutcome {
   bool done = false;   // `s` is the selection (every valid key, or a whole bucket)
   bool found = false;  // else: the k-th key's 16-bit prefix is `prefix` (pass 2 next), or unknown (pass 0 next)
+  uint32_t path = select_window_path::kFallback;  // which of the four ways (v3_window_paths)
   Selection s;
   uint32_t k_rem = 0u, prefix = 0u, gt_before = 0u;
 };
@@ -439,7 +446,7 @@ __device__ __noinline__ WindowOutcome window_exchange(const Chunk<N, kTail>& ch,
   __syncthreads();  // v3_wstats: this CTA's largest finite key
   window_histogram(ch, load, keys_sm, select_window::base(v3_wstats.x) << 16, sm);
   __syncthreads();  // hloc complete
-  st.at(4);
+  st.at(22);
   if (clustered) cluster_wait_acquire();  // every CTA of the cluster runs
 
   uint32_t* my_slot = recv + int64_t{rank} * kStride;  // buffer 0
@@ -454,7 +461,7 @@ __device__ __noinline__ WindowOutcome window_exchange(const Chunk<N, kTail>& ch,
                           map_to_cluster_rank(bar, r));
     }
     hopper::mbar_wait_cluster(bar, 0u);
-    st.at(5);
+    st.at(23);
   } else {
     for (int quad = tid; quad < kQuads; quad += kThreads) reinterpret_cast<uint4*>(my_slot)[quad] = quad_of(quad);
     __syncthreads();
@@ -512,6 +519,7 @@ __device__ __noinline__ WindowOutcome window_exchange(const Chunk<N, kTail>& ch,
   WindowOutcome o;
   if (val_all <= k) {  // at most k valid keys: all of them (cluster-uniform)
     o.done = true;
+    o.path = select_window_path::kAll;
     o.s.thr = 0u;
     o.s.k_eq = 0u;
     o.s.gt_before = val_bef;
@@ -531,13 +539,14 @@ __device__ __noinline__ WindowOutcome window_exchange(const Chunk<N, kTail>& ch,
     if (above < k && k <= incl_t) sm.found[0] = Found{bin, above, incl_b - bef, bef, tot};
   }
   __syncthreads();
-  st.at(6);
+  st.at(24);
   const Found f = sm.found[0];
   o.k_rem = k - f.above;
   o.gt_before = f.before_above;
   o.prefix = f.bin;
   if (f.total_d == o.k_rem) {  // the whole bucket is taken: {key >= its first key}, no ties
     o.done = true;
+    o.path = select_window_path::kBucket;
     o.s.thr = (f.bin << 16) - 1u;  // a finite key's prefix is >= 0x0080
     o.s.k_eq = 0u;
     o.s.gt_before = o.gt_before + f.before_d;
@@ -546,6 +555,7 @@ __device__ __noinline__ WindowOutcome window_exchange(const Chunk<N, kTail>& ch,
     return o;
   }
   o.found = true;
+  o.path = select_window_path::kPrefix;
   return o;
 }
 
@@ -574,6 +584,7 @@ __device__ Selection cluster_select(const Chunk<N, kTail>& ch, const Load& load,
   if constexpr (kWindow) {
     if (ch.resident) {
       const WindowOutcome w = window_exchange(ch, load, k, sm, recv, keys_sm, cluster, rank, st);
+      if (tid == 0) v3_wpath = w.path;  // read back by thread 0 only (the path record)
       if (w.done) return w.s;
       first_pass = w.found ? 2 : 0;
       x0 = 1 - first_pass;
@@ -1023,7 +1034,7 @@ __device__ __forceinline__ void topk_cta(const IndexerTopkParams& p, const Args&
   const uint32_t k = static_cast<uint32_t>(min(static_cast<int64_t>(p.topk), c));  // cluster-uniform
   for (int i = tid; i < kBins; i += kThreads) sm.hloc[i] = 0u;
   if constexpr (kWindow) {
-    if (tid == 0) v3_wstats = make_uint4(0u, 0u, 0u, 0u);
+    if (tid == 0) v3_wstats = make_uint4(0u, 0u, 0u, 0u), v3_wpath = select_window_path::kNone;
   }
   init_exchange(sm, a.cluster);
   if (k > 0 && a.cluster > 1) cluster_arrive_relaxed();
@@ -1102,6 +1113,10 @@ __device__ __forceinline__ void topk_cta(const IndexerTopkParams& p, const Args&
   }
   const int64_t step = int64_t{a.cluster} * kThreads;
   for (int64_t i = int64_t{n_out} + int64_t{rank} * kThreads + tid; i < p.out_stride; i += step) out[i] = -1;
+  if constexpr (kWindow) {
+    if (p.v3_window_paths != nullptr && tid == 0)
+      p.v3_window_paths[t * select_window_path::kMaxRanks + rank] = static_cast<uint8_t>(v3_wpath);
+  }
   st.at(21);
 
   dev::pdl_launch_dependents();  // after this thread's last store
@@ -1134,7 +1149,7 @@ __device__ __forceinline__ void mask_cta(const CandidateMaskParams& p, const Arg
   const uint32_t k = static_cast<uint32_t>(min(static_cast<int64_t>(p.topk_blocks), n_blocks));
   for (int i = tid; i < kBins; i += kThreads) sm.hloc[i] = 0u;
   if constexpr (kWindow) {
-    if (tid == 0) v3_wstats = make_uint4(0u, 0u, 0u, 0u);
+    if (tid == 0) v3_wstats = make_uint4(0u, 0u, 0u, 0u), v3_wpath = select_window_path::kNone;
   }
   init_exchange(sm, a.cluster);
   if (k > 0 && a.cluster > 1) cluster_arrive_relaxed();
@@ -1169,6 +1184,10 @@ __device__ __forceinline__ void mask_cta(const CandidateMaskParams& p, const Arg
   }
   const int64_t step = int64_t{a.cluster} * kThreads;
   for (int64_t i = zero_from + int64_t{rank} * kThreads + tid; i < p.mask_stride; i += step) mask[i] = 0;
+  if constexpr (kWindow) {
+    if (p.v3_window_paths != nullptr && tid == 0)
+      p.v3_window_paths[t * select_window_path::kMaxRanks + rank] = static_cast<uint8_t>(v3_wpath);
+  }
   st.at(21);
 
   dev::pdl_launch_dependents();

@@ -189,6 +189,7 @@ struct TopkRun {
   Launch mode = Launch::kPlain;
   Entry entry = Entry::kDispatch;
   unsigned long long* errors = nullptr;  // null: expect no error counted
+  std::vector<uint8_t>* paths = nullptr;  // window: the v3_window_paths record ([T * kMaxRanks], poison where unwritten)
 };
 
 // A top-k problem on the device: inputs, the poisoned output and the params (v3; the caller adds
@@ -234,6 +235,8 @@ std::vector<int32_t> gpu_topk(const TopkProblem& pb, const TopkRun& run = {}) {
   p.err_count = err.get();
   p.v3_cluster = run.cluster;
   p.v3_window = run.window;
+  PoisonedOutput<uint8_t> paths(static_cast<size_t>(pb.T) * kernels::select_window_path::kMaxRanks);
+  if (run.paths != nullptr) p.v3_window_paths = paths.get();
   if (run.entry != Entry::kDispatch) p.version = 0;  // direct: ignored; v1 / v2: by the workspace
   if (run.entry == Entry::kV2) {
     ws.resize(std::max<size_t>(kernels::indexer_topk_workspace_bytes(pb.T, pb.stride, pb.topk), 16));
@@ -251,6 +254,7 @@ std::vector<int32_t> gpu_topk(const TopkProblem& pb, const TopkRun& run = {}) {
     V4_CUDA_CHECK(cudaStreamSynchronize(stream.s));
   }
   auto got = d.out.download_checked();
+  if (run.paths != nullptr) *run.paths = paths.download_checked();
   const auto e = err.read();
   if (run.errors != nullptr) *run.errors = e;
   else EXPECT_EQ(e, 0u);
@@ -297,7 +301,7 @@ std::vector<uint8_t> reference_mask(const MaskProblem& pb) {
 
 std::vector<uint8_t> gpu_mask(const MaskProblem& pb, int cluster, Launch mode = Launch::kPlain,
                               Entry entry = Entry::kDispatch, unsigned long long* errors = nullptr,
-                              bool window = false) {
+                              bool window = false, std::vector<uint8_t>* paths = nullptr) {
   auto d_scores = to_device(pb.scores);
   auto d_clen = to_device(pb.clen);
   PoisonedOutput<uint8_t> out(static_cast<size_t>(pb.T * pb.mask_stride));
@@ -315,6 +319,8 @@ std::vector<uint8_t> gpu_mask(const MaskProblem& pb, int cluster, Launch mode = 
   p.err_count = err.get();
   p.v3_cluster = cluster;
   p.v3_window = window;
+  PoisonedOutput<uint8_t> path_rec(static_cast<size_t>(pb.T) * kernels::select_window_path::kMaxRanks);
+  if (paths != nullptr) p.v3_window_paths = path_rec.get();
   if (entry == Entry::kDispatch) p.version = 3;
   if (entry == Entry::kV2) {
     ws.resize(std::max<size_t>(kernels::candidate_mask_workspace_bytes(pb.T, pb.stride, pb.block, pb.topk_blocks), 16));
@@ -334,6 +340,7 @@ std::vector<uint8_t> gpu_mask(const MaskProblem& pb, int cluster, Launch mode = 
   const auto e = err.read();
   if (errors != nullptr) *errors = e;
   else EXPECT_EQ(e, 0u);
+  if (paths != nullptr) *paths = path_rec.download_checked();
   return out.download_checked();
 }
 
@@ -373,6 +380,37 @@ WindowPath window_path(const float* row, int64_t n, int64_t k) {
                                                                                        : WindowPath::kFallback;
 }
 
+// Checks a launch's v3_window_paths record against the host's prediction for each row: every CTA of a
+// row's cluster recorded the same way (the decision must be cluster-uniform, or the exchanges that
+// follow would not pair up), the ranks past the cluster wrote nothing, `cluster` CTAs (when given)
+// took part, and the way is the predicted one: kAll, kBucket or kPrefix (the window decided), or
+// kFallback -- or kNone where `none_allowed` (chunks too long for shared memory skip the window).
+void expect_window_paths(const std::vector<uint8_t>& rec, const std::vector<WindowPath>& want, int cluster,
+                         bool none_allowed, const std::string& what) {
+  namespace wp = kernels::select_window_path;
+  ASSERT_EQ(rec.size(), want.size() * wp::kMaxRanks) << what;
+  for (size_t t = 0; t < want.size(); ++t) {
+    const uint8_t* r = rec.data() + t * wp::kMaxRanks;
+    int used = 0;
+    while (used < wp::kMaxRanks && r[used] != kPoison) ++used;
+    for (int i = used; i < wp::kMaxRanks; ++i) EXPECT_EQ(r[i], kPoison) << what << ", row " << t << ": rank " << i;
+    ASSERT_TRUE(used == 1 || used == 2 || used == 4 || used == 8 || used == 16) << what << ", row " << t << ": " << used;
+    if (cluster > 0) EXPECT_EQ(used, cluster) << what << ", row " << t;
+    for (int i = 1; i < used; ++i)
+      EXPECT_EQ(r[i], r[0]) << what << ", row " << t << ": rank " << i << " took another way than rank 0";
+    const uint8_t got = r[0];
+    bool ok = false;
+    switch (want[t]) {
+      case WindowPath::kAll: ok = got == wp::kAll; break;
+      case WindowPath::kWindow: ok = got == wp::kBucket || got == wp::kPrefix; break;
+      case WindowPath::kFallback: ok = got == wp::kFallback; break;
+    }
+    if (none_allowed && got == wp::kNone) ok = true;
+    EXPECT_TRUE(ok) << what << ", row " << t << ": recorded way " << +got << ", predicted "
+                    << static_cast<int>(want[t]) << " (0 all, 1 window, 2 fallback)";
+  }
+}
+
 // One row per window case, 65536 positions each (16 chunks of 4096 in the 16-CTA clusters).
 struct WindowRow {
   const char* name;
@@ -389,6 +427,7 @@ const WindowRow kWindowRows[] = {
     {"k-th one prefix below the window, with ties", WindowPath::kFallback},
     {"fewer valid keys than k", WindowPath::kAll},
     {"valid keys in the last quarter only", WindowPath::kWindow},
+    {"k-th alone in the window's lowest bin (its whole bucket)", WindowPath::kWindow},
 };
 std::vector<float> window_rows(std::mt19937_64& rng) {
   const int64_t n = 65536, T = std::size(kWindowRows);
@@ -405,7 +444,7 @@ std::vector<float> window_rows(std::mt19937_64& rng) {
         case 2: v = -(1.0f + 0.2f * u01(rng)); break;
         case 3: v = -(1.0f + 1000.0f * u01(rng)); break;
         case 4: case 5: case 9: v = nd(rng); break;
-        case 6: case 7: v = 0.3f; break;
+        case 6: case 7: case 10: v = 0.3f; break;
         case 8: v = -kInf; break;
       }
       row[j] = v;
@@ -414,13 +453,14 @@ std::vector<float> window_rows(std::mt19937_64& rng) {
     if (t == 3) for (int i = 0; i < 10; ++i) row[(i * 6007 + 13) % n] = -0.001f;
     if (t == 4 || t == 5)
       for (int i = 0; i < (t == 4 ? 100 : 600); ++i) row[(static_cast<int64_t>(i) * 104729 + 7) % n] = kInf;
-    if (t == 6 || t == 7) {
+    if (t == 6 || t == 7 || t == 10) {
       // 2.0 is the largest finite key (prefix P = 0xc000); 510 values of 1.5; 30 ties at K* with
-      // prefix P - 255 (the window's lowest bin, row 6) or P - 256 (just below it, row 7).
-      const float kstar = num::f32_from_bits(t == 6 ? 0x3f010000u : 0x3f00ffffu);
+      // prefix P - 255 (the window's lowest bin, row 6) or P - 256 (just below it, row 7); row 10:
+      // one K* in the lowest bin, so that the k-th key's bucket holds it alone (the whole bucket).
+      const float kstar = num::f32_from_bits(t == 7 ? 0x3f00ffffu : 0x3f010000u);
       row[40000] = 2.0f;
       for (int i = 0; i < 510; ++i) row[(static_cast<int64_t>(i) * 127 + 11) % n] = 1.5f;
-      for (int i = 0; i < 30; ++i) {
+      for (int i = 0; i < (t == 10 ? 1 : 30); ++i) {
         int64_t j = (static_cast<int64_t>(i) * 2111 + 5) % n;
         while (row[j] != 0.3f) j = (j + 1) % n;
         row[j] = kstar;
@@ -430,6 +470,43 @@ std::vector<float> window_rows(std::mt19937_64& rng) {
     if (t == 9) for (int64_t j = 0; j < 49152; ++j) row[j] = -kInf;
   }
   return s;
+}
+
+// The predicted way of each row of a top-k problem (its mask applied, k = min(topk, clen)).
+std::vector<WindowPath> predicted_paths(const TopkProblem& pb) {
+  std::vector<WindowPath> w(static_cast<size_t>(pb.T));
+  for (int64_t t = 0; t < pb.T; ++t) {
+    std::vector<float> row(pb.scores.begin() + t * pb.stride, pb.scores.begin() + t * pb.stride + pb.clen[t]);
+    if (!pb.mask.empty())
+      for (size_t j = 0; j < row.size(); ++j)
+        if (pb.mask[static_cast<size_t>(t * pb.mask_stride) + j / pb.mask_block] == 0) row[j] = -kInf;
+    w[static_cast<size_t>(t)] = window_path(row.data(), static_cast<int64_t>(row.size()),
+                                            std::min<int64_t>(pb.topk, pb.clen[t]));
+  }
+  return w;
+}
+
+// The window form at every cluster size with its path record: the bytes, and the ways the rows took
+// (16-CTA clusters hold every chunk of these rows in shared memory, so there no row may skip the
+// window; with fewer CTAs a chunk may be too long to hold). Returns the 16-CTA record.
+std::vector<uint8_t> check_topk_window_paths(const TopkProblem& pb, const std::string& what,
+                                             Launch mode = Launch::kPlain) {
+  const auto want = reference_topk(pb);
+  const auto paths = predicted_paths(pb);
+  std::vector<uint8_t> rec16;
+  for (int cl : kClusters) {
+    std::vector<uint8_t> rec;
+    TopkRun run;
+    run.cluster = cl;
+    run.window = true;
+    run.mode = mode;
+    run.paths = &rec;
+    const std::string name = what + ", " + cl_name(cl) + ", path record, " + launch_name(mode);
+    expect_same_bytes(gpu_topk(pb, run), want, name, pb.out_stride);
+    expect_window_paths(rec, paths, cl, cl != 16, name);
+    if (cl == 16) rec16 = rec;
+  }
+  return rec16;
 }
 
 TEST(GpuIndexerSelectV3, TopkWindowExchangePaths) {
@@ -443,10 +520,18 @@ TEST(GpuIndexerSelectV3, TopkWindowExchangePaths) {
     ASSERT_EQ(window_path(pb.scores.data() + t * pb.stride, pb.stride, pb.topk), kWindowRows[t].path)
         << "row " << t << " (" << kWindowRows[t].name << ") does not take the path it is meant to";
   check_topk_all_clusters(pb, reference_topk(pb), "window rows, k 512");
+  {
+    namespace wp = kernels::select_window_path;
+    const auto rec = check_topk_window_paths(pb, "window rows, k 512");
+    ASSERT_EQ(rec.size(), static_cast<size_t>(T) * wp::kMaxRanks);
+    EXPECT_EQ(rec[6 * wp::kMaxRanks], wp::kPrefix) << "row 6: 30 ties in the k-th key's bucket";
+    EXPECT_EQ(rec[10 * wp::kMaxRanks], wp::kBucket) << "row 10: the k-th key alone in its bucket";
+  }
   // A k whose k-th key is shared by more CTAs (row 1: a wide band under CTA maxima that differ).
   pb.topk = 8192;
   pb.out_stride = 8192;
   check_topk_all_clusters(pb, reference_topk(pb), "window rows, k 8192");
+  check_topk_window_paths(pb, "window rows, k 8192");
   // The compacted walk (a candidate mask keeping 1 block in 4; the 1e6 outlier's block kept).
   pb.topk = 512;
   pb.out_stride = 576;
@@ -456,6 +541,21 @@ TEST(GpuIndexerSelectV3, TopkWindowExchangePaths) {
   for (auto& m : pb.mask) m = (rng() % 4 == 0) ? 1 : 0;
   pb.mask[777 / 8] = 1;
   check_topk_all_clusters(pb, reference_topk(pb), "window rows, masked", Launch::kPdlLate);
+  check_topk_window_paths(pb, "window rows, masked", Launch::kPdlLate);
+}
+
+// The predicted way of each row of a candidate-mask problem: over the blocks' maxima (positions < clen;
+// the newest block pinned to +inf), k = min(topk_blocks, n_blocks).
+std::vector<WindowPath> predicted_mask_paths(const MaskProblem& pb) {
+  std::vector<WindowPath> w;
+  for (int64_t t = 0; t < pb.T; ++t) {
+    const int64_t c = pb.clen[t], nb = (c + pb.block - 1) / pb.block;
+    std::vector<float> bmax(static_cast<size_t>(nb), -kInf);
+    for (int64_t j = 0; j < c; ++j) bmax[j / pb.block] = num::max_f(bmax[j / pb.block], pb.scores[t * pb.stride + j]);
+    if (nb > 0) bmax[static_cast<size_t>(nb - 1)] = kInf;
+    w.push_back(window_path(bmax.data(), nb, std::min<int64_t>(pb.topk_blocks, nb)));
+  }
+  return w;
 }
 
 TEST(GpuIndexerSelectV3, MaskWindowExchangePaths) {
@@ -470,16 +570,21 @@ TEST(GpuIndexerSelectV3, MaskWindowExchangePaths) {
   // The blocks' maxima (the newest block pinned to +inf): which rows reach the k-th block in the
   // window, for the budget of 2048 blocks.
   int paths[3] = {0, 0, 0};
-  for (int64_t t = 0; t < pb.T; ++t) {
-    std::vector<float> bmax(8192, -kInf);
-    for (int64_t j = 0; j < 65536; ++j) bmax[j / 8] = num::max_f(bmax[j / 8], pb.scores[t * pb.stride + j]);
-    bmax[8191] = kInf;
-    ++paths[static_cast<int>(window_path(bmax.data(), 8192, pb.topk_blocks))];
-  }
+  const std::vector<WindowPath> want_paths = predicted_mask_paths(pb);
+  for (const WindowPath w : want_paths) ++paths[static_cast<int>(w)];
   EXPECT_GT(paths[static_cast<int>(WindowPath::kWindow)], 0);
   EXPECT_GT(paths[static_cast<int>(WindowPath::kFallback)], 0);
   EXPECT_GT(paths[static_cast<int>(WindowPath::kAll)], 0);
   check_mask_all_clusters(pb, "mask window rows");
+  // The path record: every cluster's CTAs took one way, the predicted one.
+  const auto want = reference_mask(pb);
+  for (int cl : kClusters) {
+    std::vector<uint8_t> rec;
+    const std::string name = "mask window rows, " + cl_name(cl) + ", path record";
+    expect_same_bytes(gpu_mask(pb, cl, Launch::kPlain, Entry::kDispatch, nullptr, true, &rec), want, name,
+                      pb.mask_stride);
+    expect_window_paths(rec, want_paths, cl, cl != 16, name);
+  }
 }
 
 // =================================================================================================
@@ -1127,6 +1232,38 @@ TEST(GpuIndexerSelectV3, PairShortRowsAndAFusedMask) {
     const std::string what = "pair with a fused other mask, " + form_name(window);
     expect_same_bytes(d.out.download_checked(), want_t, what + " (top-k)", pb.out_stride);
     expect_same_bytes(d.mask.download_checked(), want_m, what + " (mask)", mp.mask_stride);
+  }
+}
+
+// The pair over the window rows with both halves' path records: the bytes of both, and each half's
+// rows took the predicted ways (the halves are separate clusters and may differ from each other).
+TEST(GpuIndexerSelectV3, PairWindowPathRecords) {
+  V4_REQUIRE_GPU();
+  namespace wp = kernels::select_window_path;
+  std::mt19937_64 rng(0x5e1e3203);
+  const int64_t T = std::size(kWindowRows);
+  auto pb = make_topk_problem(std::vector<int32_t>(static_cast<size_t>(T), 65536), 65536, 512, 576, rng,
+                              Flavour::kNormal);
+  pb.scores = window_rows(rng);
+  const auto mp = mask_of(pb);
+  const auto want_t = reference_topk(pb);
+  const auto want_m = reference_mask(mp);
+  for (int cl : {8, 16}) {
+    SelectionOnDevice d(pb, mp);
+    d.tp.v3_window = d.mp.v3_window = true;
+    d.tp.v3_cluster = d.mp.v3_cluster = cl;
+    PoisonedOutput<uint8_t> rec_t(static_cast<size_t>(T) * wp::kMaxRanks), rec_m(static_cast<size_t>(T) * wp::kMaxRanks);
+    d.tp.v3_window_paths = rec_t.get();
+    d.mp.v3_window_paths = rec_m.get();
+    TestStream stream;
+    EXPECT_TRUE(kernels::run_indexer_select_pair_v3(d.tp, d.mp, stream.s, false));  // an explicit cluster: one launch
+    V4_CUDA_CHECK_LAUNCH();
+    V4_CUDA_CHECK(cudaStreamSynchronize(stream.s));
+    const std::string what = "pair, window rows, " + cl_name(cl);
+    expect_same_bytes(d.out.download_checked(), want_t, what + " (top-k)", pb.out_stride);
+    expect_same_bytes(d.mask.download_checked(), want_m, what + " (mask)", mp.mask_stride);
+    expect_window_paths(rec_t.download_checked(), predicted_paths(pb), cl, cl != 16, what + " (top-k record)");
+    expect_window_paths(rec_m.download_checked(), predicted_mask_paths(mp), cl, cl != 16, what + " (mask record)");
   }
 }
 

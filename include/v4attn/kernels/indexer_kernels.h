@@ -160,6 +160,18 @@ IndexerScoresShape indexer_scores_shape(const IndexerScoresParams& p);
 // block-list entry holds the block index in 8 bits). Host only; the stack's option check uses it.
 bool indexer_scores_mask_tile_ok(int tile_blocks);
 
+// The ways a v3 window exchange can go (IndexerTopkParams / CandidateMaskParams::v3_window_paths).
+// Every CTA of a row's cluster takes the same one (the decision is made from the same exchanged
+// counts), which the record lets a test check.
+namespace select_window_path {
+constexpr uint8_t kNone = 0;      // no window exchange ran (no keys to select, or a chunk too long to hold)
+constexpr uint8_t kAll = 1;       // at most k valid keys: all of them, decided by the exchange
+constexpr uint8_t kBucket = 2;    // the k-th key's 16-bit prefix found, and its whole bucket taken
+constexpr uint8_t kPrefix = 3;    // the k-th key's 16-bit prefix found; radix pass 2 next
+constexpr uint8_t kFallback = 4;  // not within the window: radix pass 0 next, as without it
+constexpr int kMaxRanks = 16;     // entries per row (the largest v3 cluster)
+}  // namespace select_window_path
+
 // ---- candidate mask (candidate source layer) ------------------------------------------------
 // Block score = max over `block` positions (< clen), the block holding clen-1 pinned to +inf; the
 // top min(topk_blocks, n_blocks) blocks with score > -inf (ties: lower block first) get 1, every
@@ -180,6 +192,7 @@ struct CandidateMaskParams {
   int version = 0;                        // 0: v2 with a workspace, else v1; 3: v3 (no workspace)
   int v3_cluster = 0;                     // v3 tuning: CTAs per row (1, 2, 4, 8, 16); 0 = automatic
   bool v3_window = false;                 // v3: the window exchange first (as IndexerTopkParams'; same bytes)
+  uint8_t* v3_window_paths = nullptr;     // v3_window: which way each CTA's exchange went (as IndexerTopkParams')
 };
 // Workspace bytes for run_candidate_mask with T rows of score_stride positions (monotone in every
 // argument). 0 when v2 cannot run such a launch (T > kSelectMaxRows): run_candidate_mask then
@@ -244,6 +257,10 @@ struct IndexerTopkParams {
   // finite value; else passes 0-3 as without it). The same bytes by design (its GPU tests are not
   // yet run). Not yet measured on a GPU: off.
   bool v3_window = false;
+  // Diagnostics (tests, measurement): with v3_window, [T * select_window_path::kMaxRanks] bytes, entry
+  // t * kMaxRanks + rank = which way the window exchange of row t's CTA `rank` went (select_window_path;
+  // entries of ranks past the row's cluster are not written). Null: nothing is recorded.
+  uint8_t* v3_window_paths = nullptr;
 };
 // Workspace bytes for run_indexer_topk with T rows of score_stride positions and this topk
 // (monotone in every argument). 0 when v2 cannot run such a launch (T > kSelectMaxRows):
