@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine from the repo root with the binaries scripts/gpu_stage.sh packed into
 # .gpu/bins.tar.xz (unpacked here into .gpu/): every GPU test, compute-sanitizer memcheck +
-# racecheck, then the benchmarks. Logs go to $OUT; a short table is printed last.
+# racecheck, then the benchmarks. Logs go to $OUT (logs.tgz, rewritten after every step); a short
+# table is printed last. Every step runs under `timeout ${STEP_LIMIT:-540}` seconds.
 # Usage: .gpu/gpu_run.sh [tests|sanitize|bench|main|stack|unpack]...
 # (`unpack` only unpacks, for a command that runs its own steps next, e.g. scripts/ab_cycles.py over
 # .gpu/v4attn and a baseline .gpu/base-<hash>/v4attn that scripts/gpu_stage.sh --base REV packed.)
@@ -22,9 +23,10 @@ summary=()
 run() {  # name, log, command...
   local name=$1 log=$2; shift 2
   local t0=$(date +%s.%N)
-  "$@" >"$OUT/$log" 2>&1; local rc=$?
+  timeout -k 5 "${STEP_LIMIT:-540}" "$@" >"$OUT/$log" 2>&1; local rc=$?  # rc 124: the step hit STEP_LIMIT
   local dt=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{print b-a}')
   summary+=("$(printf '%-34s rc=%-3s %7.1fs  %s' "$name" "$rc" "$dt" "$(grep -E 'PASSED|FAILED|ERROR SUMMARY|passed|failed' "$OUT/$log" | tail -2 | tr '\n' ' ' | cut -c1-90)")")
+  tar -C "$OUT" -czf "$FINAL_OUT/logs.tgz" .  # after every step: a call cut short still returns its logs
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 for s in "${steps[@]}"; do

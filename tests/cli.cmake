@@ -271,6 +271,9 @@ if(V4ATTN_PYTHON3)
   add_test(NAME scripts.gpu_stage_bad_base
            COMMAND sh "${_v4attn_cli_expect}" --exit 2 --stderr-lines 1 --stderr "unknown revision 'no-such-rev'"
                    -- bash "${CMAKE_SOURCE_DIR}/scripts/gpu_stage.sh" --base no-such-rev)
+  add_test(NAME scripts.next_run_bad_group
+           COMMAND sh "${_v4attn_cli_expect}" --exit 2 --stderr-lines 1 --stderr "unknown group 'bogus'"
+                   -- bash "${CMAKE_SOURCE_DIR}/scripts/next_run.sh" window bogus)
   add_test(NAME scripts.gpu_run_bad_step
            COMMAND sh "${_v4attn_cli_expect}" --exit 2 --stderr-lines 1 --stderr "unknown step 'bogus'"
                    -- bash "${CMAKE_SOURCE_DIR}/scripts/gpu_run.sh" tests bogus)

@@ -700,20 +700,26 @@ TEST(GpuIndexerSelectV3, TopkTiledPathForLongRows) {
   for (Flavour f : {Flavour::kNormal, Flavour::kTies}) {
     const auto pb = make_topk_problem({65536, 24577, 24576, 100, 49153}, 65536, 512, 576, rng, f);
     const auto want = reference_topk(pb);
-    for (int cl : {1, 2}) {
-      TopkRun run;
-      run.cluster = cl;
-      expect_same_bytes(gpu_topk(pb, run), want, std::string("tiled 64K, ") + flavour_name(f) + ", " + cl_name(cl),
-                        pb.out_stride);
-    }
+    for (bool window : kWindowForms)  // the window kernels skip the window on chunks they cannot hold
+      for (int cl : {1, 2}) {
+        TopkRun run;
+        run.cluster = cl;
+        run.window = window;
+        expect_same_bytes(gpu_topk(pb, run), want,
+                          std::string("tiled 64K, ") + flavour_name(f) + ", " + cl_name(cl) + ", " + form_name(window),
+                          pb.out_stride);
+      }
   }
   const auto pb = make_topk_problem({600000, 393217, 70000}, 600064, 2048, 2048, rng, Flavour::kTies);
   const auto want = reference_topk(pb);
-  for (int cl : {0, 16}) {
-    TopkRun run;
-    run.cluster = cl;
-    expect_same_bytes(gpu_topk(pb, run), want, "tiled 600K, " + cl_name(cl), pb.out_stride);
-  }
+  for (bool window : kWindowForms)
+    for (int cl : {0, 16}) {
+      TopkRun run;
+      run.cluster = cl;
+      run.window = window;
+      expect_same_bytes(gpu_topk(pb, run), want, "tiled 600K, " + cl_name(cl) + ", " + form_name(window),
+                        pb.out_stride);
+    }
 }
 
 TEST(GpuIndexerSelectV3, TopkFusedCandidateMask) {
@@ -768,11 +774,14 @@ TEST(GpuIndexerSelectV3, TopkCompactedMaskEdges) {
   pb.mask_stride = 25000;
   pb.mask.resize(static_cast<size_t>(pb.T * pb.mask_stride));
   for (auto& m : pb.mask) m = rng() % 4 == 0;
-  for (int cl : {1, 4, 16}) {
-    TopkRun run;
-    run.cluster = cl;
-    expect_same_bytes(gpu_topk(pb, run), reference_topk(pb), "long rows with a mask, " + cl_name(cl), pb.out_stride);
-  }
+  for (bool window : kWindowForms)
+    for (int cl : {1, 4, 16}) {
+      TopkRun run;
+      run.cluster = cl;
+      run.window = window;
+      expect_same_bytes(gpu_topk(pb, run), reference_topk(pb),
+                        "long rows with a mask, " + cl_name(cl) + ", " + form_name(window), pb.out_stride);
+    }
 }
 
 // How many rows of clen walk a chunk tail in clusters of cl CTAs over rows of `stride` slots (the
@@ -1025,9 +1034,11 @@ TEST(GpuIndexerSelectV3, MaskTiledPathAndOlderVersions) {
   for (int budget : {2048, 30000}) {
     pb.topk_blocks = budget;
     const auto want = reference_mask(pb);
-    for (int cl : {1, 2, 0})
-      expect_same_bytes(gpu_mask(pb, cl), want, "tiled mask, budget " + std::to_string(budget) + ", " + cl_name(cl),
-                        pb.mask_stride);
+    for (bool window : kWindowForms)
+      for (int cl : {1, 2, 0})
+        expect_same_bytes(gpu_mask(pb, cl, Launch::kPlain, Entry::kDispatch, nullptr, window), want,
+                          "tiled mask, budget " + std::to_string(budget) + ", " + cl_name(cl) + ", " + form_name(window),
+                          pb.mask_stride);
     for (Entry e : {Entry::kV1, Entry::kV2, Entry::kDirect})
       expect_same_bytes(gpu_mask(pb, 0, Launch::kPlain, e), want,
                         "mask entry " + std::to_string(static_cast<int>(e)) + ", budget " + std::to_string(budget),
