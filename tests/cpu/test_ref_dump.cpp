@@ -2,6 +2,7 @@
 // manifest, and a dumped stack step whose files match the stack's own tensors.
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -14,7 +15,10 @@
 #include "v4attn/config.h"
 #include "v4attn/plan.h"
 #include "v4attn/reference/dump.h"
+#include "v4attn/reference/indexer.h"
+#include "v4attn/reference/prepare_ops.h"
 #include "v4attn/reference/stack.h"
+#include "v4attn/rope_table.h"
 
 namespace {
 
@@ -209,6 +213,83 @@ TEST(Dump, StackStepDumpsTheChosenLayers) {
   const int64_t loc = res.meta.swa_loc[3];
   EXPECT_EQ(0, std::memcmp(ws.data.data() + 3 * 528, st.window_cache(6).data() + wl.data_offset(loc), 512));
   EXPECT_EQ(0, std::memcmp(ws.data.data() + 3 * 528 + 512, st.window_cache(6).data() + wl.scale_offset(loc), 16));
+}
+
+// Which RoPE table each layer rotates with (spec section 2: ratio 0 layers rope_theta without YaRN,
+// ratio > 0 layers compress_rope_theta with YaRN), for Q, the window K and the indexer's q: the dumped
+// tensors before RoPE, rotated here with a table built from the config's keys by hand, must give the
+// dumped tensors after it. (The tables' own arithmetic is tested in test_rope_table.cpp; this is the
+// wiring: a layer handed the other table fails.)
+TEST(Dump, EachLayerRotatesWithItsRatiosTable) {
+  const fs::path dir = fresh_dir("rope_tables");
+  const ModelPlan plan = build_plan(reduced_config(), 1);
+  const ModelConfig& c = plan.config;
+  StackOptions so;
+  so.max_context = 320;
+  so.seed = 11;
+  RefStack st(plan, so);
+  synthetic_prefill(st, {301});
+  Dumper d(dir.string());
+  StepOptions o;
+  o.dumper = &d;
+  o.dump_layers = {0, 2, 6};  // ratio 0; ratio 2 (an index source); ratio 1 (an index source)
+  const StepResult res = st.run_step(make_verify_batch({301}, 6), o);
+  const int64_t T = res.meta.rows;
+  const int64_t max_pos = st.max_pos();
+  const auto table_for = [&](int ratio) {
+    RopeParams p;
+    p.base = ratio == 0 ? c.rope_theta : c.compress_rope_theta;
+    p.yarn = ratio != 0;
+    p.factor = c.rope_factor;
+    p.original_seq_len = c.original_seq_len;
+    p.beta_fast = c.beta_fast;
+    p.beta_slow = c.beta_slow;
+    return build_rope_table(p, max_pos);
+  };
+  const auto load = [&](const std::string& name) { return parse_npy(read_file(dir / (name + ".npy"))).data; };
+  const auto bf16s = [](const std::string& bytes) {
+    std::vector<num::bf16_t> v(bytes.size() / 2);
+    std::memcpy(v.data(), bytes.data(), bytes.size());
+    return v;
+  };
+  const auto f32s = [](const std::string& bytes) {
+    std::vector<float> v(bytes.size() / 4);
+    std::memcpy(v.data(), bytes.data(), bytes.size());
+    return v;
+  };
+  ASSERT_NE(table_for(0), table_for(1)) << "the two tables must differ for the test to mean anything";
+  for (int layer : {0, 2, 6}) {
+    SCOPED_TRACE("layer " + std::to_string(layer));
+    const int ratio = plan.layers[static_cast<size_t>(layer)].ratio;
+    ASSERT_EQ(ratio, layer == 0 ? 0 : layer == 2 ? 2 : 1);
+    const std::vector<float> table = table_for(ratio);
+    char prefix[8];
+    std::snprintf(prefix, sizeof prefix, "L%02d.", layer);
+    const std::string L = prefix;
+    // Q: q (before RoPE) -> q_pad.
+    std::vector<num::bf16_t> q = bf16s(load(L + "q"));
+    ASSERT_EQ(q.size(), static_cast<size_t>(T * c.n_heads * c.head_dim));
+    rope_rows(q.data(), T, c.n_heads, c.head_dim, static_cast<int64_t>(c.n_heads) * c.head_dim, res.meta.pos.data(),
+              table.data(), max_pos);
+    EXPECT_TRUE(q == bf16s(load(L + "q_pad"))) << "Q rotated with another table";
+    // Window K: RMSNorm(qkv_a's kv part, kv_norm) -> RoPE -> window.kv.
+    const std::vector<num::bf16_t> qkv_a = bf16s(load(L + "qkv_a"));
+    const int64_t qkv_w = c.q_lora_rank + 512;
+    const std::vector<float> kv_norm = f32s(load(L + "w.kv_norm"));
+    std::vector<num::bf16_t> kv(static_cast<size_t>(T * 512));
+    rmsnorm_rows(qkv_a.data() + c.q_lora_rank, T, 512, qkv_w, kv_norm.data(), c.norm_eps, kv.data(), 512);
+    rope_rows(kv.data(), T, 1, 512, 512, res.meta.pos.data(), table.data(), max_pos);
+    EXPECT_TRUE(kv == bf16s(load(L + "window.kv"))) << "window K rotated with another table";
+    // The indexer's q (index sources): idx.qi -> RoPE + FP4 indexer quant -> idx.q_codes / q_scales.
+    if (plan.layers[static_cast<size_t>(layer)].is_index_source) {
+      const std::vector<num::bf16_t> qi = bf16s(load(L + "idx.qi"));
+      const int Hi = plan.parallel.local_index_heads;
+      const IndexerQ iq = indexer_q_pack(qi.data(), T, Hi, res.meta.pos.data(), table.data(), max_pos);
+      const std::string codes = load(L + "idx.q_codes"), scales = load(L + "idx.q_scales");
+      EXPECT_EQ(std::string(iq.codes.begin(), iq.codes.end()), codes) << "indexer q rotated with another table";
+      EXPECT_EQ(std::string(iq.scales.begin(), iq.scales.end()), scales);
+    }
+  }
 }
 
 }  // namespace

@@ -101,6 +101,19 @@ TEST(RefStack, ReducedVerifyStepEndToEnd) {
       if (masked) {
         EXPECT_GT(k, 0);
         EXPECT_LE(k, plan.config.candidate_topk_blocks * plan.config.candidate_block_size);
+        // Every selected position lies in a block the candidate source kept for this row (the mask
+        // excludes most of this context: 8 blocks of 8 of 4096 positions), so a masked layer whose
+        // scores were not masked would select outside it.
+        const uint8_t* mrow = st.candidate_mask().data() + t * st.candidate_mask_stride();
+        int64_t kept_blocks = 0;
+        for (int64_t b = 0; b < st.candidate_mask_stride(); ++b) kept_blocks += mrow[b] != 0;
+        EXPECT_EQ(kept_blocks, std::min<int64_t>(plan.config.candidate_topk_blocks,
+                                                 (clen + plan.config.candidate_block_size - 1) /
+                                                     plan.config.candidate_block_size))
+            << "row " << t;
+        for (int i = 0; i < k; ++i)
+          EXPECT_NE(mrow[(row[i] - table[0]) / plan.config.candidate_block_size], 0)
+              << "row " << t << ": selected compressed position " << row[i] - table[0] << " is outside the mask";
       } else {
         EXPECT_EQ(k, std::min(plan.config.index_topk, clen)) << "row " << t;
       }
