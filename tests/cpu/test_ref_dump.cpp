@@ -14,6 +14,7 @@
 
 #include "v4attn/config.h"
 #include "v4attn/plan.h"
+#include "v4attn/reference/attention.h"
 #include "v4attn/reference/dump.h"
 #include "v4attn/reference/indexer.h"
 #include "v4attn/reference/prepare_ops.h"
@@ -289,6 +290,65 @@ TEST(Dump, EachLayerRotatesWithItsRatiosTable) {
       EXPECT_EQ(std::string(iq.codes.begin(), iq.codes.end()), codes) << "indexer q rotated with another table";
       EXPECT_EQ(std::string(iq.scales.begin(), iq.scales.end()), scales);
     }
+  }
+}
+
+// The stack's attention is the spec's over what the layer's prepare left (section 4: the window of
+// window_size positions max(0, pos - 127)..pos of the layer's window cache, the top-k entries of the
+// kv source's compressed cache, the sink): attn_out recomputed here from the dumped inputs, with the
+// inputs set from the spec and the pool rather than from the stack's own wiring, must match bytes.
+TEST(Dump, AttentionReadsTheSpecsKeys) {
+  const fs::path dir = fresh_dir("attention_keys");
+  const ModelPlan plan = build_plan(reduced_config(), 1);
+  const ModelConfig& c = plan.config;
+  ASSERT_EQ(c.window_size, 128);
+  StackOptions so;
+  so.max_context = 320;
+  so.seed = 13;
+  RefStack st(plan, so);
+  synthetic_prefill(st, {301});
+  Dumper d(dir.string());
+  StepOptions o;
+  o.dumper = &d;
+  o.dump_layers = {0, 2, 6, 8};
+  const StepResult res = st.run_step(make_verify_batch({301}, 6), o);
+  const auto load = [&](const std::string& name) { return parse_npy(read_file(dir / (name + ".npy"))).data; };
+  for (int layer : {0, 2, 6, 8}) {
+    SCOPED_TRACE("layer " + std::to_string(layer));
+    const LayerPlan& lp = plan.layers[static_cast<size_t>(layer)];
+    char prefix[8];
+    std::snprintf(prefix, sizeof prefix, "L%02d.", layer);
+    const std::string L = prefix;
+    const std::string q = load(L + "q_pad"), wc = load(L + "window.cache"), sink = load(L + "w.attn_sink");
+    AttentionInputs ai;
+    ai.T = res.meta.rows;
+    ai.heads = c.n_heads;
+    ai.q = reinterpret_cast<const num::bf16_t*>(q.data());
+    ai.h_pad = c.n_heads;
+    ai.pos = res.meta.pos.data();
+    ai.req = res.meta.req.data();
+    ai.window = 128;  // spec section 1: window_size
+    ai.window_ring = st.pool().window_ring;
+    ai.window_cache = reinterpret_cast<const uint8_t*>(wc.data());
+    ai.window_layout = cache_layout(CacheKind::kWindowV41);
+    ai.window_kind = CacheKind::kWindowV41;
+    ai.attn_sink = reinterpret_cast<const float*>(sink.data());
+    std::string topk, comp;
+    if (lp.ratio > 0) {
+      char src[8];
+      std::snprintf(src, sizeof src, "src%02d.", lp.kv_src);
+      topk = load(L + "topk");
+      comp = load(std::string(src) + "comp_cache");
+      ai.topk = reinterpret_cast<const int32_t*>(topk.data());
+      ai.topk_stride = st.topk_width();
+      ai.comp_cache = reinterpret_cast<const uint8_t*>(comp.data());
+      ai.comp_layout = cache_layout(CacheKind::kCompressedFp4);
+    }
+    std::vector<num::bf16_t> attn(static_cast<size_t>(ai.T * ai.heads * 512));
+    sparse_attention(ai, attn.data());
+    const std::string want = load(L + "attn_out");
+    ASSERT_EQ(want.size(), attn.size() * 2);
+    EXPECT_EQ(0, std::memcmp(want.data(), attn.data(), want.size())) << "the stack's attention read other keys";
   }
 }
 
