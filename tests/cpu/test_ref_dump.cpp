@@ -2,6 +2,8 @@
 // manifest, and a dumped stack step whose files match the stack's own tensors.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -349,6 +351,70 @@ TEST(Dump, AttentionReadsTheSpecsKeys) {
     const std::string want = load(L + "attn_out");
     ASSERT_EQ(want.size(), attn.size() * 2);
     EXPECT_EQ(0, std::memcmp(want.data(), attn.data(), want.size())) << "the stack's attention read other keys";
+  }
+}
+
+// The index sources' scores are the spec's over what the prepare left (section 3.4): the head weights
+// are weights_proj(x) times 128^-0.5 * index_n_heads^-0.5 (index_n_heads of the config, whatever the
+// local heads), and the scores over the kv source's index-K cache at the step's clen and slot table,
+// recomputed here from the dumped tensors (a rescaled weight leaves the top-k as it is: only the
+// scores show it).
+TEST(Dump, IndexerScoresAreTheSpecsOverTheDumpedInputs) {
+  const fs::path dir = fresh_dir("indexer_scores");
+  const ModelPlan plan = build_plan(reduced_config(), 1);
+  const ModelConfig& c = plan.config;
+  StackOptions so;
+  so.max_context = 320;
+  so.seed = 17;
+  RefStack st(plan, so);
+  synthetic_prefill(st, {301});
+  Dumper d(dir.string());
+  StepOptions o;
+  o.dumper = &d;
+  o.dump_layers = {2, 6, 8};
+  const StepResult res = st.run_step(make_verify_batch({301}, 6), o);
+  const auto load = [&](const std::string& name) { return parse_npy(read_file(dir / (name + ".npy"))).data; };
+  const int64_t T = res.meta.rows;
+  const int Hi = plan.parallel.local_index_heads;
+  const float scale = static_cast<float>(1.0 / std::sqrt(128.0 * c.index_n_heads));
+  for (int layer : {2, 6, 8}) {
+    SCOPED_TRACE("layer " + std::to_string(layer));
+    const LayerPlan& lp = plan.layers[static_cast<size_t>(layer)];
+    ASSERT_TRUE(lp.is_index_source);
+    char prefix[8], src[8];
+    std::snprintf(prefix, sizeof prefix, "L%02d.", layer);
+    std::snprintf(src, sizeof src, "src%02d.", lp.kv_src);
+    const std::string L = prefix;
+    const std::string wproj = load(L + "idx.weights_proj_out"), wdump = load(L + "idx.weights");
+    ASSERT_EQ(wproj.size(), static_cast<size_t>(T * Hi * 2));
+    ASSERT_EQ(wdump.size(), static_cast<size_t>(T * Hi * 4));
+    std::vector<float> w(static_cast<size_t>(T * Hi));
+    for (size_t i = 0; i < w.size(); ++i) {
+      num::bf16_t b;
+      std::memcpy(&b, wproj.data() + 2 * i, 2);
+      w[i] = num::mul_rn(num::f32_from_bf16(b), scale);
+    }
+    EXPECT_EQ(0, std::memcmp(w.data(), wdump.data(), wdump.size())) << "head weights with another scale";
+    IndexerQ iq;
+    iq.T = T;
+    iq.heads = Hi;
+    const std::string codes = load(L + "idx.q_codes"), scales = load(L + "idx.q_scales");
+    iq.codes.assign(codes.begin(), codes.end());
+    iq.scales.assign(scales.begin(), scales.end());
+    const std::string ik = load(std::string(src) + "index_k_cache");
+    const std::string clen_b = load("step.clen_r" + std::to_string(lp.ratio));
+    const std::string table_b = load("step.comp_slot_table_r" + std::to_string(lp.ratio));
+    std::vector<int32_t> clen(static_cast<size_t>(T));
+    std::memcpy(clen.data(), clen_b.data(), clen_b.size());
+    const std::string want = load(L + "idx.scores");
+    const int64_t S = static_cast<int64_t>(want.size() / 4) / T;
+    ASSERT_EQ(S, *std::max_element(clen.begin(), clen.end()));
+    std::vector<float> scores(static_cast<size_t>(T * S));
+    const CacheLayout il = cache_layout(CacheKind::kIndexK);
+    indexer_scores(iq, w.data(), reinterpret_cast<const uint8_t*>(ik.data()), il,
+                   static_cast<int64_t>(ik.size()) / il.page_bytes() * il.page_size, res.meta.req.data(), clen.data(),
+                   reinterpret_cast<const int32_t*>(table_b.data()), st.comp_slot_stride(lp.ratio), scores.data(), S);
+    EXPECT_EQ(0, std::memcmp(scores.data(), want.data(), want.size())) << "scores over other inputs";
   }
 }
 
