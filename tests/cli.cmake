@@ -40,6 +40,10 @@ if(V4ATTN_PYTHON3)
   v4attn_cli_test(plan_json --exit 0 --stderr-lines 0
     --stdout-json "d['counts'] == {'window-only': 2, 'full': 4, 'reindex': 4, 'reuse': 30, 'draft': 3} and len(d['layers']) == 43 and d['layers'][25]['idx_src'] == 24"
     -- plan --json)
+  # The prepare's weights (the bytes floor's) against the attention's, per weight and per layer.
+  v4attn_cli_test(plan_json_prepare_weights --exit 0 --stderr-lines 0
+    --stdout-json "sum(l['prepare_weight_bytes'] for l in d['layers'][:40]) == 2160304128 and all((w['use'] == 'attention') == (w['name'] in ('attn_sink', 'wo_a', 'wo_b', 'wo_b.scale')) for l in d['layers'] for w in l['weights'])"
+    -- plan --json)
   v4attn_cli_test(plan_json_tp4 --exit 0 --stderr-lines 0
     --stdout-json "d['local_heads'] == 16 and d['tp'] == 4" -- plan --json --tp 4)
   # scripts/trace_layers.py on a two-layer fixture trace: per-layer time, the side-lane tail past

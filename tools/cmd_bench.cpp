@@ -18,6 +18,7 @@
 #include <fstream>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
@@ -29,6 +30,7 @@
 #include "runtime/phase_stamps.h"
 #include "v4attn/build_info.h"
 #include "v4attn/config.h"
+#include "v4attn/cycle_floor.h"
 #include "v4attn/plan.h"
 #include "v4attn/kernels/qchain.h"
 #include "v4attn/prepare/stack.h"
@@ -346,16 +348,25 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
   }
   out << "\ncycle time, CUDA events over " << c.cycles << " cycle" << (c.cycles == 1 ? "" : "s") << " ("
       << (c.graph ? "graph replays" : "eager") << "):\n";
+  // Issue 6's yardsticks: the cycle's bytes floor (cycle_floor.h) and, for its four cycles, the
+  // plain-PyTorch figure it measured.
+  const CycleFloor floor = prepare_cycle_floor(plan, stack.step_meta());
+  const std::optional<double> torch_us = pytorch_reference_us(c.verify, c.bs, c.context);
   char line[256];
-  std::snprintf(line, sizeof line, "  %-14s %12s %12s %12s %14s\n", "schedule", "median us", "min us", "max us",
-                "us per layer");
+  std::snprintf(line, sizeof line, "  %-14s %12s %12s %12s %14s %9s %10s\n", "schedule", "median us", "min us",
+                "max us", "us per layer", "x floor", "x PyTorch");
   out << line;
   for (const ScheduleResult& r : results) {
     const double med = median(r.cycle_us);
-    std::snprintf(line, sizeof line, "  %-14s %12.1f %12.1f %12.1f %14.2f\n", to_string(r.schedule), med,
-                  min_of(r.cycle_us), max_of(r.cycle_us), med / stack.n_layers());
+    std::snprintf(line, sizeof line, "  %-14s %12.1f %12.1f %12.1f %14.2f %8.2fx %10s\n", to_string(r.schedule), med,
+                  min_of(r.cycle_us), max_of(r.cycle_us), med / stack.n_layers(), med / floor.us(),
+                  torch_us ? fmt("%.2fx", *torch_us / med).c_str() : "-");
     out << line;
   }
+  out << "bytes floor: " << fmt("%.3f", static_cast<double>(floor.weight_bytes) / 1e9) << " GB prepare weights + "
+      << fmt("%.1f", static_cast<double>(floor.index_k_bytes) / 1e6) << " MB index-K reads = "
+      << fmt("%.1f", floor.us()) << " us at 4.27 TB/s (issue 6: cycle <= 1.3x the floor"
+      << (torch_us ? ", >= 8x faster than PyTorch's " + fmt("%.0f", *torch_us) + " us" : std::string()) << ")\n";
 
   int code = 0;
   bool identical = true;
@@ -437,6 +448,9 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
     j["seed"] = c.knobs.seed;
     j["device_bytes"] = stack.device_bytes();
     j["weight_bytes"] = stack.weight_bytes();
+    j["floor"] = {{"weight_bytes", floor.weight_bytes}, {"index_k_bytes", floor.index_k_bytes},
+                  {"bytes", floor.bytes()}, {"us", floor.us()}, {"bytes_per_us", kFloorBytesPerUs}};
+    if (torch_us) j["pytorch_reference_us"] = *torch_us;
     nlohmann::ordered_json sched = nlohmann::ordered_json::array();
     for (const ScheduleResult& r : results) {
       nlohmann::ordered_json js;
@@ -444,6 +458,8 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
       js["cycle_us"] = {{"median", median(r.cycle_us)}, {"min", min_of(r.cycle_us)}, {"max", max_of(r.cycle_us)},
                         {"samples", r.cycle_us}};
       js["us_per_layer"] = median(r.cycle_us) / stack.n_layers();
+      js["ratio_to_floor"] = median(r.cycle_us) / floor.us();
+      if (torch_us) js["speedup_vs_pytorch"] = *torch_us / median(r.cycle_us);
       js["digest"] = ref::checksum_hex(r.digest);
       js["skipped_rows"] = r.errors;
       js["traced"] = r.traced;

@@ -90,9 +90,10 @@ nlohmann::ordered_json plan_json(const ModelPlan& plan) {
     ordered_json weights = ordered_json::array();
     for (const WeightSpec& w : l.weights)
       weights.push_back({{"name", w.name}, {"shape", w.shape}, {"dtype", to_string(w.dtype)},
-                         {"bytes", w.bytes()}});
+                         {"bytes", w.bytes()}, {"use", w.use == WeightUse::kPrepare ? "prepare" : "attention"}});
     jl["weights"] = weights;
     jl["weight_bytes"] = l.weight_bytes();
+    jl["prepare_weight_bytes"] = l.prepare_weight_bytes();
     layers.push_back(jl);
   }
   j["layers"] = layers;

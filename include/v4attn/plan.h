@@ -32,10 +32,15 @@ enum class DType { kF32, kBF16, kE4M3, kUE8M0 };
 const char* to_string(DType d);
 int64_t dtype_bytes(DType d);
 
+// Which part of a layer reads a weight: the prepare (QA, QB, KV, CMP, IDX) or the attention core and
+// output projection after it (attn_sink, wo_a, wo_b). The prepare's bytes floor counts the former.
+enum class WeightUse { kPrepare, kAttention };
+
 struct WeightSpec {
   std::string name;            // e.g. "wq_b", "wq_b.scale", "compressor.wkv"
   std::vector<int64_t> shape;  // local (TP-sharded) shape
   DType dtype;
+  WeightUse use = WeightUse::kPrepare;
   int64_t bytes() const;
 };
 
@@ -52,6 +57,7 @@ struct LayerPlan {
   uint32_t work = 0;             // WorkItem bits
   std::vector<WeightSpec> weights;
   int64_t weight_bytes() const;
+  int64_t prepare_weight_bytes() const;  // the weights the prepare reads (WeightUse::kPrepare)
 };
 
 struct ModelPlan {

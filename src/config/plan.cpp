@@ -63,6 +63,13 @@ int64_t LayerPlan::weight_bytes() const {
   return total;
 }
 
+int64_t LayerPlan::prepare_weight_bytes() const {
+  int64_t total = 0;
+  for (const WeightSpec& w : weights)
+    if (w.use == WeightUse::kPrepare) total += w.bytes();
+  return total;
+}
+
 int ModelPlan::count(LayerMode m) const {
   return static_cast<int>(std::count_if(layers.begin(), layers.end(),
                                         [m](const LayerPlan& l) { return l.mode == m; }));
@@ -83,9 +90,10 @@ int max_at_or_before(const std::vector<int>& sorted_layers, int L) {
 
 // An fp8 [n, k] weight and its ue8m0 scale, one per 32x32 block: [ceil(n/32), k/32]
 // (validate_config guarantees every K is a multiple of 32).
-void add_fp8(std::vector<WeightSpec>& out, const std::string& name, int64_t n, int64_t k) {
-  out.push_back({name, {n, k}, DType::kE4M3});
-  out.push_back({name + ".scale", {(n + 31) / 32, k / 32}, DType::kUE8M0});
+void add_fp8(std::vector<WeightSpec>& out, const std::string& name, int64_t n, int64_t k,
+             WeightUse use = WeightUse::kPrepare) {
+  out.push_back({name, {n, k}, DType::kE4M3, use});
+  out.push_back({name + ".scale", {(n + 31) / 32, k / 32}, DType::kUE8M0, use});
 }
 
 std::vector<WeightSpec> layer_weights(const ModelConfig& c, const ParallelConfig& p,
@@ -115,10 +123,10 @@ std::vector<WeightSpec> layer_weights(const ModelConfig& c, const ParallelConfig
     w.push_back({"indexer.weights_proj", {p.local_index_heads, dim}, DType::kBF16});
   }
   // Output path: heads (and so output groups) are split over TP ranks.
-  w.push_back({"attn_sink", {p.local_heads}, DType::kF32});
+  w.push_back({"attn_sink", {p.local_heads}, DType::kF32, WeightUse::kAttention});
   const int64_t group_rows = int64_t{p.local_groups} * c.o_lora_rank;
-  w.push_back({"wo_a", {group_rows, int64_t{c.n_heads / c.o_groups} * hd}, DType::kBF16});
-  add_fp8(w, "wo_b", dim, group_rows);
+  w.push_back({"wo_a", {group_rows, int64_t{c.n_heads / c.o_groups} * hd}, DType::kBF16, WeightUse::kAttention});
+  add_fp8(w, "wo_b", dim, group_rows, WeightUse::kAttention);
   return w;
 }
 
