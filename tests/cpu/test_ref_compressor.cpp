@@ -3,6 +3,7 @@
 // the Q chain at real V4.1 sizes (layer.h).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -10,6 +11,7 @@
 #include <limits>
 #include <random>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "ref_test_util.h"
@@ -487,6 +489,125 @@ TEST(RefCompressorRatio2, BadInputThrowsBeforeAnyWrite) {
   EXPECT_TRUE(a.same_as(fresh));
 }
 
+// The spec's ratio-2 chain (3.3 and cache-layouts.md "Slots"), written out from its formulas with
+// the single public ops, for one step: the expected caches and pair state are updated in place,
+// the expected per-row outputs returned. Slots, state rows and partners come from the pool and
+// the batch directly (not from StepMeta), so that a wiring error in either shows up.
+struct Ratio2Want {
+  std::vector<float> kvs;  // [T, 1024] = [kv | score]
+  std::vector<bf16_t> latent, kproj;
+  std::vector<int32_t> g;
+};
+Ratio2Want ratio2_by_the_spec(const ref::CompressorWeights& cw, const BatchDesc& b, const RequestPool& pool,
+                              const std::vector<bf16_t>& x, Caches& want) {
+  const int T = b.rows();
+  const CacheLayout& comp_layout = want.view.comp_layout;
+  const CacheLayout& index_layout = want.view.index_k_layout;
+  const float* table = compressed_table().data();
+  Ratio2Want w;
+  w.kvs.assign(static_cast<size_t>(T) * 1024, 0.0f);
+  w.latent.assign(static_cast<size_t>(T) * 512, 0);
+  w.kproj.assign(static_cast<size_t>(T) * 128, 0);
+  w.g.assign(static_cast<size_t>(T), -1);
+  // kv = x_f32 @ wkv^T, score = x_f32 @ wgate^T (padded rows too: the GEMM runs on all rows).
+  std::vector<float> kv(static_cast<size_t>(T) * 512), score(static_cast<size_t>(T) * 512);
+  ref::gemm_f32(x.data(), T, kDim, cw.wkv, kv.data(), 512);
+  ref::gemm_f32(x.data(), T, kDim, cw.wgate, score.data(), 512);
+  for (int t = 0; t < T; ++t) {
+    std::copy_n(kv.begin() + t * 512, 512, w.kvs.begin() + t * 1024);
+    std::copy_n(score.begin() + t * 512, 512, w.kvs.begin() + t * 1024 + 512);
+  }
+  const std::vector<float> state_before = want.state;  // every partner read sees the state before the step
+  for (int t = 0; t < T; ++t) {
+    const int req = b.req[t], pos = b.pos[t];
+    if (req < 0) continue;  // padded row: nothing
+    const int32_t state_row = req * pool.pair_ring + pos % pool.pair_ring;
+    if (pos % 2 == 0) {  // parks (kv, score) for the odd partner to come
+      std::copy_n(w.kvs.begin() + t * 1024, 1024, want.state.begin() + static_cast<size_t>(state_row) * 1024);
+      continue;
+    }
+    // Odd: the group (pos - 1, pos); partner a = the previous row of the request if it is in the
+    // batch, else its parked state row.
+    const bool partner_in_batch = t > 0 && b.req[t - 1] == req && b.pos[t - 1] == pos - 1;
+    const int32_t partner_state_row = req * pool.pair_ring + (pos - 1) % pool.pair_ring;
+    const float* a = partner_in_batch ? w.kvs.data() + (t - 1) * 1024
+                                      : state_before.data() + static_cast<size_t>(partner_state_row) * 1024;
+    const float* self = w.kvs.data() + t * 1024;
+    std::vector<bf16_t> pooled(512);
+    for (int d = 0; d < 512; ++d) {
+      const float sa = a[512 + d], sb = self[512 + d];
+      const float m = std::max(sa, sb);
+      const float ea = num::exp_f32_via_f64(sa - m), eb = num::exp_f32_via_f64(sb - m);
+      const float pa = ea / (ea + eb), pb = eb / (ea + eb);
+      const float kv_a_pa = a[d] * pa, kv_b_pb = self[d] * pb;  // each product rounded, then summed
+      pooled[d] = num::bf16_from_f32(kv_a_pa + kv_b_pb);          // the pooled vector is bf16 before its norm
+    }
+    bf16_t* latent = w.latent.data() + t * 512;
+    ref::rmsnorm_rows(pooled.data(), 1, 512, 512, cw.c_norm.data(), kEps, latent, 512);
+    const int32_t g[1] = {pos - 1};
+    w.g[t] = g[0];
+    const int32_t slot = pool.full_slot(req, pos) / 2;  // c_out_loc: the completing row's slot / r
+    // (a) index key from the latent before its RoPE; RoPE at g inside index_k_store.
+    bf16_t* kproj = w.kproj.data() + t * 128;
+    ref::gemm_bf16(latent, 1, 512, cw.wk, kproj, 128);
+    const int32_t loc[1] = {slot};
+    EXPECT_EQ(ref::index_k_store(kproj, 1, cw.k_norm.data(), kEps, g, table, kMaxPos, loc, index_layout,
+                                 want.index_k.data(), want.view.index_k_slots),
+              0);
+    // (b) compressed KV: RoPE at g on dims 448..511, FP4 KV quant.
+    std::vector<bf16_t> roped(latent, latent + 512);
+    ref::rope_rows(roped.data(), 1, 1, 512, 512, g, table, kMaxPos);
+    ref::store_compressed_fp4(roped.data(), comp_layout, want.comp.data(), slot);
+  }
+  return w;
+}
+
+TEST(RefCompressorRatio2, PiecesAreTheSingleOps) {
+  const ref::CompressorWeights cw = make_compressor(2, 3105);
+  const RequestPool pool = make_request_pool(3, 512, 6, 128);  // pair ring 8
+  const int64_t slots = pool.full_pool_slots() / 2 + 1;
+  const int64_t state_rows = 3LL * pool.pair_ring;
+  Caches got(slots, state_rows), want(slots, state_rows);
+  // Step 1: request 0 decodes at 20 (parks); request 1 verifies 40..45 (groups
+  // paired inside the batch, and 44 parks too); request 2 decodes at 18 (parks); two padded rows.
+  // Step 2: request 0 decodes at 21 (its partner 20 comes from the state); request 1 decodes at 46
+  // (parks); request 2 verifies 19..24 (19 pairs with the parked 18, then 20..23 in the batch,
+  // 24 parks); one padded row.
+  BatchDesc step1, step2;
+  step1.req = {0, 1, 1, 1, 1, 1, 1, 2, -1, -1};
+  step1.pos = {20, 40, 41, 42, 43, 44, 45, 18, 0, 0};
+  step2.req = {0, 1, 2, 2, 2, 2, 2, 2, -1};
+  step2.pos = {21, 46, 19, 20, 21, 22, 23, 24, 0};
+  int64_t groups = 0;
+  for (const BatchDesc* b : {&step1, &step2}) {
+    const StepMeta meta = build_step_meta(*b, pool, kMaxPos);
+    const std::vector<bf16_t> x = x_for(*b, 11);
+    const ref::CompressorOut o =
+        ref::compressor_forward(cw, x.data(), kDim, meta, compressed_table().data(), kMaxPos, kEps, got.view);
+    const Ratio2Want w = ratio2_by_the_spec(cw, *b, pool, x, want);
+    const std::string step = b == &step1 ? "step 1" : "step 2";
+    EXPECT_EQ(o.skipped, 0) << step;
+    EXPECT_TRUE(o.kvs == w.kvs) << step << ": kvs is not [x @ wkv^T | x @ wgate^T]";
+    EXPECT_EQ(o.g, w.g) << step;
+    EXPECT_TRUE(o.latent_pre_rope == w.latent) << step << ": latent (pre-RoPE)";
+    EXPECT_TRUE(o.kproj == w.kproj) << step << ": kproj = wk(latent)";
+    EXPECT_TRUE(got.comp == want.comp) << step << ": compressed-KV cache bytes";
+    EXPECT_TRUE(got.index_k == want.index_k) << step << ": index-K cache bytes";
+    for (int64_t r = 0; r < state_rows; ++r)
+      EXPECT_EQ(std::memcmp(got.state.data() + r * 1024, want.state.data() + r * 1024, 1024 * sizeof(float)), 0)
+          << step << ": pair state row " << r;
+    for (int32_t g : w.g) groups += g >= 0;
+  }
+  // The case exercises what it claims: 3 groups in step 1, 1 + 3 in step 2, and the partners
+  // step 2 read from the state (position 20 of request 0, 18 of request 2) had really been parked
+  // (finite score; an unparked row would give the partner weight 0).
+  EXPECT_EQ(groups, 7);
+  EXPECT_EQ(written_slots(got.comp, got.view.comp_layout, slots), 7);
+  EXPECT_EQ(written_slots(got.index_k, got.view.index_k_layout, slots), 7);
+  EXPECT_TRUE(std::isfinite(want.state[(0 * pool.pair_ring + 20 % pool.pair_ring) * 1024 + 512]));
+  EXPECT_TRUE(std::isfinite(want.state[(2 * pool.pair_ring + 18 % pool.pair_ring) * 1024 + 512]));
+}
+
 // ---- compressor_forward, ratio 1 ------------------------------------------------------------------
 
 TEST(RefCompressorRatio1, VerifyRowsEqualSeparateDecodeSteps) {
@@ -530,6 +651,20 @@ TEST(RefCompressorRatio1, PiecesAreTheSingleOps) {
                                kMaxPos, meta.c_out_loc[1].data(), a.view.index_k_layout, want.data(), slots),
             0);
   EXPECT_EQ(a.index_k, want);
+  // The compressed KV: the latent with RoPE at g = pos, FP4 KV quant, at each completing row's slot
+  // (every live row completes its group at ratio 1; padded rows write nothing).
+  std::vector<bf16_t> roped = latent;
+  ref::rope_rows(roped.data(), 8, 1, 512, 512, meta.pos.data(), compressed_table().data(), kMaxPos);
+  std::vector<uint8_t> want_comp(a.comp.size(), kPoison);
+  int written = 0;
+  for (int t = 0; t < 8; ++t)
+    if (meta.c_out_loc[1][static_cast<size_t>(t)] > 0) {
+      ref::store_compressed_fp4(roped.data() + t * 512, a.view.comp_layout, want_comp.data(),
+                                meta.c_out_loc[1][static_cast<size_t>(t)]);
+      ++written;
+    }
+  EXPECT_EQ(written, 6);
+  EXPECT_EQ(a.comp, want_comp);
   // Out-of-range slots are skipped and counted (compressed and index-K both).
   Caches small(pool.full_slot(0, 103), 0);  // slots of positions 103.. are out of range
   const ref::CompressorOut o2 =
