@@ -14,15 +14,18 @@
 #include <utility>
 #include <vector>
 
+#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 #include "runtime/cuda_utils.h"
+#include "v4attn/build_info.h"
+#include "v4attn/cycle_floor.h"
 
 namespace v4attn::bench {
 
 // The measured D2D copy rate of the H200: what "floor" (the least time to move a kernel's bytes)
 // is computed at, so that %floor compares against what the memory really delivers.
-constexpr double kHbmBytesPerSecond = 4.27e12;
+constexpr double kHbmBytesPerSecond = kFloorBytesPerUs * 1e6;  // the cycle floor's rate (cycle_floor.h)
 // More than twice the 60 MB L2: a memset of it evicts whatever the previous launch left there.
 constexpr size_t kFlushBytes = size_t{128} << 20;
 
@@ -174,10 +177,19 @@ inline void write_json(const std::string& path, const nlohmann::json& rows) {
   f << rows.dump(2) << "\n";
 }
 
-// False (after saying why on stderr, prefixed by the bench's name) when no sm_90 GPU is present.
+// `--version`: the bench's name and the build (version, commit, options) it was built from.
+inline void add_version_flag(CLI::App& app, const char* bench_name) {
+  app.set_version_flag("--version", std::string(bench_name) + ": v4attn " + build_string());
+}
+
+// False (after saying why on stderr, prefixed by the bench's name) when no sm_90 GPU is present;
+// true after printing the build line (which commit the figures that follow come from).
 inline bool gpu_present(const char* bench_name) {
   std::string reason;
-  if (gpu_available(&reason)) return true;
+  if (gpu_available(&reason)) {
+    std::printf("%s: build v4attn %s\n", bench_name, build_string().c_str());
+    return true;
+  }
   std::fprintf(stderr, "%s: needs an sm_90 GPU: %s\n", bench_name, reason.c_str());
   return false;
 }

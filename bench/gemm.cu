@@ -758,6 +758,7 @@ void bench_f32(const Shape& sh, const std::vector<int>& ms, Env& env, std::vecto
 
 int main(int argc, char** argv) {
   CLI::App app{"bench_gemm: validate, then time the prepare-path GEMMs at M = 1..64"};
+  v4attn::bench::add_version_flag(app, "bench_gemm");
   std::vector<int> ms = {1, 6, 8, 24, 48, 64};
   std::vector<std::string> shapes;
   Env env;

@@ -479,6 +479,7 @@ bool validate_chain(Problem& pb, cudaStream_t s, bool with_mask, const SelVersio
 
 int main(int argc, char** argv) {
   CLI::App app{"bench_indexer: validate, then time the lightning-indexer kernels"};
+  v4attn::bench::add_version_flag(app, "bench_indexer");
   std::vector<int> Ts = {1, 6, 8, 48, 64};
   std::vector<int64_t> clens = {4096, 65536};
   std::vector<std::string> shapes = {"decode", "verify"};

@@ -465,6 +465,7 @@ Case q_pack_case(int T) {
 
 int main(int argc, char** argv) {
   CLI::App app{"bench_prepare_kernels: validate, then time the per-layer prepare kernels"};
+  v4attn::bench::add_version_flag(app, "bench_prepare_kernels");
   std::vector<int> Ts = {1, 6, 8, 48, 64};
   int reps = 100;
   int heads = 64;

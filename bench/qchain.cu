@@ -178,6 +178,7 @@ double graph_per_layer_us(const std::function<void(int, cudaStream_t)>& issue_la
 
 int main(int argc, char** argv) {
   CLI::App app{"bench_qchain: validate, then time the fused Q chain of a plain layer against the unfused chain"};
+  v4attn::bench::add_version_flag(app, "bench_qchain");
   std::vector<int> Ts = {1, 6, 8, 16};
   int layers = 8, reps = 30;
   std::string json_path;

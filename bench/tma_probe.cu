@@ -130,6 +130,7 @@ int main(int argc, char** argv) {
   using namespace v4attn;
   using namespace v4attn::bench;
   CLI::App app{"bench_tma_probe: bandwidth of a one-thread TMA weight stream per CTA (no compute) by box shape and ring depth"};
+  v4attn::bench::add_version_flag(app, "bench_tma_probe");
   std::vector<int64_t> ks = {1280, 5120};
   std::vector<int> rows = {64, 128, 256};
   std::vector<int> depths = {1, 2, 4, 6, 8};

@@ -174,6 +174,7 @@ Variant make() {
 int main(int argc, char** argv) {
   using namespace v4attn::bench;
   CLI::App app{"bench_wgmma_probe: per-SM cost of the fp8 GEMM consumer loop's instruction mix"};
+  v4attn::bench::add_version_flag(app, "bench_wgmma_probe");
   int units = 4096, reps = 9;
   std::string json_path;
   app.add_option("--units", units, "units (K blocks) per consumer warpgroup per launch, multiple of 8")->check(CLI::Range(8, 1 << 20));

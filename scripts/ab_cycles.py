@@ -86,6 +86,7 @@ def main():
         jpath = os.path.join(tmp, "bench.json")
         for mode, bs in args.shape:
             runs = {n: [] for n in names}
+            floor_us = None  # the cycle's bytes floor (bench --json "floor"; older builds: none)
             digests = {n: set() for n in names}
             for rep in range(args.reps):
                 for name, binary, extra in args.variant:
@@ -107,6 +108,8 @@ def main():
                     runs[name].append(sched["cycle_us"]["median"])
                     digests[name].add(sched["digest"])
                     builds.setdefault(name, set()).add(build_name(doc))
+                    if isinstance(doc.get("floor"), dict) and doc["floor"].get("us"):
+                        floor_us = float(doc["floor"]["us"])
             if args.dry_run:
                 continue
             ref = statistics.median(runs[names[0]]) if runs[names[0]] else None
@@ -120,16 +123,20 @@ def main():
                 med = statistics.median(runs[n]) if runs[n] else None
                 rows.append({"mode": mode, "bs": bs, "variant": n, "runs_us": runs[n], "median_us": med,
                              "vs_first_pct": None if med is None or not ref else 100.0 * (med - ref) / ref,
+                             "floor_us": floor_us,
+                             "x_floor": None if med is None or not floor_us else med / floor_us,
                              "digests": sorted(digests[n])})
     if args.dry_run:
         return 0
-    print("%-10s %-14s %-28s %10s %9s  %s" % ("shape", "variant", "runs (us)", "median", "vs first", "digest"))
+    print("%-10s %-14s %-28s %10s %9s %8s  %s" % ("shape", "variant", "runs (us)", "median", "vs first", "x floor",
+                                                  "digest"))
     for r in rows:
         runs = " / ".join("%.1f" % v for v in r["runs_us"])
         med = "%.1f" % r["median_us"] if r["median_us"] is not None else "-"
         pct = "%+.2f %%" % r["vs_first_pct"] if r["vs_first_pct"] is not None else "-"
-        print("%-10s %-14s %-28s %10s %9s  %s" % ("%s %d" % (r["mode"], r["bs"]), r["variant"], runs, med, pct,
-                                                 ",".join(r["digests"])))
+        xf = "%.2fx" % r["x_floor"] if r["x_floor"] is not None else "-"
+        print("%-10s %-14s %-28s %10s %9s %8s  %s" % ("%s %d" % (r["mode"], r["bs"]), r["variant"], runs, med, pct, xf,
+                                                      ",".join(r["digests"])))
     for n, binary, _ in args.variant:
         print("build of %s: %s (%s)" % (n, ", ".join(sorted(builds.get(n, {"-"}))), binary or args.bin))
     if args.json:

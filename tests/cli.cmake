@@ -255,7 +255,7 @@ if(V4ATTN_PYTHON3)
            COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/ab_cycles.py" --bin "${_fake_bench}" --variant a=
                    "--variant" "b=--fake-us 10 --fake-no-build" --shape verify:1 --shape decode:2 --reps 2)
   set_tests_properties(scripts.ab_cycles_fake_runs PROPERTIES PASS_REGULAR_EXPRESSION
-    "verify 1 +a +1000\\.0 / 1001\\.0 +1000\\.5 +\\+0\\.00 % +d0\nverify 1 +b +1010\\.5 / 1011\\.5 +1011\\.0 +\\+1\\.05 % +d0\ndecode 2 +a +1002\\.0 / 1003\\.0 .*build of a: 0123456789ab .*build of b: \\? ")
+    "verify 1 +a +1000\\.0 / 1001\\.0 +1000\\.5 +\\+0\\.00 % +2\\.00x +d0\nverify 1 +b +1010\\.5 / 1011\\.5 +1011\\.0 +\\+1\\.05 % +2\\.02x +d0\ndecode 2 +a +1002\\.0 / 1003\\.0 .*build of a: 0123456789ab .*build of b: \\? ")
   add_test(NAME scripts.ab_cycles_fake_digest_differs
            COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/ab_cycles.py" --bin "${_fake_bench}" --variant a=
                    "--variant" "b=--fake-digest d1" --shape verify:1 --reps 1)
