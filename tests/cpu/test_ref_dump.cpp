@@ -8,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <set>
@@ -218,27 +219,41 @@ TEST(Dump, StackStepDumpsTheChosenLayers) {
   EXPECT_EQ(0, std::memcmp(ws.data.data() + 3 * 528 + 512, st.window_cache(6).data() + wl.scale_offset(loc), 16));
 }
 
+// A reduced-config stack after a prefill of 301 positions and one verify step of 6 rows whose chosen
+// layers were dumped into a fresh directory `name`; load(n) reads back the data bytes of n.npy.
+struct DumpedStep {
+  fs::path dir;
+  ModelPlan plan;
+  std::unique_ptr<RefStack> st;
+  StepResult res;
+  DumpedStep(const std::string& name, uint64_t seed, const std::vector<int>& layers)
+      : dir(fresh_dir(name)), plan(build_plan(reduced_config(), 1)) {
+    StackOptions so;
+    so.max_context = 320;
+    so.seed = seed;
+    st = std::make_unique<RefStack>(plan, so);
+    synthetic_prefill(*st, {301});
+    Dumper d(dir.string());
+    StepOptions o;
+    o.dumper = &d;
+    o.dump_layers = layers;
+    res = st->run_step(make_verify_batch({301}, 6), o);
+  }
+  std::string load(const std::string& name) const { return parse_npy(read_file(dir / (name + ".npy"))).data; }
+};
+
 // Which RoPE table each layer rotates with (spec section 2: ratio 0 layers rope_theta without YaRN,
 // ratio > 0 layers compress_rope_theta with YaRN), for Q, the window K and the indexer's q: the dumped
 // tensors before RoPE, rotated here with a table built from the config's keys by hand, must give the
 // dumped tensors after it. (The tables' own arithmetic is tested in test_rope_table.cpp; this is the
 // wiring: a layer handed the other table fails.)
 TEST(Dump, EachLayerRotatesWithItsRatiosTable) {
-  const fs::path dir = fresh_dir("rope_tables");
-  const ModelPlan plan = build_plan(reduced_config(), 1);
+  const DumpedStep ds("rope_tables", 11, {0, 2, 6});  // ratio 0; ratio 2 (an index source); ratio 1 (an index source)
+  const ModelPlan& plan = ds.plan;
   const ModelConfig& c = plan.config;
-  StackOptions so;
-  so.max_context = 320;
-  so.seed = 11;
-  RefStack st(plan, so);
-  synthetic_prefill(st, {301});
-  Dumper d(dir.string());
-  StepOptions o;
-  o.dumper = &d;
-  o.dump_layers = {0, 2, 6};  // ratio 0; ratio 2 (an index source); ratio 1 (an index source)
-  const StepResult res = st.run_step(make_verify_batch({301}, 6), o);
+  const StepResult& res = ds.res;
   const int64_t T = res.meta.rows;
-  const int64_t max_pos = st.max_pos();
+  const int64_t max_pos = ds.st->max_pos();
   const auto table_for = [&](int ratio) {
     RopeParams p;
     p.base = ratio == 0 ? c.rope_theta : c.compress_rope_theta;
@@ -249,7 +264,7 @@ TEST(Dump, EachLayerRotatesWithItsRatiosTable) {
     p.beta_slow = c.beta_slow;
     return build_rope_table(p, max_pos);
   };
-  const auto load = [&](const std::string& name) { return parse_npy(read_file(dir / (name + ".npy"))).data; };
+  const auto load = [&](const std::string& name) { return ds.load(name); };
   const auto bf16s = [](const std::string& bytes) {
     std::vector<num::bf16_t> v(bytes.size() / 2);
     std::memcpy(v.data(), bytes.data(), bytes.size());
@@ -300,21 +315,13 @@ TEST(Dump, EachLayerRotatesWithItsRatiosTable) {
 // kv source's compressed cache, the sink): attn_out recomputed here from the dumped inputs, with the
 // inputs set from the spec and the pool rather than from the stack's own wiring, must match bytes.
 TEST(Dump, AttentionReadsTheSpecsKeys) {
-  const fs::path dir = fresh_dir("attention_keys");
-  const ModelPlan plan = build_plan(reduced_config(), 1);
+  const DumpedStep ds("attention_keys", 13, {0, 2, 6, 8});
+  const ModelPlan& plan = ds.plan;
   const ModelConfig& c = plan.config;
   ASSERT_EQ(c.window_size, 128);
-  StackOptions so;
-  so.max_context = 320;
-  so.seed = 13;
-  RefStack st(plan, so);
-  synthetic_prefill(st, {301});
-  Dumper d(dir.string());
-  StepOptions o;
-  o.dumper = &d;
-  o.dump_layers = {0, 2, 6, 8};
-  const StepResult res = st.run_step(make_verify_batch({301}, 6), o);
-  const auto load = [&](const std::string& name) { return parse_npy(read_file(dir / (name + ".npy"))).data; };
+  const RefStack& st = *ds.st;
+  const StepResult& res = ds.res;
+  const auto load = [&](const std::string& name) { return ds.load(name); };
   for (int layer : {0, 2, 6, 8}) {
     SCOPED_TRACE("layer " + std::to_string(layer));
     const LayerPlan& lp = plan.layers[static_cast<size_t>(layer)];
@@ -360,20 +367,12 @@ TEST(Dump, AttentionReadsTheSpecsKeys) {
 // recomputed here from the dumped tensors (a rescaled weight leaves the top-k as it is: only the
 // scores show it).
 TEST(Dump, IndexerScoresAreTheSpecsOverTheDumpedInputs) {
-  const fs::path dir = fresh_dir("indexer_scores");
-  const ModelPlan plan = build_plan(reduced_config(), 1);
+  const DumpedStep ds("indexer_scores", 17, {2, 6, 8});
+  const ModelPlan& plan = ds.plan;
   const ModelConfig& c = plan.config;
-  StackOptions so;
-  so.max_context = 320;
-  so.seed = 17;
-  RefStack st(plan, so);
-  synthetic_prefill(st, {301});
-  Dumper d(dir.string());
-  StepOptions o;
-  o.dumper = &d;
-  o.dump_layers = {2, 6, 8};
-  const StepResult res = st.run_step(make_verify_batch({301}, 6), o);
-  const auto load = [&](const std::string& name) { return parse_npy(read_file(dir / (name + ".npy"))).data; };
+  const RefStack& st = *ds.st;
+  const StepResult& res = ds.res;
+  const auto load = [&](const std::string& name) { return ds.load(name); };
   const int64_t T = res.meta.rows;
   const int Hi = plan.parallel.local_index_heads;
   const float scale = static_cast<float>(1.0 / std::sqrt(128.0 * c.index_n_heads));
