@@ -5,7 +5,8 @@
 # then device calls with carry [".gpu"] and the commands
 #   .gpu/next_run.sh window       (~6-8 min: the window exchange's tests, memcheck, bench rows, A/B)
 #   .gpu/next_run.sh v3 suite     (~8-9 min: session 35's v3 confirmation, then the whole GPU suite)
-# (no argument: all three groups; more than one 10-minute call holds). Groups:
+#   .gpu/next_run.sh scoreboard   (~4 min: issue 6's table, whenever the tree's figures are wanted)
+# (no argument: window, v3, suite; more than one 10-minute call holds). Groups:
 #  window: the GPU tests of the session-36 window exchange (its path records first, without
 #          --gtest_brief, so that a hang names its test), the selection and stack tests, memcheck of
 #          the window tests, bench_indexer selection rows (v3 / v3w, masked, pair) at 1 / 6 / 24 / 32
@@ -13,7 +14,9 @@
 #  v3:     session 35's open confirmation of 1cd682d (v3 with three block-sum sets at MT 1, NP <= 32):
 #          the v3 GEMM tests, bench_gemm wq_a|wkv / idx_wq_b at 16-64 rows, and cycles of HEAD against
 #          a bb4a38e build (.gpu/base-bb4a38e/v4attn, packed by gpu_stage.sh --base bb4a38e);
-#  suite:  the whole GPU suite (the final word on the tree that was staged).
+#  suite:  the whole GPU suite (the final word on the tree that was staged);
+#  scoreboard: bench_gemm at issue 6's GEMM targets and its four PyTorch-figure cycles, then
+#          scripts/issue6_report.py's tables (the floor, the ratio, the speed-up, targets met).
 # Every step runs under a time limit (new barrier code fails by hanging, and a hung step would take the
 # whole call; rc 124 = it hit the limit), and the logs are packed into $OUT/logs.tgz after every step,
 # so that a call cut short still returns what ran. A short table is printed last.
@@ -21,7 +24,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 groups=("$@"); [[ ${#groups[@]} -eq 0 ]] && groups=(window v3 suite)
 for g in "${groups[@]}"; do
-  case $g in window|v3|suite) ;; *) echo "next_run: unknown group '$g' (window, v3, suite)" >&2; exit 2 ;; esac
+  case $g in window|v3|suite|scoreboard) ;; *) echo "next_run: unknown group '$g' (window, v3, suite, scoreboard)" >&2; exit 2 ;; esac
 done
 .gpu/gpu_run.sh unpack || exit 1
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/cuda/extras/CUPTI/lib64:${LD_LIBRARY_PATH:-}
@@ -70,6 +73,20 @@ group_v3() {
   fi
 }
 group_suite() { step "whole GPU suite" 300 gpu_tests.log $T --gtest_brief=1; }
+# Issue 6's scoreboard on the staged tree: the GEMM targets with their peers and the four cycles the
+# issue has PyTorch figures for, reported by scripts/issue6_report.py (markdown for docs/perf.md).
+group_scoreboard() {
+  step "bench_gemm targets" 240 board_gemm.log .gpu/bench_gemm --shapes wq_b wq_a_wkv --m 1 6 8 24 48 64 \
+    --no-v0 --reps 200 --json "$log/board_gemm.json"
+  local cyc=()
+  for mb in verify:1 decode:1 verify:4 decode:32; do
+    step "cycle ${mb/:/ bs }" 120 "board_${mb/:/_}.log" .gpu/v4attn bench --mode "${mb%%:*}" --bs "${mb##*:}" \
+      --cycles 20 --trace-cycles 0 --schedule three-lane --json "$log/board_${mb/:/_}.json"
+    [[ -f $log/board_${mb/:/_}.json ]] && cyc+=(--cycle "$log/board_${mb/:/_}.json")
+  done
+  step "issue 6 report" 30 issue6_report.md python3 scripts/issue6_report.py --gemm "$log/board_gemm.json" "${cyc[@]}" \
+    --json "$log/issue6_report.json"
+}
 for g in "${groups[@]}"; do "group_$g"; done
 
 echo "== $(tr '\n' ' ' <"$log/gpu.txt")"
@@ -78,6 +95,7 @@ for f in ab_window ab_base; do
 done
 [[ -f $log/bench_indexer.log ]] && { echo "== bench_indexer (select rows)"; grep -E 'topk|mask|pair' "$log/bench_indexer.log" | tail -24; }
 [[ -f $log/bench_gemm.log ]] && { echo "== bench_gemm"; grep -E 'v3|wq_a|idx' "$log/bench_gemm.log" | tail -16; }
+[[ -f $log/issue6_report.md ]] && { echo "== issue 6"; cat "$log/issue6_report.md"; }
 echo "== failures"; grep -hE '^\[  FAILED|FAILED TEST' "$log"/*.log 2>/dev/null | sort -u | head -30
 echo "== summary"; printf '%s\n' "${summary[@]}"
 rm -rf "$log"

@@ -281,6 +281,22 @@ if(V4ATTN_PYTHON3)
   add_test(NAME scripts.gpu_run_bad_step
            COMMAND sh "${_v4attn_cli_expect}" --exit 2 --stderr-lines 1 --stderr "unknown step 'bogus'"
                    -- bash "${CMAKE_SOURCE_DIR}/scripts/gpu_run.sh" tests bogus)
+  # scripts/issue6_report.py over fixture JSONs: the best exact version per GEMM target with its share of
+  # the floor and 1-ulp fraction, a peer without an algorithm, unmeasured targets counted unmet; the
+  # cycles' ratio to the floor and speed-up over PyTorch; the count of targets met.
+  add_test(NAME scripts.issue6_report_fixtures
+           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/issue6_report.py"
+                   --gemm "${CMAKE_SOURCE_DIR}/tests/data/issue6_gemm.json"
+                   --cycle "${CMAKE_SOURCE_DIR}/tests/data/issue6_cycle_verify1.json"
+                   --cycle "${CMAKE_SOURCE_DIR}/tests/data/issue6_cycle_decode8.json")
+  set_tests_properties(scripts.issue6_report_fixtures PROPERTIES PASS_REGULAR_EXPRESSION
+    "\\| wq_b \\| 1 \\| v2 \\| 11\\.48 \\| 85\\.8 % \\(met\\) \\| 0\\.012 % \\| 22\\.20 \\| no algorithm \\|.*\\| wq_a_wkv \\| 1 \\| v6 \\| 5\\.56 \\| 38\\.7 % \\(not met\\).*\\| wq_a_wkv \\| 48 \\| not measured .*\\| verify bs 1 \\| 6 \\| 509\\.6 us \\| 1148\\.0 us \\(three-lane\\) \\| 2\\.25x \\(not met\\) \\| 5\\.48 ms \\| 4\\.77x \\(not met\\) \\|.*\\| decode bs 8 \\| 8 \\| 535\\.1 us \\| 600\\.0 us \\(three-lane\\) \\| 1\\.12x \\(met\\) \\| - \\| - \\|.*issue 6 targets met: 2 of 15")
+  add_test(NAME scripts.issue6_report_missing_file
+           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/issue6_report.py" --cycle /nonexistent/cycle.json)
+  set_tests_properties(scripts.issue6_report_missing_file PROPERTIES WILL_FAIL TRUE)
+  add_test(NAME scripts.issue6_report_no_inputs
+           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/issue6_report.py")
+  set_tests_properties(scripts.issue6_report_no_inputs PROPERTIES WILL_FAIL TRUE)
   add_test(NAME scripts.ab_cycles_bad_shape
            COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/ab_cycles.py" --variant base= --shape verify:x --dry-run)
   set_tests_properties(scripts.ab_cycles_bad_shape PROPERTIES WILL_FAIL TRUE)
