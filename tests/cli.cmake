@@ -22,6 +22,14 @@ function(v4attn_cli_test name)
   set_tests_properties(cli.${name} PROPERTIES LABELS cli TIMEOUT 60)
 endfunction()
 
+# --- the bytes floor of a cycle from the plan alone (no GPU) ---
+v4attn_cli_test(plan_floor --exit 0 --stderr-lines 0
+  --stdout "^  verify bs 1 +6 +2\\.160 +15\\.6 +509\\.6 +5480$" --stdout "^  decode bs 8 +8 +2\\.160 +124\\.8 +535\\.1 +-$"
+  -- plan --floor verify:1 --floor decode:8)
+v4attn_cli_test(plan_floor_bad_shape --exit 2 --stderr-lines 1 --stderr "--floor takes decode:BS or verify:BS"
+  -- plan --floor verify:0)
+v4attn_cli_test(plan_floor_bad_mode --exit 2 --stderr-lines 1 --stderr "--floor takes" -- plan --floor prefill:2)
+
 # --- help and version: exit 0, text on stdout, nothing on stderr ---
 v4attn_cli_test(help --exit 0 --stderr-lines 0 --stdout "Subcommands:" --stdout "^ +plan " -- --help)
 v4attn_cli_test(version --exit 0 --stderr-lines 0
@@ -44,6 +52,9 @@ if(V4ATTN_PYTHON3)
   v4attn_cli_test(plan_json_prepare_weights --exit 0 --stderr-lines 0
     --stdout-json "sum(l['prepare_weight_bytes'] for l in d['layers'][:40]) == 2160304128 and all((w['use'] == 'attention') == (w['name'] in ('attn_sink', 'wo_a', 'wo_b', 'wo_b.scale')) for l in d['layers'] for w in l['weights'])"
     -- plan --json)
+  v4attn_cli_test(plan_floor_json --exit 0 --stderr-lines 0
+    --stdout-json "[round(f['us'], 1) for f in d['floors']] == [509.6, 622.8] and d['floors'][1]['pytorch_reference_us'] == 7440 and d['floors'][0]['rows'] == 6"
+    -- plan --json --floor verify:1 --floor decode:32)
   v4attn_cli_test(plan_json_tp4 --exit 0 --stderr-lines 0
     --stdout-json "d['local_heads'] == 16 and d['tp'] == 4" -- plan --json --tp 4)
   # scripts/trace_layers.py on a two-layer fixture trace: per-layer time, the side-lane tail past

@@ -1,8 +1,10 @@
 // `v4attn plan`: the layer plan of a config (roles, sources, work items, weights) as a table, or
-// as JSON with --json. Also the shared --config/--tp options and the plan summary.
+// as JSON with --json; with --floor MODE:BS, the prepare cycle's bytes floor of such steps
+// (cycle_floor.h: no GPU needed). Also the shared --config/--tp options and the plan summary.
 #include <cstdio>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
@@ -10,6 +12,8 @@
 
 #include "cli.h"
 #include "v4attn/config.h"
+#include "v4attn/cycle_floor.h"
+#include "v4attn/reference/step.h"
 
 namespace v4attn::cli {
 
@@ -107,7 +111,80 @@ nlohmann::ordered_json plan_json(const ModelPlan& plan) {
 struct PlanOptions {
   ConfigOptions config;
   bool json = false;
+  std::vector<std::string> floors;  // MODE:BS
+  int context = 65536;
 };
+
+// The bytes floor of one step shape: bs requests at `context` prefilled positions, one row each
+// (decode) or dspark_block_size + 1 (verify).
+struct FloorRow {
+  bool verify = false;
+  int bs = 0, rows = 0;
+  CycleFloor floor;
+  std::optional<double> pytorch_us;
+};
+
+FloorRow floor_of(const ModelPlan& plan, const std::string& shape, int context) {
+  const size_t colon = shape.find(':');
+  const std::string mode = shape.substr(0, colon);
+  int bs = 0;
+  try {
+    size_t used = 0;
+    if (colon != std::string::npos) bs = std::stoi(shape.substr(colon + 1), &used);
+    if (colon == std::string::npos || used != shape.size() - colon - 1) bs = 0;
+  } catch (const std::exception&) {
+    bs = 0;
+  }
+  if ((mode != "decode" && mode != "verify") || bs < 1 || bs > 4096)
+    throw UsageError("--floor takes decode:BS or verify:BS (BS 1..4096), not '" + shape + "'");
+  FloorRow r;
+  r.verify = mode == "verify";
+  r.bs = bs;
+  const int v = r.verify ? plan.config.dspark_block_size + 1 : 1;
+  r.rows = bs * v;
+  const RequestPool pool = make_request_pool(bs, context + v, v, plan.config.window_size);
+  const std::vector<int32_t> ctx(static_cast<size_t>(bs), context);
+  const StepMeta meta =
+      build_step_meta(r.verify ? make_verify_batch(ctx, v) : make_decode_batch(ctx), pool, context + v);
+  r.floor = prepare_cycle_floor(plan, meta);
+  r.pytorch_us = pytorch_reference_us(r.verify, bs, context);
+  return r;
+}
+
+void print_floors(const std::vector<FloorRow>& rows, int context, int tp, std::ostream& out) {
+  out << "\nprepare cycle bytes floor (per rank at tp " << tp << ", context " << context
+      << ", at 4.27 TB/s; weights read once, index-K reads of each request's rows):\n";
+  char line[200];
+  std::snprintf(line, sizeof line, "  %-12s %5s %14s %15s %11s %12s\n", "cycle", "rows", "weights GB", "index-K MB",
+                "floor us", "PyTorch us");
+  out << line;
+  for (const FloorRow& r : rows) {
+    const std::string name = std::string(r.verify ? "verify" : "decode") + " bs " + std::to_string(r.bs);
+    std::snprintf(line, sizeof line, "  %-12s %5d %14.3f %15.1f %11.1f %12s\n", name.c_str(), r.rows,
+                  static_cast<double>(r.floor.weight_bytes) / 1e9, static_cast<double>(r.floor.index_k_bytes) / 1e6,
+                  r.floor.us(), r.pytorch_us ? std::to_string(static_cast<int>(*r.pytorch_us)).c_str() : "-");
+    out << line;
+  }
+}
+
+nlohmann::ordered_json floors_json(const std::vector<FloorRow>& rows, int context) {
+  using nlohmann::ordered_json;
+  ordered_json a = ordered_json::array();
+  for (const FloorRow& r : rows) {
+    ordered_json j;
+    j["mode"] = r.verify ? "verify" : "decode";
+    j["bs"] = r.bs;
+    j["rows"] = r.rows;
+    j["context"] = context;
+    j["weight_bytes"] = r.floor.weight_bytes;
+    j["index_k_bytes"] = r.floor.index_k_bytes;
+    j["bytes"] = r.floor.bytes();
+    j["us"] = r.floor.us();
+    if (r.pytorch_us) j["pytorch_reference_us"] = *r.pytorch_us;
+    a.push_back(j);
+  }
+  return a;
+}
 
 }  // namespace
 
@@ -148,13 +225,28 @@ void register_plan_command(CLI::App& app, CommandResult& result) {
               "index sources, candidate role, prepare work items and weight size at a TP size.");
   add_config_options(*sub, options->config);
   sub->add_flag("--json", options->json, "Print the plan as JSON (only JSON on stdout)");
+  sub->add_option("--floor", options->floors,
+                  "Also the prepare cycle's bytes floor of these steps (decode:BS or verify:BS; repeatable): "
+                  "its prepare weights plus the index-K reads of its rows, at 4.27 TB/s, and issue 6's "
+                  "PyTorch figure where it has one (JSON: \"floors\")")
+      ->type_name("MODE:BS");
+  sub->add_option("--context", options->context, "Prefilled positions per request for --floor")
+      ->type_name("N")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1 << 24));
   sub->callback([options, &result] {
     result.action = [options] {
       const ModelPlan plan = plan_from_options(options->config);
-      if (options->json)
-        std::cout << plan_json(plan).dump(2) << "\n";
-      else
+      std::vector<FloorRow> floors;
+      for (const std::string& f : options->floors) floors.push_back(floor_of(plan, f, options->context));
+      if (options->json) {
+        nlohmann::ordered_json j = plan_json(plan);
+        if (!floors.empty()) j["floors"] = floors_json(floors, options->context);
+        std::cout << j.dump(2) << "\n";
+      } else {
         print_table(plan, std::cout);
+        if (!floors.empty()) print_floors(floors, options->context, plan.parallel.tp, std::cout);
+      }
       return 0;
     };
   });
