@@ -96,16 +96,26 @@ def main():
                         continue
                     print("[ab] %s bs %d, %s, run %d/%d" % (mode, bs, name, rep + 1, args.reps), file=sys.stderr,
                           flush=True)
+                    if os.path.exists(jpath):
+                        os.remove(jpath)  # a run that writes no file must not be credited with the last one's
                     r = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                     if r.returncode != 0:
                         print("[ab] failed (exit %d): %s\n%s" % (r.returncode, " ".join(cmd), r.stderr[-2000:]),
                               file=sys.stderr)
                         failed = True
                         continue
-                    with open(jpath, encoding="utf-8") as f:
-                        doc = json.load(f)
-                    sched = doc["schedules"][0]
+                    try:
+                        with open(jpath, encoding="utf-8") as f:
+                            doc = json.load(f)
+                        sched = doc["schedules"][0]
+                    except (OSError, ValueError, KeyError, IndexError) as e:
+                        print("[ab] no result from %s: %s" % (" ".join(cmd), e), file=sys.stderr)
+                        failed = True
+                        continue
                     runs[name].append(sched["cycle_us"]["median"])
+                    # As it comes, so that a run cut off by a time limit still leaves its figures in the log.
+                    print("[ab] %s bs %d, %s: %.1f us, digest %s" % (mode, bs, name, runs[name][-1], sched["digest"]),
+                          file=sys.stderr, flush=True)
                     digests[name].add(sched["digest"])
                     builds.setdefault(name, set()).add(build_name(doc))
                     if isinstance(doc.get("floor"), dict) and doc["floor"].get("us"):

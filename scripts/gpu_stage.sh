@@ -25,11 +25,8 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 cmake --build "$build" --parallel "$(nproc)"
-rm -rf .gpu && mkdir -p .gpu/bin
-for f in v4attn v4attn_gpu_tests v4attn_tests "$build"/bench_*; do
-  f=${f#"$build"/}
-  [[ -x $build/$f ]] && cp "$build/$f" .gpu/bin/ && strip .gpu/bin/"$f"
-done
+# The baselines first: a failed base build then leaves the previous .gpu/ as it was.
+base_bins=()
 for rev in "${bases[@]}"; do
   short=$(git rev-parse --short=7 "$rev")
   wt=${V4ATTN_BASE_DIR:-/tmp/v4attn-base}/$short
@@ -41,8 +38,16 @@ for rev in "${bases[@]}"; do
   cmake -S "$wt" -B "$wt/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
         -DV4ATTN_CUTLASS_INCLUDE="$root/.deps/cutlass/include" >/dev/null
   cmake --build "$wt/build" --parallel "$(nproc)" --target v4attn
-  mkdir -p ".gpu/bin/base-$short"
-  cp "$wt/build/v4attn" ".gpu/bin/base-$short/" && strip ".gpu/bin/base-$short/v4attn"
+  base_bins+=("$short:$wt/build/v4attn")
+done
+rm -rf .gpu && mkdir -p .gpu/bin
+for f in v4attn v4attn_gpu_tests v4attn_tests "$build"/bench_*; do
+  f=${f#"$build"/}
+  [[ -x $build/$f ]] && cp "$build/$f" .gpu/bin/ && strip .gpu/bin/"$f"
+done
+for b in "${base_bins[@]}"; do
+  mkdir -p ".gpu/bin/base-${b%%:*}"
+  cp "${b#*:}" ".gpu/bin/base-${b%%:*}/v4attn" && strip ".gpu/bin/base-${b%%:*}/v4attn"
 done
 tar -C .gpu -cf - bin | xz -T0 -6 > .gpu/bins.tar.xz
 rm -rf .gpu/bin

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Issue 6's scoreboard from the benchmarks' JSON files: the GEMM targets (wq_b and wq_a|wkv at M = 1, 6,
 8, 24, 48, 64: >= 85 % of the bytes floor) with the cuBLASLt peers beside them, and the cycle targets
-(<= 1.3x the cycle's bytes floor; >= 8x faster than the issue's plain-PyTorch figure where it has one),
+(<= 1.3x the cycle's bytes floor; >= 8x faster than the issue's plain-PyTorch figure where it has one; its
+four cycles with PyTorch figures always listed, "not measured" when no file gives them),
 as markdown tables for docs/perf.md and a count of the targets met.
 
   scripts/issue6_report.py --gemm bench_gemm.json --cycle verify1.json --cycle decode32.json ... [--json F]
@@ -72,7 +73,9 @@ def gemm_table(rows):
             if not ours:
                 out.append(f"| {shape} | {m} | none valid | - | - | - | - | - |")
                 continue
-            us, best = min(ours, key=lambda x: x[0])
+            # The target is the share of the floor: the best row by it (the +quant / fused-quant rows move
+            # other bytes, so the fastest row need not be the one closest to its floor).
+            us, best = max(ours, key=lambda x: float(x[1].get("floor_us") or 0.0) / x[0])
             pct = 100.0 * float(best["floor_us"]) / us if best.get("floor_us") else None
             ok = pct is not None and pct >= GEMM_TARGET_PCT
             met += ok
@@ -105,8 +108,14 @@ def cycle_row(doc, path):
             "build": (doc.get("build") or {}).get("commit")}
 
 
+# The cycles issue 6 has PyTorch figures for (mode, bs): each counts its two targets, measured or not.
+ISSUE_CYCLES = (("verify", 1), ("decode", 1), ("decode", 32), ("verify", 4))
+
+
 def cycle_table(cycles):
     out, met, total = [], 0, 0
+    measured = {(c["mode"], c["bs"]) for c in cycles}
+    missing = [mb for mb in ISSUE_CYCLES if mb not in measured]
     out.append("| cycle | rows | floor | %s | ratio (target <= 1.3) | PyTorch | speed-up (target >= 8) |" % "time")
     out.append("|---|---|---|---|---|---|---|")
     for c in cycles:
@@ -123,6 +132,9 @@ def cycle_table(cycles):
         out.append("| %s bs %s | %s | %s | %.1f us (%s) | %s | %s | %s |" % (
             c["mode"], c["bs"], c["rows"], "%.1f us" % c["floor_us"] if c["floor_us"] else "-", c["median_us"],
             c["schedule"], ratio, "%.2f ms" % (c["pytorch_us"] / 1000.0) if c["pytorch_us"] else "-", speed))
+    for mode, bs in missing:  # a target the files do not measure counts as not met
+        total += 2
+        out.append("| %s bs %d | - | - | not measured | - | - | - |" % (mode, bs))
     return out, met, total
 
 
@@ -145,7 +157,7 @@ def main():
             met, total = met + m, total + t
             doc["gemm"] = {"met": m, "targets": t}
         cycles = [cycle_row(load(p), p) for p in args.cycle]
-        if cycles:
+        if cycles or args.gemm:
             lines, m, t = cycle_table(cycles)
             report += ["Cycles (graph, PDL, medians):"] + lines + [""]
             met, total = met + m, total + t

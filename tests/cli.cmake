@@ -256,9 +256,8 @@ if(V4ATTN_PYTHON3)
   set_tests_properties(scripts.ab_cycles_variant_bin PROPERTIES PASS_REGULAR_EXPRESSION
     "^\\.gpu/base-bb4a38e/v4attn bench --mode verify --bs 4 [^\n]+\nv4attn bench --mode verify --bs 4 ")
   add_test(NAME scripts.ab_cycles_variant_empty_bin
-           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/ab_cycles.py" --variant base@=
+           COMMAND sh "${_v4attn_cli_expect}" --exit 2 --stderr "needs an executable after '@'" -- "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/ab_cycles.py" --variant base@=
                    --shape decode:1 --dry-run)
-  set_tests_properties(scripts.ab_cycles_variant_empty_bin PROPERTIES WILL_FAIL TRUE)
   # Its real path over a stand-in bench (tests/data/fake_v4attn_bench.py: no GPU): interleaved runs, their
   # median, the change against the first variant, the builds; differing digests or a failing run fail.
   set(_fake_bench "${CMAKE_SOURCE_DIR}/tests/data/fake_v4attn_bench.py")
@@ -268,17 +267,19 @@ if(V4ATTN_PYTHON3)
   set_tests_properties(scripts.ab_cycles_fake_runs PROPERTIES PASS_REGULAR_EXPRESSION
     "verify 1 +a +1000\\.0 / 1001\\.0 +1000\\.5 +\\+0\\.00 % +2\\.00x +d0\nverify 1 +b +1010\\.5 / 1011\\.5 +1011\\.0 +\\+1\\.05 % +2\\.02x +d0\ndecode 2 +a +1002\\.0 / 1003\\.0 .*build of a: 0123456789ab .*build of b: \\? ")
   add_test(NAME scripts.ab_cycles_fake_digest_differs
-           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/ab_cycles.py" --bin "${_fake_bench}" --variant a=
+           COMMAND sh "${_v4attn_cli_expect}" --exit 1 --stderr "output digests differ" -- "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/ab_cycles.py" --bin "${_fake_bench}" --variant a=
                    "--variant" "b=--fake-digest d1" --shape verify:1 --reps 1)
-  set_tests_properties(scripts.ab_cycles_fake_digest_differs PROPERTIES WILL_FAIL TRUE)
   add_test(NAME scripts.ab_cycles_fake_digest_allowed
            COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/ab_cycles.py" --bin "${_fake_bench}" --variant a=
                    "--variant" "b=--fake-digest d1" --shape verify:1 --reps 1 --allow-digest-change)
   set_tests_properties(scripts.ab_cycles_fake_digest_allowed PROPERTIES PASS_REGULAR_EXPRESSION "verify 1 +b .* d1\n")
+  add_test(NAME scripts.ab_cycles_fake_no_json
+           COMMAND sh "${_v4attn_cli_expect}" --exit 1 --stderr "no result from" -- "${V4ATTN_PYTHON3}"
+                   "${CMAKE_SOURCE_DIR}/scripts/ab_cycles.py" --bin "${_fake_bench}" --variant a=
+                   "--variant" "b=--fake-no-json" --shape verify:1 --reps 1)
   add_test(NAME scripts.ab_cycles_fake_run_fails
-           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/ab_cycles.py" --bin "${_fake_bench}" --variant a=
+           COMMAND sh "${_v4attn_cli_expect}" --exit 1 --stderr "failed .exit 1." -- "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/ab_cycles.py" --bin "${_fake_bench}" --variant a=
                    "--variant" "b=--fake-fail" --shape verify:1 --reps 1)
-  set_tests_properties(scripts.ab_cycles_fake_run_fails PROPERTIES WILL_FAIL TRUE)
   # The GPU staging helpers refuse bad arguments before they build or unpack anything.
   add_test(NAME scripts.gpu_stage_bad_argument
            COMMAND sh "${_v4attn_cli_expect}" --exit 2 --stderr-lines 1 --stderr "unknown argument '--bogus'"
@@ -301,20 +302,16 @@ if(V4ATTN_PYTHON3)
                    --cycle "${CMAKE_SOURCE_DIR}/tests/data/issue6_cycle_verify1.json"
                    --cycle "${CMAKE_SOURCE_DIR}/tests/data/issue6_cycle_decode8.json")
   set_tests_properties(scripts.issue6_report_fixtures PROPERTIES PASS_REGULAR_EXPRESSION
-    "\\| wq_b \\| 1 \\| v2 \\| 11\\.48 \\| 85\\.8 % \\(met\\) \\| 0\\.012 % \\| 22\\.20 \\| no algorithm \\|.*\\| wq_a_wkv \\| 1 \\| v6 \\| 5\\.56 \\| 38\\.7 % \\(not met\\).*\\| wq_a_wkv \\| 48 \\| not measured .*\\| verify bs 1 \\| 6 \\| 509\\.6 us \\| 1148\\.0 us \\(three-lane\\) \\| 2\\.25x \\(not met\\) \\| 5\\.48 ms \\| 4\\.77x \\(not met\\) \\|.*\\| decode bs 8 \\| 8 \\| 535\\.1 us \\| 600\\.0 us \\(three-lane\\) \\| 1\\.12x \\(met\\) \\| - \\| - \\|.*issue 6 targets met: 2 of 15")
+    "\\| wq_b \\| 1 \\| v2 \\| 11\\.48 \\| 85\\.8 % \\(met\\) \\| 0\\.012 % \\| 22\\.20 \\| no algorithm \\|.*\\| wq_a_wkv \\| 1 \\| v6 \\| 5\\.56 \\| 38\\.7 % \\(not met\\).*\\| wq_a_wkv \\| 48 \\| not measured .*\\| verify bs 1 \\| 6 \\| 509\\.6 us \\| 1148\\.0 us \\(three-lane\\) \\| 2\\.25x \\(not met\\) \\| 5\\.48 ms \\| 4\\.77x \\(not met\\) \\|.*\\| decode bs 8 \\| 8 \\| 535\\.1 us \\| 600\\.0 us \\(three-lane\\) \\| 1\\.12x \\(met\\) \\| - \\| - \\|.*\\| decode bs 32 \\| - \\| - \\| not measured .*issue 6 targets met: 2 of 21")
   add_test(NAME scripts.issue6_report_missing_file
-           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/issue6_report.py" --cycle /nonexistent/cycle.json)
-  set_tests_properties(scripts.issue6_report_missing_file PROPERTIES WILL_FAIL TRUE)
+           COMMAND sh "${_v4attn_cli_expect}" --exit 1 --stderr "cannot read /nonexistent/cycle.json" -- "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/issue6_report.py" --cycle /nonexistent/cycle.json)
   add_test(NAME scripts.issue6_report_no_inputs
-           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/issue6_report.py")
-  set_tests_properties(scripts.issue6_report_no_inputs PROPERTIES WILL_FAIL TRUE)
+           COMMAND sh "${_v4attn_cli_expect}" --exit 2 --stderr "give --gemm and / or --cycle files" -- "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/issue6_report.py")
   add_test(NAME scripts.ab_cycles_bad_shape
-           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/ab_cycles.py" --variant base= --shape verify:x --dry-run)
-  set_tests_properties(scripts.ab_cycles_bad_shape PROPERTIES WILL_FAIL TRUE)
+           COMMAND sh "${_v4attn_cli_expect}" --exit 2 --stderr "a shape is decode:BS or verify:BS" -- "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/ab_cycles.py" --variant base= --shape verify:x --dry-run)
   add_test(NAME scripts.ab_cycles_same_names
-           COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/ab_cycles.py" --variant a= --variant a=--eager
+           COMMAND sh "${_v4attn_cli_expect}" --exit 2 --stderr "variant names must differ" -- "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/ab_cycles.py" --variant a= --variant a=--eager
                    --shape decode:1 --dry-run)
-  set_tests_properties(scripts.ab_cycles_same_names PROPERTIES WILL_FAIL TRUE)
   add_test(NAME scripts.trace_layers_no_layers
            COMMAND "${V4ATTN_PYTHON3}" "${CMAKE_SOURCE_DIR}/scripts/trace_layers.py"
                    "${CMAKE_SOURCE_DIR}/tests/configs/missing_key.json")
