@@ -351,7 +351,7 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
   // Issue 6's yardsticks: the cycle's bytes floor (cycle_floor.h) and, for its four cycles, the
   // plain-PyTorch figure it measured.
   const CycleFloor floor = prepare_cycle_floor(plan, stack.step_meta());
-  const std::optional<double> torch_us = pytorch_reference_us(c.verify, c.bs, c.context);
+  const std::optional<double> torch_us = pytorch_reference_us(plan, c.verify, c.bs, c.context);
   char line[256];
   std::snprintf(line, sizeof line, "  %-14s %12s %12s %12s %14s %9s %10s\n", "schedule", "median us", "min us",
                 "max us", "us per layer", "x floor", "x PyTorch");

@@ -13,7 +13,6 @@
 #include "cli.h"
 #include "v4attn/config.h"
 #include "v4attn/cycle_floor.h"
-#include "v4attn/reference/step.h"
 
 namespace v4attn::cli {
 
@@ -140,14 +139,9 @@ FloorRow floor_of(const ModelPlan& plan, const std::string& shape, int context) 
   FloorRow r;
   r.verify = mode == "verify";
   r.bs = bs;
-  const int v = r.verify ? plan.config.dspark_block_size + 1 : 1;
-  r.rows = bs * v;
-  const RequestPool pool = make_request_pool(bs, context + v, v, plan.config.window_size);
-  const std::vector<int32_t> ctx(static_cast<size_t>(bs), context);
-  const StepMeta meta =
-      build_step_meta(r.verify ? make_verify_batch(ctx, v) : make_decode_batch(ctx), pool, context + v);
-  r.floor = prepare_cycle_floor(plan, meta);
-  r.pytorch_us = pytorch_reference_us(r.verify, bs, context);
+  r.rows = bs * (r.verify ? plan.config.dspark_block_size + 1 : 1);
+  r.floor = prepare_cycle_floor(plan, r.verify, bs, context);
+  r.pytorch_us = pytorch_reference_us(plan, r.verify, bs, context);
   return r;
 }
 

@@ -1526,14 +1526,17 @@ StepInfo GpuPrepareStack::set_step(StepKind kind, const BatchDesc& batch, const 
       if (xs.back().size() != static_cast<size_t>(bucket) * m.dim)
         fail("set_step: host input of layer " + std::to_string(L) + " has " + std::to_string(xs.back().size()) +
              " values, expected rows " + std::to_string(bucket) + " x dim " + std::to_string(m.dim));
-      // Non-finite activations are refused where the host sees them (cache-layouts.md), before
-      // anything of the stack changes.
-      const int64_t bad = num::first_non_finite_bf16(xs.back().data(), static_cast<int64_t>(xs.back().size()));
-      if (bad >= 0) {
+      // Non-finite activations of live rows are refused where the host sees them (cache-layouts.md),
+      // before anything of the stack changes; padded rows write nothing, so their values do not matter.
+      for (int t = 0; t < bucket; ++t) {
+        if (meta.req[static_cast<size_t>(t)] < 0) continue;
+        const num::bf16_t* row = xs.back().data() + static_cast<int64_t>(t) * m.dim;
+        const int64_t bad = num::first_non_finite_bf16(row, m.dim);
+        if (bad < 0) continue;
         char bits[8];
-        std::snprintf(bits, sizeof bits, "%04x", static_cast<unsigned>(xs.back()[static_cast<size_t>(bad)]));
-        fail("set_step: host input of layer " + std::to_string(L) + " row " + std::to_string(bad / m.dim) +
-             " element " + std::to_string(bad % m.dim) + " is not finite (bf16 0x" + bits + ")");
+        std::snprintf(bits, sizeof bits, "%04x", static_cast<unsigned>(row[bad]));
+        fail("set_step: host input of layer " + std::to_string(L) + " row " + std::to_string(t) + " element " +
+             std::to_string(bad) + " is not finite (bf16 0x" + bits + ")");
       }
     }
   }

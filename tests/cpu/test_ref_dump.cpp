@@ -312,19 +312,22 @@ TEST(Dump, EachLayerRotatesWithItsRatiosTable) {
 
 // The stack's attention is the spec's over what the layer's prepare left (section 4: the window of
 // window_size positions max(0, pos - 127)..pos of the layer's window cache, the top-k entries of the
-// kv source's compressed cache, the sink): attn_out recomputed here from the dumped inputs, with the
-// inputs set from the spec and the pool rather than from the stack's own wiring, must match bytes.
+// kv source's compressed cache -- the top-k of the layer's index source, its own or borrowed -- and
+// the sink): attn_out recomputed here from the dumped inputs, with the inputs set from the spec and
+// the pool rather than from the stack's own wiring, must match bytes. Layers 3 and 7 reuse the top-k
+// of 2 and 6, read here from those layers' dumps.
 TEST(Dump, AttentionReadsTheSpecsKeys) {
-  const DumpedStep ds("attention_keys", 13, {0, 2, 6, 8});
+  const DumpedStep ds("attention_keys", 13, {0, 2, 3, 6, 7, 8});
   const ModelPlan& plan = ds.plan;
   const ModelConfig& c = plan.config;
   ASSERT_EQ(c.window_size, 128);
   const RefStack& st = *ds.st;
   const StepResult& res = ds.res;
   const auto load = [&](const std::string& name) { return ds.load(name); };
-  for (int layer : {0, 2, 6, 8}) {
+  for (int layer : {0, 2, 3, 6, 7, 8}) {
     SCOPED_TRACE("layer " + std::to_string(layer));
     const LayerPlan& lp = plan.layers[static_cast<size_t>(layer)];
+    if (layer == 3 || layer == 7) ASSERT_EQ(lp.mode, LayerMode::kReuse);
     char prefix[8];
     std::snprintf(prefix, sizeof prefix, "L%02d.", layer);
     const std::string L = prefix;
@@ -344,9 +347,10 @@ TEST(Dump, AttentionReadsTheSpecsKeys) {
     ai.attn_sink = reinterpret_cast<const float*>(sink.data());
     std::string topk, comp;
     if (lp.ratio > 0) {
-      char src[8];
+      char src[8], idx[8];
       std::snprintf(src, sizeof src, "src%02d.", lp.kv_src);
-      topk = load(L + "topk");
+      std::snprintf(idx, sizeof idx, "L%02d.", lp.idx_src);
+      topk = load(std::string(idx) + "topk");  // the index source's own top-k
       comp = load(std::string(src) + "comp_cache");
       ai.topk = reinterpret_cast<const int32_t*>(topk.data());
       ai.topk_stride = st.topk_width();

@@ -360,9 +360,10 @@ void check_mask_all_clusters(const MaskProblem& pb, const std::string& what, Lau
 // +inf keys), and selects every valid key when there are at most k. The rows below are built so
 // that each path is taken, and which one a row takes is derived here from the data by the same rule
 // (window_path) and asserted, so that a change of the data cannot leave a path untested.
-enum class WindowPath { kAll, kWindow, kFallback };
+enum class WindowPath { kAll, kWindow, kFallback, kNone };
 WindowPath window_path(const float* row, int64_t n, int64_t k) {
   using kernels::select_window::kInfKey;
+  if (k == 0) return WindowPath::kNone;  // nothing to select: no exchange at all
   std::vector<uint32_t> keys;
   uint32_t top = 0;
   int64_t n_inf = 0;
@@ -404,10 +405,11 @@ void expect_window_paths(const std::vector<uint8_t>& rec, const std::vector<Wind
       case WindowPath::kAll: ok = got == wp::kAll; break;
       case WindowPath::kWindow: ok = got == wp::kBucket || got == wp::kPrefix; break;
       case WindowPath::kFallback: ok = got == wp::kFallback; break;
+      case WindowPath::kNone: ok = got == wp::kNone; break;
     }
     if (none_allowed && got == wp::kNone) ok = true;
     EXPECT_TRUE(ok) << what << ", row " << t << ": recorded way " << +got << ", predicted "
-                    << static_cast<int>(want[t]) << " (0 all, 1 window, 2 fallback)";
+                    << static_cast<int>(want[t]) << " (0 all, 1 window, 2 fallback, 3 none)";
   }
 }
 
@@ -486,9 +488,10 @@ std::vector<WindowPath> predicted_paths(const TopkProblem& pb) {
   return w;
 }
 
-// The window form at every cluster size with its path record: the bytes, and the ways the rows took
-// (16-CTA clusters hold every chunk of these rows in shared memory, so there no row may skip the
-// window; with fewer CTAs a chunk may be too long to hold). Returns the 16-CTA record.
+// The window form at every cluster size with its path record: the bytes, and the ways the rows took.
+// A top-k chunk of these 64K rows is held in shared memory from 4 CTAs up (the automatic size picks
+// 8 or 16); at 1 or 2 CTAs it needs more rounds than the resident cap, so there (only) a row may skip
+// the window. Returns the 16-CTA record.
 std::vector<uint8_t> check_topk_window_paths(const TopkProblem& pb, const std::string& what,
                                              Launch mode = Launch::kPlain) {
   const auto want = reference_topk(pb);
@@ -503,7 +506,7 @@ std::vector<uint8_t> check_topk_window_paths(const TopkProblem& pb, const std::s
     run.paths = &rec;
     const std::string name = what + ", " + cl_name(cl) + ", path record, " + launch_name(mode);
     expect_same_bytes(gpu_topk(pb, run), want, name, pb.out_stride);
-    expect_window_paths(rec, paths, cl, cl != 16, name);
+    expect_window_paths(rec, paths, cl, cl == 1 || cl == 2, name);
     if (cl == 16) rec16 = rec;
   }
   return rec16;
@@ -583,7 +586,7 @@ TEST(GpuIndexerSelectV3, MaskWindowExchangePaths) {
     const std::string name = "mask window rows, " + cl_name(cl) + ", path record";
     expect_same_bytes(gpu_mask(pb, cl, Launch::kPlain, Entry::kDispatch, nullptr, true, &rec), want, name,
                       pb.mask_stride);
-    expect_window_paths(rec, want_paths, cl, cl != 16, name);
+    expect_window_paths(rec, want_paths, cl, false, name);  // a mask chunk of 8192 blocks is always held
   }
 }
 
@@ -1246,6 +1249,42 @@ TEST(GpuIndexerSelectV3, PairShortRowsAndAFusedMask) {
   }
 }
 
+// The window rows one position longer (65537: the candidate source's length in the benchmark), so that
+// 8-CTA clusters walk chunk tails (topk_tail_walk / topk_tail_compact, out of line): the tails' walks
+// record the way as the others do, unmasked and masked.
+TEST(GpuIndexerSelectV3, TopkWindowPathsWithChunkTails) {
+  V4_REQUIRE_GPU();
+  namespace wp = kernels::select_window_path;
+  std::mt19937_64 rng(0x5e1e3204);
+  const int64_t T = std::size(kWindowRows), n = 65537, stride = 73736;
+  auto pb = make_topk_problem(std::vector<int32_t>(static_cast<size_t>(T), n), stride, 512, 576, rng, Flavour::kNormal);
+  const std::vector<float> rows = window_rows(rng);
+  for (int64_t t = 0; t < T; ++t) {
+    std::copy(rows.begin() + t * 65536, rows.begin() + (t + 1) * 65536, pb.scores.begin() + t * stride);
+    pb.scores[static_cast<size_t>(t * stride + 65536)] = rows[static_cast<size_t>(t * 65536)];
+    for (int64_t j = n; j < stride; ++j) pb.scores[static_cast<size_t>(t * stride + j)] = -kInf;
+  }
+  ASSERT_EQ(tail_rows(pb.clen, stride, 8), T) << "every row must walk a chunk tail at 8 CTAs";
+  for (bool masked : {false, true}) {
+    if (masked) {
+      pb.mask_block = 8;
+      pb.mask_stride = (stride + 7) / 8 + 64;
+      pb.mask.assign(static_cast<size_t>(T * pb.mask_stride), 0);
+      for (auto& m : pb.mask) m = (rng() % 4 == 0) ? 1 : 0;
+      for (int64_t t = 0; t < T; ++t) pb.mask[static_cast<size_t>(t * pb.mask_stride + 777 / 8)] = 1;
+    }
+    std::vector<uint8_t> rec;
+    TopkRun run;
+    run.cluster = 8;
+    run.window = true;
+    run.paths = &rec;
+    const std::string what = std::string("window rows with tails, ") + (masked ? "masked" : "unmasked");
+    expect_same_bytes(gpu_topk(pb, run), reference_topk(pb), what, pb.out_stride);
+    expect_window_paths(rec, predicted_paths(pb), 8, false, what);
+    ASSERT_EQ(rec.size(), static_cast<size_t>(T) * wp::kMaxRanks);
+  }
+}
+
 // The pair over the window rows with both halves' path records: the bytes of both, and each half's
 // rows took the predicted ways (the halves are separate clusters and may differ from each other).
 TEST(GpuIndexerSelectV3, PairWindowPathRecords) {
@@ -1273,8 +1312,8 @@ TEST(GpuIndexerSelectV3, PairWindowPathRecords) {
     const std::string what = "pair, window rows, " + cl_name(cl);
     expect_same_bytes(d.out.download_checked(), want_t, what + " (top-k)", pb.out_stride);
     expect_same_bytes(d.mask.download_checked(), want_m, what + " (mask)", mp.mask_stride);
-    expect_window_paths(rec_t.download_checked(), predicted_paths(pb), cl, cl != 16, what + " (top-k record)");
-    expect_window_paths(rec_m.download_checked(), predicted_mask_paths(mp), cl, cl != 16, what + " (mask record)");
+    expect_window_paths(rec_t.download_checked(), predicted_paths(pb), cl, false, what + " (top-k record)");
+    expect_window_paths(rec_m.download_checked(), predicted_mask_paths(mp), cl, false, what + " (mask record)");
   }
 }
 

@@ -930,19 +930,39 @@ TEST(GpuStack, RefusesBadStepsAndMismatchedState) {
   EXPECT_THROW(gpu.load_reference_caches(other), std::invalid_argument);
   EXPECT_THROW(gpu.topk(3), std::invalid_argument);  // a reuse layer has no top-k of its own
   EXPECT_THROW(gpu.comp_slots(4), std::invalid_argument);  // a reindex layer owns no pool
-  // Host inputs with a non-finite value (here: one NaN in layer 3, one +inf in layer 5) are refused.
+  // Host inputs with a non-finite value in a live row (NaN in layer 3, +-inf in layer 5) are refused,
+  // naming where; one in a padded row is not (padded rows write nothing).
   for (const uint16_t bad : {uint16_t{0x7fc0}, uint16_t{0x7f80}, uint16_t{0xff80}}) {
+    const int layer_bad = bad == 0x7fc0 ? 3 : 5;
     const prepare::HostInputFn x_bad = [&](int layer, const StepMeta& meta) {
       std::vector<num::bf16_t> x(static_cast<size_t>(meta.rows) * plan.config.dim, num::bf16_from_f32(0.5f));
-      if (layer == (bad == 0x7fc0 ? 3 : 5)) x[static_cast<size_t>(plan.config.dim) + 17] = bad;  // row 1, element 17
+      if (layer == layer_bad) x[static_cast<size_t>(plan.config.dim) + 17] = bad;  // row 1, element 17
       return x;
     };
-    EXPECT_THROW(gpu.set_step(StepKind::kDecode, make_decode_batch({10, 20}), x_bad), std::invalid_argument);
+    try {
+      gpu.set_step(StepKind::kDecode, make_decode_batch({10, 20}), x_bad);
+      ADD_FAILURE() << "a non-finite input (bf16 " << std::hex << bad << ") was accepted";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("layer " + std::to_string(layer_bad) + " row 1 element 17 is not finite"),
+                std::string::npos)
+          << e.what();
+    }
   }
   // None of the refused steps was set.
   EXPECT_THROW(gpu.step_info(), std::invalid_argument);
   // Still usable after the refusals.
   gpu.set_step(StepKind::kDecode, make_decode_batch({10, 20}));
+  gpu.run_eager();
+  gpu.synchronize();
+  EXPECT_EQ(gpu.error_count(), 0u);
+  // A NaN in a padded row (the caller's third row, req -1) is not the step's business.
+  const prepare::HostInputFn x_padded_nan = [&](int, const StepMeta& meta) {
+    std::vector<num::bf16_t> x(static_cast<size_t>(meta.rows) * plan.config.dim, num::bf16_from_f32(0.5f));
+    for (int t = 0; t < meta.rows; ++t)
+      if (meta.req[static_cast<size_t>(t)] < 0) x[static_cast<size_t>(t) * plan.config.dim] = 0x7fc0;
+    return x;
+  };
+  EXPECT_EQ(gpu.set_step(StepKind::kDecode, make_decode_batch({10, 20}, 3), x_padded_nan).rows, 3);
   gpu.run_eager();
   gpu.synchronize();
   EXPECT_EQ(gpu.error_count(), 0u);
