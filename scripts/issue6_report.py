@@ -28,25 +28,25 @@ CYCLE_TARGET_SPEEDUP = 8.0
 OURS = re.compile(r"^v[1-9]\b")  # our exact versions (v0 is the slow reference kernel)
 
 
+class InputError(Exception):
+    """An input file that is missing or not what its option expects (exit status 1)."""
+
+
 def load(path):
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
     except (OSError, ValueError) as e:
-        raise SystemExit_(f"cannot read {path}: {e}")
-
-
-class SystemExit_(Exception):
-    pass
+        raise InputError(f"cannot read {path}: {e}")
 
 
 def us_of(row):
-    """The graph + PDL figure, else graph, else event (older or partial rows)."""
+    """The graph + PDL figure, else graph, else event (older or partial rows); None when none."""
     for key in ("graph_pdl_us", "graph_us", "median_us"):
         v = row.get(key) or 0.0
         if v > 0:
-            return float(v), key
-    return None, None
+            return float(v)
+    return None
 
 
 def differ_fraction(note):
@@ -67,7 +67,7 @@ def gemm_table(rows):
                 continue
             ours = []
             for r in cands:
-                us, _ = us_of(r)
+                us = us_of(r)
                 if OURS.match(str(r.get("version", ""))) and r.get("valid") and us:
                     ours.append((us, r))
             if not ours:
@@ -84,7 +84,7 @@ def gemm_table(rows):
             def peer(prefix):
                 for r in cands:
                     if str(r.get("version", "")).startswith(prefix):
-                        pu, _ = us_of(r)
+                        pu = us_of(r)
                         return "%.2f" % pu if r.get("valid") and pu else "no algorithm" if "algorithm" in str(r.get("note", "")) else "-"
                 return "-"
             out.append("| %s | %d | %s | %.2f | %s %s | %s | %s | %s |" % (
@@ -96,7 +96,7 @@ def gemm_table(rows):
 def cycle_row(doc, path):
     scheds = doc.get("schedules") or []
     if not scheds:
-        raise SystemExit_(f"{path}: no schedules")
+        raise InputError(f"{path}: no schedules")
     s = next((x for x in scheds if x.get("schedule") == "three-lane"), scheds[0])
     med = float(s["cycle_us"]["median"])
     floor = doc.get("floor", {}).get("us")
@@ -116,7 +116,7 @@ def cycle_table(cycles):
     out, met, total = [], 0, 0
     measured = {(c["mode"], c["bs"]) for c in cycles}
     missing = [mb for mb in ISSUE_CYCLES if mb not in measured]
-    out.append("| cycle | rows | floor | %s | ratio (target <= 1.3) | PyTorch | speed-up (target >= 8) |" % "time")
+    out.append("| cycle | rows | floor | time | ratio (target <= 1.3) | PyTorch | speed-up (target >= 8) |")
     out.append("|---|---|---|---|---|---|---|")
     for c in cycles:
         total += 1
@@ -151,7 +151,7 @@ def main():
         if args.gemm:
             rows = load(args.gemm)
             if not isinstance(rows, list):
-                raise SystemExit_(f"{args.gemm}: not a bench_gemm row list")
+                raise InputError(f"{args.gemm}: not a bench_gemm row list")
             lines, m, t = gemm_table(rows)
             report += ["GEMMs (graph + PDL, us; % of the fp8 bytes floor):"] + lines + [""]
             met, total = met + m, total + t
@@ -169,7 +169,7 @@ def main():
             with open(args.json, "w", encoding="utf-8") as f:
                 json.dump(doc, f, indent=2)
         return 0
-    except (SystemExit_, KeyError, TypeError, ValueError) as e:
+    except (InputError, KeyError, TypeError, ValueError) as e:
         print("issue6_report: %s" % e, file=sys.stderr)
         return 1
 

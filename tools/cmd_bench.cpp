@@ -365,7 +365,8 @@ int run_gpu_bench(const BenchConfig& c, std::ostream& out, std::ostream& progres
   }
   out << "bytes floor: " << fmt("%.3f", static_cast<double>(floor.weight_bytes) / 1e9) << " GB prepare weights + "
       << fmt("%.1f", static_cast<double>(floor.index_k_bytes) / 1e6) << " MB index-K reads = "
-      << fmt("%.1f", floor.us()) << " us at 4.27 TB/s (issue 6: cycle <= 1.3x the floor"
+      << fmt("%.1f", floor.us()) << " us at " << fmt("%.2f", kFloorBytesPerUs / 1e6)
+      << " TB/s (issue 6: cycle <= 1.3x the floor"
       << (torch_us ? ", >= 8x faster than PyTorch's " + fmt("%.0f", *torch_us) + " us" : std::string()) << ")\n";
 
   int code = 0;

@@ -147,7 +147,7 @@ FloorRow floor_of(const ModelPlan& plan, const std::string& shape, int context) 
 
 void print_floors(const std::vector<FloorRow>& rows, int context, int tp, std::ostream& out) {
   out << "\nprepare cycle bytes floor (per rank at tp " << tp << ", context " << context
-      << ", at 4.27 TB/s; weights read once, index-K reads of each request's rows):\n";
+      << ", at " << kFloorBytesPerUs / 1e6 << " TB/s; weights read once, index-K reads of each request's rows):\n";
   char line[200];
   std::snprintf(line, sizeof line, "  %-12s %5s %14s %15s %11s %12s\n", "cycle", "rows", "weights GB", "index-K MB",
                 "floor us", "PyTorch us");

@@ -264,7 +264,6 @@ TEST(Dump, EachLayerRotatesWithItsRatiosTable) {
     p.beta_slow = c.beta_slow;
     return build_rope_table(p, max_pos);
   };
-  const auto load = [&](const std::string& name) { return ds.load(name); };
   const auto bf16s = [](const std::string& bytes) {
     std::vector<num::bf16_t> v(bytes.size() / 2);
     std::memcpy(v.data(), bytes.data(), bytes.size());
@@ -285,25 +284,25 @@ TEST(Dump, EachLayerRotatesWithItsRatiosTable) {
     std::snprintf(prefix, sizeof prefix, "L%02d.", layer);
     const std::string L = prefix;
     // Q: q (before RoPE) -> q_pad.
-    std::vector<num::bf16_t> q = bf16s(load(L + "q"));
+    std::vector<num::bf16_t> q = bf16s(ds.load(L + "q"));
     ASSERT_EQ(q.size(), static_cast<size_t>(T * c.n_heads * c.head_dim));
     rope_rows(q.data(), T, c.n_heads, c.head_dim, static_cast<int64_t>(c.n_heads) * c.head_dim, res.meta.pos.data(),
               table.data(), max_pos);
-    EXPECT_TRUE(q == bf16s(load(L + "q_pad"))) << "Q rotated with another table";
+    EXPECT_TRUE(q == bf16s(ds.load(L + "q_pad"))) << "Q rotated with another table";
     // Window K: RMSNorm(qkv_a's kv part, kv_norm) -> RoPE -> window.kv.
-    const std::vector<num::bf16_t> qkv_a = bf16s(load(L + "qkv_a"));
+    const std::vector<num::bf16_t> qkv_a = bf16s(ds.load(L + "qkv_a"));
     const int64_t qkv_w = c.q_lora_rank + 512;
-    const std::vector<float> kv_norm = f32s(load(L + "w.kv_norm"));
+    const std::vector<float> kv_norm = f32s(ds.load(L + "w.kv_norm"));
     std::vector<num::bf16_t> kv(static_cast<size_t>(T * 512));
     rmsnorm_rows(qkv_a.data() + c.q_lora_rank, T, 512, qkv_w, kv_norm.data(), c.norm_eps, kv.data(), 512);
     rope_rows(kv.data(), T, 1, 512, 512, res.meta.pos.data(), table.data(), max_pos);
-    EXPECT_TRUE(kv == bf16s(load(L + "window.kv"))) << "window K rotated with another table";
+    EXPECT_TRUE(kv == bf16s(ds.load(L + "window.kv"))) << "window K rotated with another table";
     // The indexer's q (index sources): idx.qi -> RoPE + FP4 indexer quant -> idx.q_codes / q_scales.
     if (plan.layers[static_cast<size_t>(layer)].is_index_source) {
-      const std::vector<num::bf16_t> qi = bf16s(load(L + "idx.qi"));
+      const std::vector<num::bf16_t> qi = bf16s(ds.load(L + "idx.qi"));
       const int Hi = plan.parallel.local_index_heads;
       const IndexerQ iq = indexer_q_pack(qi.data(), T, Hi, res.meta.pos.data(), table.data(), max_pos);
-      const std::string codes = load(L + "idx.q_codes"), scales = load(L + "idx.q_scales");
+      const std::string codes = ds.load(L + "idx.q_codes"), scales = ds.load(L + "idx.q_scales");
       EXPECT_EQ(std::string(iq.codes.begin(), iq.codes.end()), codes) << "indexer q rotated with another table";
       EXPECT_EQ(std::string(iq.scales.begin(), iq.scales.end()), scales);
     }
@@ -323,15 +322,16 @@ TEST(Dump, AttentionReadsTheSpecsKeys) {
   ASSERT_EQ(c.window_size, 128);
   const RefStack& st = *ds.st;
   const StepResult& res = ds.res;
-  const auto load = [&](const std::string& name) { return ds.load(name); };
   for (int layer : {0, 2, 3, 6, 7, 8}) {
     SCOPED_TRACE("layer " + std::to_string(layer));
     const LayerPlan& lp = plan.layers[static_cast<size_t>(layer)];
-    if (layer == 3 || layer == 7) ASSERT_EQ(lp.mode, LayerMode::kReuse);
+    if (layer == 3 || layer == 7) {
+      ASSERT_EQ(lp.mode, LayerMode::kReuse);
+    }
     char prefix[8];
     std::snprintf(prefix, sizeof prefix, "L%02d.", layer);
     const std::string L = prefix;
-    const std::string q = load(L + "q_pad"), wc = load(L + "window.cache"), sink = load(L + "w.attn_sink");
+    const std::string q = ds.load(L + "q_pad"), wc = ds.load(L + "window.cache"), sink = ds.load(L + "w.attn_sink");
     AttentionInputs ai;
     ai.T = res.meta.rows;
     ai.heads = c.n_heads;
@@ -350,8 +350,8 @@ TEST(Dump, AttentionReadsTheSpecsKeys) {
       char src[8], idx[8];
       std::snprintf(src, sizeof src, "src%02d.", lp.kv_src);
       std::snprintf(idx, sizeof idx, "L%02d.", lp.idx_src);
-      topk = load(std::string(idx) + "topk");  // the index source's own top-k
-      comp = load(std::string(src) + "comp_cache");
+      topk = ds.load(std::string(idx) + "topk");  // the index source's own top-k
+      comp = ds.load(std::string(src) + "comp_cache");
       ai.topk = reinterpret_cast<const int32_t*>(topk.data());
       ai.topk_stride = st.topk_width();
       ai.comp_cache = reinterpret_cast<const uint8_t*>(comp.data());
@@ -359,7 +359,7 @@ TEST(Dump, AttentionReadsTheSpecsKeys) {
     }
     std::vector<num::bf16_t> attn(static_cast<size_t>(ai.T * ai.heads * 512));
     sparse_attention(ai, attn.data());
-    const std::string want = load(L + "attn_out");
+    const std::string want = ds.load(L + "attn_out");
     ASSERT_EQ(want.size(), attn.size() * 2);
     EXPECT_EQ(0, std::memcmp(want.data(), attn.data(), want.size())) << "the stack's attention read other keys";
   }
@@ -376,7 +376,6 @@ TEST(Dump, IndexerScoresAreTheSpecsOverTheDumpedInputs) {
   const ModelConfig& c = plan.config;
   const RefStack& st = *ds.st;
   const StepResult& res = ds.res;
-  const auto load = [&](const std::string& name) { return ds.load(name); };
   const int64_t T = res.meta.rows;
   const int Hi = plan.parallel.local_index_heads;
   const float scale = static_cast<float>(1.0 / std::sqrt(128.0 * c.index_n_heads));
@@ -388,7 +387,7 @@ TEST(Dump, IndexerScoresAreTheSpecsOverTheDumpedInputs) {
     std::snprintf(prefix, sizeof prefix, "L%02d.", layer);
     std::snprintf(src, sizeof src, "src%02d.", lp.kv_src);
     const std::string L = prefix;
-    const std::string wproj = load(L + "idx.weights_proj_out"), wdump = load(L + "idx.weights");
+    const std::string wproj = ds.load(L + "idx.weights_proj_out"), wdump = ds.load(L + "idx.weights");
     ASSERT_EQ(wproj.size(), static_cast<size_t>(T * Hi * 2));
     ASSERT_EQ(wdump.size(), static_cast<size_t>(T * Hi * 4));
     std::vector<float> w(static_cast<size_t>(T * Hi));
@@ -401,15 +400,15 @@ TEST(Dump, IndexerScoresAreTheSpecsOverTheDumpedInputs) {
     IndexerQ iq;
     iq.T = T;
     iq.heads = Hi;
-    const std::string codes = load(L + "idx.q_codes"), scales = load(L + "idx.q_scales");
+    const std::string codes = ds.load(L + "idx.q_codes"), scales = ds.load(L + "idx.q_scales");
     iq.codes.assign(codes.begin(), codes.end());
     iq.scales.assign(scales.begin(), scales.end());
-    const std::string ik = load(std::string(src) + "index_k_cache");
-    const std::string clen_b = load("step.clen_r" + std::to_string(lp.ratio));
-    const std::string table_b = load("step.comp_slot_table_r" + std::to_string(lp.ratio));
+    const std::string ik = ds.load(std::string(src) + "index_k_cache");
+    const std::string clen_b = ds.load("step.clen_r" + std::to_string(lp.ratio));
+    const std::string table_b = ds.load("step.comp_slot_table_r" + std::to_string(lp.ratio));
     std::vector<int32_t> clen(static_cast<size_t>(T));
     std::memcpy(clen.data(), clen_b.data(), clen_b.size());
-    const std::string want = load(L + "idx.scores");
+    const std::string want = ds.load(L + "idx.scores");
     const int64_t S = static_cast<int64_t>(want.size() / 4) / T;
     ASSERT_EQ(S, *std::max_element(clen.begin(), clen.end()));
     std::vector<float> scores(static_cast<size_t>(T * S));
